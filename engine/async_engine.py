@@ -1,0 +1,134 @@
+"""AsyncEngine: the engine's step loop on a background thread, with one async stream per request.
+
+torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
+New requests and aborts are handed to the loop thread and applied between steps; outputs go back
+to each request's asyncio queue with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineStats, LLMEngine, Prompt, RequestOutput
+from engine.sampling import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides))
+        self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds: list = []
+        self._pending_aborts: list[tuple[str, asyncio.Future | None]] = []
+        self._wakeup = threading.Event()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lora-serve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, request_id: str, prompt: Prompt,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request; closing the stream early aborts the request."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        seq, detok = self.engine.prepare_request(request_id, prompt, params or SamplingParams())
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._pending_adds.append((seq, detok))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._request_abort(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are free."""
+        done = asyncio.get_running_loop().create_future()
+        self._request_abort(request_id, done)
+        await done
+
+    def _request_abort(self, request_id: str, done: asyncio.Future | None) -> None:
+        with self._lock:
+            self._pending_aborts.append((request_id, done))
+        self._wakeup.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 - every waiting stream must learn of it
+            self._error = exc
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        for seq, detok in adds:
+            self.engine.add_prepared(seq, detok)
+        for request_id, done in aborts:
+            self.engine.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if done is not None:
+                done.get_loop().call_soon_threadsafe(_resolve, done)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,72 @@
+"""Engine configuration: one typed dataclass, filled from keyword overrides or a YAML preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $LORA_SERVE_CACHE, else ~/.cache/lora-serve."""
+    env = os.environ.get("LORA_SERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    return Path(xdg) / "lora-serve"
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests use it to force preemption)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
+    max_model_len: int | None = None  # defaults to the model's context length
+    num_threads: int | None = None  # torch CPU threads; None = all cores
+    cache_dir: str | None = None
+    seed: int = 0
+    log_stats: bool = True
+
+    @classmethod
+    def from_overrides(cls, model: str | None = None, **overrides) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        cfg = cls(**overrides) if model is None else cls(model=model, **overrides)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir() / "models"

@@ -1,0 +1,220 @@
+"""LLMEngine: step() = schedule -> run the model -> sample -> update; and the offline LLM API."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_files import resolve_model
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # all output text so far
+    delta_text: str  # text released by this step
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "length", "stop", "eos", "abort"
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    ttft: float | None = None  # seconds from arrival to first token
+    latency: float | None = None  # seconds from arrival to finish
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int
+
+    @property
+    def kv_utilisation(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.torch_device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        path = resolve_model(config.model, config.model_cache_dir)
+        hf_config = AutoConfig.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        model_len = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+        self.runner = ModelRunner(config, path, hf_config, min(config.max_model_len or model_len, model_len))
+        layout = self.runner.layout
+        self.max_model_len = min(config.max_model_len or model_len, model_len, layout.token_capacity)
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids(path, hf_config)
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.torch_device, config.seed)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        if config.log_stats:
+            print(f"[lora-serve] {config.model} on {config.torch_device} ({config.dtype}): KV cache "
+                  f"{layout.bytes_per_token / 1024:.1f} KiB/token, {layout.num_blocks} blocks x {layout.block_size} "
+                  f"= {layout.token_capacity} tokens ({layout.bytes_per_token * layout.token_capacity / 2**20:.0f} MiB); "
+                  f"max_model_len {self.max_model_len}", flush=True)
+
+    def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
+        values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        try:
+            values.append(GenerationConfig.from_pretrained(path).eos_token_id)
+        except OSError:
+            pass  # no generation_config.json
+        ids = set()
+        for value in values:
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
+        seq, detok = self.prepare_request(request_id, prompt, params)
+        self.add_prepared(seq, detok)
+        return seq
+
+    def prepare_request(self, request_id: str, prompt: Prompt,
+                        params: SamplingParams) -> tuple[Sequence, IncrementalDetokenizer]:
+        """Validate and tokenize without touching engine state (safe to call from another thread)."""
+        token_ids = self._tokenize(prompt)
+        seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None)
+        return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+
+    def add_prepared(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = (seq, detok)
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise TypeError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len})")
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return None
+        seq, detok = entry
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, detok, [], [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                           self.block_manager.num_used_blocks, self.block_manager.num_blocks,
+                           self.scheduler.total_preemptions)
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        logits, sampling = self.runner.execute(plan.scheduled)
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        if not sampling:
+            return []
+        result = self.sampler(logits, [s.seq for s in sampling])
+        outputs = []
+        for i, s in enumerate(sampling):
+            seq, detok = self.requests[s.seq.request_id]
+            top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else []
+            outputs.append(self._process_token(seq, detok, result.token_ids[i], result.logprobs[i], top))
+        return outputs
+
+    def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float,
+                       top: list[dict[int, float]]) -> RequestOutput:
+        seq.append_token(token)
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.extend(top)
+        stop_string_hit = detok.add_token(token)
+        reason = self._finish_reason(seq, token, stop_string_hit)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return self._output(seq, detok, [token], top)
+
+    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or stop_string_hit:
+            return "stop"
+        if token in seq.eos_token_ids and not params.ignore_eos:
+            return "eos"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, detok: IncrementalDetokenizer, new_tokens: list[int],
+                top: list[dict[int, float]]) -> RequestOutput:
+        finished = seq.is_finished
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text,
+                             detok.take_new_text(finished), list(seq.output_token_ids), new_tokens, finished,
+                             seq.finish_reason, list(seq.logprobs), list(seq.top_logprobs), ttft, latency,
+                             seq.num_preemptions)
+
+
+class LLM:
+    """Offline batch generation: LLM("smollm2-135m-instruct", dtype="bfloat16").generate(prompts, params)."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **overrides):
+        self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]

@@ -1,0 +1,116 @@
+"""Model runner: owns the model and the paged KV cache; turns a scheduled step into one flat batch.
+
+The flat batch holds every new token of the step, decodes first, then prompt chunks, with no
+padding: per token an id, a position and a cache slot. Logits are computed only for the last
+token of each sequence that completes its prompt (or decodes) in this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.models import load_model
+from engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    bytes_per_element: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len)
+        self.layout = self._kv_layout(config)
+        self.kv_caches = self._allocate_kv_cache()
+
+    def _kv_layout(self, config: EngineConfig) -> KVLayout:
+        num_layers, kv_heads, head_dim = self.model.kv_shape
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * num_layers * kv_heads * head_dim * element * config.block_size
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
+        return KVLayout(num_layers, kv_heads, head_dim, config.block_size, num_blocks, element)
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lay = self.layout
+        cache = torch.zeros(lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                            dtype=self.dtype, device=self.device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now."""
+        ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
+        input_ids, positions, meta, sample_rows, sampling = self._prepare(ordered)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return torch.empty(0, device=self.device), []
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float(), sampling
+
+    @staticmethod
+    def _is_decode(s: ScheduledSeq) -> bool:
+        return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
+
+    def _prepare(self, ordered: list[ScheduledSeq]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledSeq] = []
+        decode: list[ScheduledSeq] = []
+        prefills: list[PrefillSegment] = []
+        for s in ordered:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            row = len(input_ids)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            if self._is_decode(s):
+                decode.append(s)
+            else:
+                table = self._tensor(seq.block_table) if start > 0 else None
+                prefills.append(PrefillSegment(row, s.num_new_tokens, end, table))
+            if s.completes_prompt:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(s)
+        meta = AttentionMetadata(self._tensor(slots), len(decode), *self._decode_tables(decode), prefills)
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling
+
+    def _decode_tables(self, decode: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decode:
+            return None, None
+        max_blocks = max(len(s.seq.block_table) for s in decode)
+        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decode]
+        context_lens = self._tensor([s.seq.num_computed_tokens + 1 for s in decode])
+        visible = torch.arange(max_blocks * self.block_size, device=self.device)[None, :] < context_lens[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        return self._tensor(tables), mask[:, None, None, :]
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

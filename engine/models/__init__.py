@@ -1,0 +1,78 @@
+"""Model registry and safetensors weight loading."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    for arch in hf_config.architectures or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(f"unsupported architecture {hf_config.architectures}; supported: {', '.join(ARCHITECTURES)}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+    cls = model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(hf_config, max_positions)
+    _load_weights(model, path)
+    return model.eval()
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for ckpt_name in f.keys():
+                name, shard = model.checkpoint_name_to_param(ckpt_name)
+                if name not in params:
+                    continue  # e.g. GPT-2's causal-mask buffers
+                tensor = f.get_tensor(ckpt_name)
+                if hasattr(model, "transform_checkpoint_tensor"):
+                    tensor = model.transform_checkpoint_tensor(name, tensor)
+                offset = None if shard is None else model.shard_offset(name, shard)
+                _copy_into(params[name], tensor, offset, ckpt_name)
+                loaded.add(name)
+    tied = {n for n, p in params.items() if any(p is params[m] for m in loaded)}
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, row_offset: int | None, ckpt_name: str) -> None:
+    """Copy a checkpoint tensor into a parameter, or into its rows of a fused (stacked) parameter."""
+    target = param if row_offset is None else param.narrow(0, row_offset, tensor.shape[0])
+    if target.shape != tensor.shape:
+        raise ValueError(f"shape mismatch for {ckpt_name}: checkpoint {tuple(tensor.shape)}, "
+                         f"model {tuple(target.shape)}")
+    target.copy_(tensor)

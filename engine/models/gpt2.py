@@ -1,0 +1,84 @@
+"""GPT-2 (the course's model) over the paged KV cache: learned positions, LayerNorm, fused c_attn."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            raise NotImplementedError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
+        self.num_heads = self.num_kv_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        return self.c_proj(paged_attention(q, k, v, cache, meta))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inner = config.n_inner or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, inner)
+        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.act = ACT2FN[config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, h, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), cache, meta)
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2LMHeadModel(nn.Module):
+    # HF GPT-2 stores these as Conv1D, [in, out]: transpose into nn.Linear's [out, in].
+    conv1d_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        attn = self.h[0].attn
+        return len(self.h), attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.wte(input_ids) + self.wpe(positions)
+        for block, cache in zip(self.h, kv_caches):
+            h = block(h, cache, meta)
+        return self.ln_f(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
+        return name.removeprefix("transformer."), None
+
+    def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.t() if name.endswith(self.conv1d_weights) else tensor

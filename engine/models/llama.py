@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, SmolLM2) over the paged KV cache.
+
+q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
+the fused weights at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as transformers does, then scale in the model dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (fused parameter fragment, shard index)
+    fused_shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        is_qwen2 = config.model_type == "qwen2"
+        qkv_bias = is_qwen2 or getattr(config, "attention_bias", False)
+        o_bias = not is_qwen2 and getattr(config, "attention_bias", False)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype())
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the KV cache this model needs."""
+        attn = self.layers[0].self_attn
+        return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def shard_offset(self, param_name: str, shard: int) -> int:
+        """First row of shard `shard` inside a fused weight or bias."""
+        if "qkv_proj" in param_name:
+            sizes = self.layers[0].self_attn.split_sizes
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard])
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
+        """Map an HF tensor name to (our parameter name, shard index within a fused weight or None)."""
+        name = name.removeprefix("model.")
+        for fragment, (fused, shard) in self.fused_shards.items():
+            if f".{fragment}." in name:
+                return name.replace(f".{fragment}.", f".{fused}."), shard
+        return name, None

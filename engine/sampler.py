@@ -1,0 +1,100 @@
+"""Sampler: logits -> one token per sequence, with its log-probability.
+
+Order of processing follows transformers: repetition penalty, temperature, top-k, top-p. Greedy
+rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
+whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
+Log-probabilities are those of the model's raw distribution, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1)
+        logits = self._apply_repetition_penalty(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
+            tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw_logprobs, seqs))
+
+    @staticmethod
+    def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        penalised = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
+        if not penalised:
+            return logits
+        logits = logits.clone()
+        for i in penalised:
+            penalty = seqs[i].params.repetition_penalty
+            seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
+            scores = logits[i, seen]
+            logits[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return logits
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        logits = logits / temperature[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        return logits.softmax(dim=-1)
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Exponential race (argmax of p / Exp(1)), equivalent to multinomial sampling."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
+                noise[i].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_logprobs(raw_logprobs: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
+        wanted = [s.params.logprobs or 0 for s in seqs]
+        if not any(wanted):
+            return [None] * len(seqs)
+        values, ids = raw_logprobs.topk(max(wanted), dim=-1)
+        return [dict(zip(ids[i, :k].tolist(), values[i, :k].tolist())) if k else None
+                for i, k in enumerate(wanted)]
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf (per-row k and p)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before > p[:, None], float("-inf"))  # keeps the top token
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
