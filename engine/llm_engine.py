@@ -208,8 +208,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
+        prepared = [self.engine.prepare_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]
+        for seq, detok in prepared:  # validated all first: a bad prompt leaves nothing behind
+            self.engine.add_prepared(seq, detok)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2) as bar:
             while self.engine.has_unfinished():

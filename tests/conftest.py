@@ -1,0 +1,88 @@
+"""Shared fixtures: the embedded SmolLM2 model and tiny random-weight models built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+from engine.config import default_cache_dir
+from engine.model_files import resolve_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Quick brown fox",
+    "Write a haiku about the sea.",
+    "The meaning of life is",
+    "Hello",
+    "In 1969, the first humans landed on the",
+    "A recipe for pancakes: first, take",
+    "Translate to French: I like cheese.",
+    "The three primary colours are",
+    "Python is a programming language that",
+    "Dear diary, today I",
+    "The quick sort algorithm works by choosing a pivot element and then",
+    "Q: What is 12 times 12?\nA:",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return resolve_model("smollm2-135m-instruct", default_cache_dir() / "models")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def _save_tiny(model, tokenizer, path):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    # A large init range makes the random model's logits peaked, so greedy choices are not near-ties.
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    return _save_tiny(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, tokenizer):
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    return _save_tiny(Qwen2ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_path(tmp_path_factory, tokenizer):
+    torch.manual_seed(2)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+                        bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny(GPT2LMHeadModel(config), tokenizer, tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
+    """Reference: transformers generate, one prompt at a time, fp32 greedy."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    results = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tok.eos_token_id, **generate_kwargs)
+        results.append(out[0, ids.shape[1]:].tolist())
+    return results

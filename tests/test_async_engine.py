@@ -1,0 +1,78 @@
+"""AsyncEngine: streaming while others run, abort frees blocks, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, SamplingParams
+from tests.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False)
+    yield eng
+    eng.shutdown()
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+async def _collect(engine, request_id, prompt, n):
+    outs = [out async for out in engine.generate(request_id, prompt, _params(n))]
+    return outs
+
+
+def test_streams_run_concurrently_and_finish_in_length_order(engine):
+    async def main():
+        finished = []
+
+        async def run(rid, n):
+            outs = await _collect(engine, rid, PROMPTS[0], n)
+            finished.append(rid)
+            return outs
+
+        results = await asyncio.gather(run("long", 100), run("short-a", 10), run("short-b", 10))
+        return finished, results
+
+    finished, (long, short_a, _) = asyncio.run(main())
+    assert finished[-1] == "long"
+    assert len(long) == 100 and all(len(o.new_token_ids) == 1 for o in long)
+    assert long[-1].finished and long[-1].finish_reason == "length"
+    assert "".join(o.delta_text for o in long) == long[-1].text
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_abort_frees_blocks_and_closing_stream_aborts(engine):
+    async def main():
+        stream = engine.generate("to-abort", PROMPTS[1], _params(10_000))
+        await stream.__anext__()
+        assert engine.stats().running == 1 and engine.stats().kv_blocks_used > 0
+        await engine.abort("to-abort")
+        assert engine.stats().kv_blocks_used == 0
+        await stream.aclose()
+
+        stream = engine.generate("to-close", PROMPTS[2], _params(10_000))
+        await stream.__anext__()
+        await stream.aclose()  # a client that goes away
+        for _ in range(100):
+            if engine.stats().kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats()
+        assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_bad_request_fails_alone(engine):
+    async def main():
+        with pytest.raises(ValueError):
+            await _collect(engine, "bad", [], 4)
+        outs = await _collect(engine, "good", PROMPTS[3], 4)
+        assert outs[-1].finished and len(outs[-1].token_ids) == 4
+
+    asyncio.run(main())

@@ -1,0 +1,41 @@
+"""Incremental detokenization: same text as a full decode, no broken UTF-8, stop strings cut right."""
+
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["Hello, world! Ünïcödé façade — naïve café.", "日本語のテキストと絵文字 🚀🔥👩‍👩‍👧", "  leading spaces\n\ttabs and\r\nlines  "]
+
+
+def _stream(tokenizer, text, stop=(), prompt="Say:"):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt).input_ids, list(stop))
+    pieces, hit = [], False
+    for token in tokenizer(text, add_special_tokens=False).input_ids:
+        hit = detok.add_token(token)
+        pieces.append(detok.take_new_text(finished=hit))
+        if hit:
+            break
+    pieces.append(detok.take_new_text(finished=True))
+    return pieces, detok, hit
+
+
+def test_stream_equals_full_decode_and_never_breaks_utf8(tokenizer):
+    for text in TEXTS:
+        pieces, detok, _ = _stream(tokenizer, text)
+        assert "".join(pieces) == detok.text == text
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed(tokenizer):
+    text = "The answer is forty-two, said the computer."
+    pieces, detok, hit = _stream(tokenizer, text, stop=["forty-two"])
+    assert hit
+    assert detok.text == "The answer is "
+    assert "".join(pieces) == "The answer is "
+    assert not any("forty" in piece for piece in pieces)
+
+
+def test_partial_stop_prefix_is_released_when_not_a_stop(tokenizer):
+    pieces, detok, hit = _stream(tokenizer, "abc abd abe", stop=["abx"])
+    assert not hit
+    assert "".join(pieces) == "abc abd abe"

@@ -1,0 +1,113 @@
+"""Sampler behaviour: seeds, top-k/top-p, repetition penalty, stops, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from tests.conftest import PROMPTS, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):
+    return LLM(str(tiny_llama_path), log_stats=False)
+
+
+def _sampled(seed=None, **kw):
+    return SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+
+
+def test_same_seed_same_text_alone_and_in_busy_batch(llm):
+    alone = llm.generate([PROMPTS[0]], _sampled(seed=1234), use_tqdm=False)[0]
+    busy_prompts = PROMPTS[1:9] + [PROMPTS[0]] + PROMPTS[9:]
+    busy_params = [_sampled() for _ in busy_prompts]
+    busy_params[8] = _sampled(seed=1234)
+    busy = llm.generate(busy_prompts, busy_params, use_tqdm=False)
+    assert busy[8].token_ids == alone.token_ids
+    other_seed = llm.generate([PROMPTS[0]], _sampled(seed=99), use_tqdm=False)[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_unseeded_sampling_varies(llm):
+    outs = llm.generate([PROMPTS[1]] * 4, _sampled(), use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    top_k = llm.generate(PROMPTS[:3], _sampled(top_k=1), use_tqdm=False)
+    top_p = llm.generate(PROMPTS[:3], _sampled(top_p=1e-6), use_tqdm=False)
+    for g, k, p in zip(greedy, top_k, top_p):
+        assert k.token_ids[:12] == g.token_ids
+        assert p.token_ids[:12] == g.token_ids
+
+
+def test_sampled_tokens_stay_inside_top_k(llm, tiny_llama_path):
+    out = llm.generate([PROMPTS[2]], _sampled(seed=7, top_k=3, logprobs=3), use_tqdm=False)[0]
+    for token, alternatives in zip(out.token_ids, out.top_logprobs):
+        assert token in alternatives
+
+
+def test_repetition_penalty_matches_hf(tiny_llama_path):
+    reference = hf_greedy(tiny_llama_path, PROMPTS[:4], 16, repetition_penalty=1.5)
+    llm = LLM(str(tiny_llama_path), log_stats=False)
+    outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.5),
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_logprobs_match_model_distribution(llm, tiny_llama_path, tokenizer):
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = model(ids).logits[0, -1].log_softmax(-1)
+    token = out.token_ids[0]
+    assert math.isclose(out.logprobs[0], expected[token].item(), abs_tol=1e-4)
+    top_ids = expected.topk(5).indices.tolist()
+    assert list(out.top_logprobs[0]) == top_ids
+
+
+def test_max_tokens_eos_and_ignore_eos(llm, tokenizer):
+    eos = tokenizer.eos_token_id
+    out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    first = out.token_ids[0]
+    stopped = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[first]),
+                           use_tqdm=False)[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert eos in llm.engine.eos_token_ids
+
+
+def test_stop_string_cuts_text(llm):
+    full = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    stop = full.text[5:9]
+    assert stop.strip(), "need a non-blank stop string from the generated text"
+    cut = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                 dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50)])
+def test_invalid_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_are_rejected(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[10 ** 9]], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="limit"):
+        llm.generate([[5] * 600], SamplingParams(), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
