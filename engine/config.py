@@ -48,6 +48,15 @@ class EngineConfig:
         cfg.validate()
         return cfg
 
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "EngineConfig":
+        """Load a preset from configs/*.yaml (its `engine:` section, or the whole file), then apply overrides."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = data.get("engine", data)
+        return cls.from_overrides(**{**data, **overrides})
+
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -28,7 +28,8 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        raw_logprobs = logits.log_softmax(dim=-1)
+        log_normalizer = logits.logsumexp(dim=-1)  # raw logprob = logit - logsumexp; no full log_softmax
+        raw_logits = logits
         logits = self._apply_repetition_penalty(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -36,8 +37,8 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw_logprobs, seqs))
+        chosen = raw_logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw_logits, log_normalizer, seqs))
 
     @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -77,11 +78,13 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _top_logprobs(raw_logprobs: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
+    def _top_logprobs(raw_logits: torch.Tensor, log_normalizer: torch.Tensor,
+                      seqs: list[Sequence]) -> list[dict[int, float] | None]:
         wanted = [s.params.logprobs or 0 for s in seqs]
         if not any(wanted):
             return [None] * len(seqs)
-        values, ids = raw_logprobs.topk(max(wanted), dim=-1)
+        values, ids = raw_logits.topk(max(wanted), dim=-1)
+        values = values - log_normalizer[:, None]
         return [dict(zip(ids[i, :k].tolist(), values[i, :k].tolist())) if k else None
                 for i, k in enumerate(wanted)]
 

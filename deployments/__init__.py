@@ -1,0 +1,1 @@
+"""Ray Serve deployments: HTTP ingress and engine replicas (issue 4)."""

@@ -1,0 +1,54 @@
+"""Pydantic models of the HTTP API (LoRAX / TGI style). Validation errors become HTTP 422 with the reason."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.sampling import SamplingParams
+
+
+class GenerateParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(20, ge=1)
+    do_sample: bool = False
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos_token: bool = False
+    return_full_text: bool = False
+    details: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: list[str]) -> list[str]:
+        if any(not s for s in stop):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stop
+
+    def to_sampling_params(self) -> SamplingParams:
+        sampled = self.do_sample or (self.temperature not in (None, 0)) or bool(self.top_k) or self.top_p is not None
+        return SamplingParams(
+            max_tokens=self.max_new_tokens,
+            temperature=(self.temperature if self.temperature is not None else 1.0) if sampled else 0.0,
+            top_k=self.top_k or 0,
+            top_p=self.top_p or 1.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos_token,
+        )
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str = Field(min_length=1)
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False
+
+
+TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
