@@ -40,6 +40,7 @@ class GenerateParameters(BaseModel):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos_token,
+            logprobs=0,  # TGI reports each token's logprob
         )
 
 

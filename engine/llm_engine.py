@@ -157,10 +157,11 @@ class LLMEngine:
             outputs.append(self._process_token(seq, detok, result.token_ids[i], result.logprobs[i], top))
         return outputs
 
-    def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float,
+    def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float | None,
                        top: list[dict[int, float]]) -> RequestOutput:
         seq.append_token(token)
-        seq.logprobs.append(logprob)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         seq.top_logprobs.extend(top)
         stop_string_hit = detok.add_token(token)
         reason = self._finish_reason(seq, token, stop_string_hit)

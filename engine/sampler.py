@@ -3,7 +3,8 @@
 Order of processing follows transformers: repetition penalty, temperature, top-k, top-p. Greedy
 rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
-Log-probabilities are those of the model's raw distribution, as vLLM reports them.
+Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
+as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine.sequence import Sequence
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]  # None where the request asked for no logprobs
     top_logprobs: list[dict[int, float] | None]
 
 
@@ -28,7 +29,6 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        log_normalizer = logits.logsumexp(dim=-1)  # raw logprob = logit - logsumexp; no full log_softmax
         raw_logits = logits
         logits = self._apply_repetition_penalty(logits, seqs)
         tokens = logits.argmax(dim=-1)
@@ -37,8 +37,28 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
-        chosen = raw_logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw_logits, log_normalizer, seqs))
+        return SamplerOutput(tokens.tolist(), *self._logprobs(raw_logits, tokens, seqs))
+
+    def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor,
+                  seqs: list[Sequence]) -> tuple[list[float | None], list[dict[int, float] | None]]:
+        """Only for rows that asked (params.logprobs not None): raw logprob = logit - logsumexp."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        chosen: list[float | None] = [None] * len(seqs)
+        top: list[dict[int, float] | None] = [None] * len(seqs)
+        if not rows:
+            return chosen, top
+        index = torch.tensor(rows, device=raw_logits.device)
+        logits = raw_logits[index]
+        normalizer = logits.logsumexp(dim=-1)
+        picked = (logits.gather(1, tokens[index][:, None]).squeeze(1) - normalizer).tolist()
+        k = max(seqs[i].params.logprobs for i in rows)
+        values, ids = logits.topk(k, dim=-1) if k else (None, None)
+        for j, i in enumerate(rows):
+            chosen[i] = picked[j]
+            want = seqs[i].params.logprobs
+            if want:
+                top[i] = dict(zip(ids[j, :want].tolist(), (values[j, :want] - normalizer[j]).tolist()))
+        return chosen, top
 
     @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -76,17 +96,6 @@ class Sampler:
                     seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
-
-    @staticmethod
-    def _top_logprobs(raw_logits: torch.Tensor, log_normalizer: torch.Tensor,
-                      seqs: list[Sequence]) -> list[dict[int, float] | None]:
-        wanted = [s.params.logprobs or 0 for s in seqs]
-        if not any(wanted):
-            return [None] * len(seqs)
-        values, ids = raw_logits.topk(max(wanted), dim=-1)
-        values = values - log_normalizer[:, None]
-        return [dict(zip(ids[i, :k].tolist(), values[i, :k].tolist())) if k else None
-                for i, k in enumerate(wanted)]
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -16,7 +16,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: no alternatives; k: also the top-k alternatives of each chosen token
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: also its top-k alternatives
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 
@@ -42,6 +43,8 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
     _load_weights(model, path)
+    if prepacking_supported(device, dtype):
+        prepack_linears(model)
     return model.eval()
 
 

@@ -22,9 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as transformers does, then scale in the model dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused op; it accumulates in float32 for low-precision inputs, as transformers does.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):

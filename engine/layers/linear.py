@@ -1,0 +1,36 @@
+"""CPU linears on oneDNN prepacked weights.
+
+Plain `F.linear` on CPU (MKL for fp32) re-lays-out each weight on every call. With model-sized
+weights streaming from memory, oneDNN's prepacked format measured here 1.7-2.4x faster in fp32
+and 1.2-1.7x in bf16, from batch 1 to 64 (a cache-hot microbenchmark hides the difference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class PrepackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().contiguous()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+
+
+def prepack_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear in `model` by a PrepackedLinear (in place)."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, PrepackedLinear(child))
+        else:
+            prepack_linears(child)
