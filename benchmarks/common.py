@@ -1,0 +1,110 @@
+"""Shared helpers for the benchmarks: environment description, timing, number formatting, markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import transformers
+
+
+def openmp_runtime() -> str:
+    """Which OpenMP runtime this process uses: Intel's libiomp5 when preloaded, else the one torch ships (libgomp)."""
+    if "libiomp5" in os.environ.get("LD_PRELOAD", ""):
+        return "Intel OpenMP (libiomp5, LD_PRELOAD)"
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = maps.read()
+    except OSError:
+        loaded = ""
+    for marker, name in (("libiomp5", "Intel OpenMP (libiomp5)"), ("libgomp", "GNU OpenMP (libgomp)")):
+        if marker in loaded:
+            return name
+    return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "openmp": openmp_runtime(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "cpu": cpu_model(),
+    }
+
+
+@dataclass
+class Result:
+    """One measurement: `tokens` generated (the requested ones) in `seconds` of wall time."""
+    workload: str
+    system: str
+    tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds and self.error is None else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tok_s": self.tok_s}
+
+
+def timed(fn, *args, **kwargs):
+    """(return value, wall seconds) of fn(*args, **kwargs)."""
+    start = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return value, time.perf_counter() - start
+
+
+def check_lengths(outputs: list[list[int]], requests) -> int:
+    """Every request must get exactly its max_new_tokens; returns the total number of generated tokens."""
+    got = [len(o) for o in outputs]
+    want = [n for _, n in requests]
+    if got != want:
+        raise RuntimeError(f"generated lengths {got[:8]}... differ from the requested {want[:8]}...")
+    return sum(got)
+
+
+def fmt(value, digits: int = 1) -> str:
+    """Numbers for tables; (lo, hi) pairs print as ranges, None as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return "-".join(fmt(v, digits) for v in value)
+    return f"{value:,.{digits}f}"
+
+
+def ratio(value, reference):
+    """value / reference, elementwise over (lo, hi) ranges; None when either side is missing."""
+    if value is None or reference is None or isinstance(reference, tuple):
+        return None
+    if isinstance(value, tuple):
+        return tuple(v / reference for v in value)
+    return value / reference
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

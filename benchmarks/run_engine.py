@@ -1,0 +1,108 @@
+"""Benchmark lora-serve against the course's baseline loops and Hugging Face transformers on SmolLM2-135M (CPU).
+
+    PYTHONPATH=. python -m benchmarks.run_engine            # full run (about 15 minutes on 2 cores)
+    PYTHONPATH=. python -m benchmarks.run_engine --quick    # smoke test (under 2 minutes)
+
+Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from benchmarks import plots, report, systems
+from benchmarks.common import Result, check_lengths, environment, timed
+from benchmarks.workloads import Plan, make_requests
+
+RESULTS = Path(__file__).parent / "results"
+WARMUP = make_requests(2, 4)
+
+
+@dataclass
+class Job:
+    workload: str  # "a", "b", "c:<batch>", "d"
+    system: str  # key of the runner / decoder
+    requests: list
+    batch: int
+    label: str = ""  # shown name when it differs from the system
+    note: str = ""
+    decode: bool = False  # workload (d): single-stream decode ms per token
+
+
+def jobs_for(plan: Plan) -> list[Job]:
+    jobs = []
+    for name, requests in (("a", plan.uniform()), ("b", plan.mixed())):
+        for system in systems.ALL:
+            reqs, note = requests, ""
+            if system in systems.SLOW and plan.slow_subset < len(requests):
+                reqs, note = requests[:plan.slow_subset], f"measured on {plan.slow_subset} of {len(requests)} requests"
+            jobs.append(Job(name, system, reqs, len(requests), note=note))
+    small = plan.static_small_batch
+    jobs.append(Job("b", systems.HF_STATIC, plan.mixed(), small, label=f"{systems.HF_STATIC}, batch {small}"))
+    for batch in plan.batch_sizes:
+        for system in (systems.HF_STATIC, systems.LS_FP32, systems.LS_BF16):
+            jobs.append(Job(f"c:{batch}", system, make_requests(batch, plan.sweep_tokens), batch))
+    for system, label in ((systems.HF_STATIC, "HF generate"), (systems.LS_FP32, None), (systems.LS_BF16, None)):
+        jobs.append(Job("d", system, make_requests(1, plan.stream_tokens), 1, label=label or system, decode=True))
+    return jobs
+
+
+def run_job(job: Job, runners, decoders, warmed: set) -> Result:
+    result = Result(job.workload, job.label or job.system, note=job.note, extra={"batch": job.batch})
+    prompt, new_tokens = job.requests[0]
+    try:
+        if job.decode:
+            if ("d", job.system) not in warmed:
+                decoders[job.system](prompt, 4)
+                warmed.add(("d", job.system))
+            ms = decoders[job.system](prompt, new_tokens)
+            result.tokens, result.seconds, result.extra["ms_per_token"] = new_tokens, 0.0, ms
+            return result
+        if job.system not in warmed:
+            runners[job.system](WARMUP, len(WARMUP))
+            warmed.add(job.system)
+        outputs, seconds = timed(runners[job.system], job.requests, job.batch)
+        result.tokens, result.seconds = check_lengths(outputs, job.requests), seconds
+        # Per-token latency as each request of the batch sees it: wall time / decode steps of the longest request.
+        result.extra.update(requests=len(job.requests), ms_per_token=seconds / max(n for _, n in job.requests) * 1000)
+    except Exception as error:  # record it in the tables instead of aborting the whole run
+        result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test of the whole pipeline")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    args = parser.parse_args(argv)
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    plan = Plan.quick() if args.quick else Plan.full()
+    runners, decoders = systems.build(args.threads, plan.max_batch)
+    env = environment()
+    results, warmed = [], set()
+    bar = tqdm(jobs_for(plan), desc="benchmark", unit="item")
+    for job in bar:
+        bar.set_postfix_str(f"{job.workload} | {job.label or job.system}")
+        results.append(run_job(job, runners, decoders, warmed))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    raw = {"mode": "quick" if args.quick else "full", "environment": env, "plan": plan.__dict__,
+           "vllm_reference": report.VLLM_REFERENCE, "results": [r.to_dict() for r in results]}
+    (args.out / "engine.json").write_text(json.dumps(raw, indent=2) + "\n")
+    images = plots.write_all(results, args.out)
+    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images))
+    print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
+
+
+if __name__ == "__main__":
+    main()
