@@ -33,6 +33,10 @@ class AttentionMetadata:
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# Measured on 2 CPU cores with SmolLM2's shapes (bf16 cache): up to 16 decodes, upcasting to fp32 SDPA is
+# 1.1-1.7x faster than bf16 matmuls; at 32 they tie; at 64 the bf16 matmuls are 3x faster.
+SMALL_DECODE_BATCH = 16
+
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata) -> torch.Tensor:
@@ -41,6 +45,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.num_decode == q.shape[0]:  # decode-only step: no scatter into a shared output
+        return _decode(q, k_cache, v_cache, meta).flatten(1)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = _decode(q[:meta.num_decode], k_cache, v_cache, meta)
@@ -59,7 +65,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=meta.decode_mask, enable_gqa=True)
         return out.squeeze(2)
-    # CPU low precision: explicit grouped matmuls beat SDPA's masked path by ~3x here.
+    if batch <= SMALL_DECODE_BATCH:  # CPU low precision, few sequences: fp32 SDPA on upcast K/V is fastest
+        out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys.transpose(1, 2).float(),
+                                             values.transpose(1, 2).float(), attn_mask=meta.decode_mask.float(),
+                                             enable_gqa=True)
+        return out.squeeze(2).to(q.dtype)
+    # CPU low precision, many sequences: explicit grouped matmuls beat SDPA's masked path by ~3x.
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * head_dim ** -0.5
     probs = (scores + meta.decode_mask).softmax(-1)

@@ -1,0 +1,65 @@
+"""Paged attention against a naive per-sequence reference: decode batches of every size, prefill chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention import SMALL_DECODE_BATCH, AttentionMetadata, PrefillSegment, paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+
+
+def _reference(q, keys, values):
+    """q [n, H, D] for the last n positions of a context whose keys/values are [L, KVH, D]."""
+    n, length = q.shape[0], keys.shape[0]
+    group = HEADS // KV_HEADS
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1).float()
+    visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+    return F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=visible).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_decode", [1, SMALL_DECODE_BATCH, SMALL_DECODE_BATCH + 5])
+def test_paged_attention_matches_reference(dtype, num_decode):
+    torch.manual_seed(num_decode)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [int(x) for x in torch.randint(1, 30, (num_decode,), generator=gen)]
+    prefills = [(5, 0), (7, 9)]  # (new tokens, tokens already cached): a fresh prompt and a chunk with history
+    num_blocks = 200
+    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = iter(torch.randperm(num_blocks).tolist())
+    seqs = [(ctx, 1) for ctx in contexts] + [(cached + new, new) for new, cached in prefills]
+    tables, full_k, full_v = [], [], []
+    for total, _ in seqs:  # fill each sequence's history into scattered blocks
+        table = [next(free) for _ in range((total + BLOCK - 1) // BLOCK)]
+        keys = torch.randn(total, KV_HEADS, DIM).to(dtype)
+        values = torch.randn(total, KV_HEADS, DIM).to(dtype)
+        for pos in range(total):
+            k_cache[table[pos // BLOCK], pos % BLOCK] = keys[pos]
+            v_cache[table[pos // BLOCK], pos % BLOCK] = values[pos]
+        tables.append(table)
+        full_k.append(keys)
+        full_v.append(values)
+    q_rows, k_rows, v_rows, slots, segments = [], [], [], [], []
+    for i, (total, new) in enumerate(seqs):
+        q_rows.append(torch.randn(new, HEADS, DIM).to(dtype))
+        k_rows.append(full_k[i][total - new:])
+        v_rows.append(full_v[i][total - new:])
+        slots += [tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(total - new, total)]
+        if i >= num_decode:
+            start = sum(n for _, n in seqs[:i])
+            table = torch.tensor(tables[i]) if total > new else None
+            segments.append(PrefillSegment(start, new, total, table))
+    max_blocks = max(len(t) for t in tables[:num_decode])
+    decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]])
+    visible = torch.arange(max_blocks * BLOCK)[None, :] < torch.tensor(contexts)[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))[:, None, None, :]
+    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments)
+    out = paged_attention(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), (k_cache, v_cache), meta)
+    expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
