@@ -51,12 +51,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def generate(self, request_id: str, prompt: Prompt,
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request; closing the stream early aborts the request."""
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request (of the base model, or of LoRA adapter `adapter`);
+        closing the stream early aborts the request."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
-        seq, detok = self.engine.prepare_request(request_id, prompt, params or SamplingParams())
+        seq, detok = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt,
+                                             params or SamplingParams(), adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:

@@ -35,6 +35,13 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch CPU threads; None = all cores
     cache_dir: str | None = None
+    # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    adapters_root: str | None = None  # folder of local adapters (adapter_source "local")
+    adapter_source: str = "local"  # "local" or "hub" (a Hugging Face style cache folder, offline)
+    hub_cache: str | None = None
+    max_adapter_bytes: int = 1 << 30
     seed: int = 0
     log_stats: bool = True
 
@@ -63,6 +70,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 

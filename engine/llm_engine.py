@@ -19,6 +19,9 @@ from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from lora_cache.local_cache import LocalAdapterCache
+from lora_cache.slots import AdapterSlots
+from lora_cache.sources import make_source
 
 Prompt = str | list[int]
 
@@ -69,7 +72,10 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
+        self.adapters = self._adapter_cache(config, hf_config) if config.max_loras else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.adapter_slots)
         self.sampler = Sampler(config.torch_device, config.seed)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         if config.log_stats:
@@ -77,6 +83,11 @@ class LLMEngine:
                   f"{layout.bytes_per_token / 1024:.1f} KiB/token, {layout.num_blocks} blocks x {layout.block_size} "
                   f"= {layout.token_capacity} tokens ({layout.bytes_per_token * layout.token_capacity / 2**20:.0f} MiB); "
                   f"max_model_len {self.max_model_len}", flush=True)
+
+    @staticmethod
+    def _adapter_cache(config: EngineConfig, hf_config) -> LocalAdapterCache:
+        source = make_source(config.adapter_source, adapters_root=config.adapters_root, hub_cache=config.hub_cache)
+        return LocalAdapterCache(source, hf_config, config.max_adapter_bytes)
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
@@ -89,17 +100,30 @@ class LLMEngine:
             ids.update([value] if isinstance(value, int) else value or [])
         return frozenset(ids)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
-        seq, detok = self.prepare_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    adapter_id: str | None = None) -> Sequence:
+        seq, detok = self.prepare_request(request_id, prompt, params, adapter_id)
         self.add_prepared(seq, detok)
         return seq
 
-    def prepare_request(self, request_id: str, prompt: Prompt,
-                        params: SamplingParams) -> tuple[Sequence, IncrementalDetokenizer]:
-        """Validate and tokenize without touching engine state (safe to call from another thread)."""
+    def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                        adapter_id: str | None = None) -> tuple[Sequence, IncrementalDetokenizer]:
+        """Validate, tokenize and fetch the adapter into the CPU tier, without touching the running batch
+        (safe to call from another thread, so a cold adapter load never stalls a step)."""
         token_ids = self._tokenize(prompt)
-        seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None)
+        if adapter_id is not None:
+            self._check_adapter(adapter_id)
+        seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None,
+                       adapter_id=adapter_id)
         return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+
+    def _check_adapter(self, adapter_id: str) -> None:
+        if self.adapters is None:
+            raise ValueError(f"adapter {adapter_id!r} requested but LoRA is disabled: start the engine with max_loras > 0")
+        adapter = self.adapters.get(adapter_id)  # AdapterError (a ValueError) names the adapter and the reason
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(f"adapter {adapter_id!r} has rank {adapter.rank}, above this engine's max_lora_rank "
+                             f"{self.config.max_lora_rank}")
 
     def add_prepared(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
         if seq.request_id in self.requests:
@@ -142,6 +166,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for slot, adapter_id in plan.adapter_loads:
+            self.runner.load_adapter(slot, self.adapters.get(adapter_id))
         if not plan.scheduled:
             return []
         logits, sampling = self.runner.execute(plan.scheduled)
@@ -201,15 +227,20 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, adapters: list[str | None] | None = None) -> list[RequestOutput]:
+        """adapters: one LoRA adapter id (or None for the base model) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        adapters = adapters or [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} adapters")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        prepared = [self.engine.prepare_request(i, prompt, p) for i, prompt, p in zip(ids, prompts, params)]
+        prepared = [self.engine.prepare_request(i, prompt, p, a)
+                    for i, prompt, p, a in zip(ids, prompts, params, adapters)]
         for seq, detok in prepared:  # validated all first: a bad prompt leaves nothing behind
             self.engine.add_prepared(seq, detok)
         finished: dict[str, RequestOutput] = {}

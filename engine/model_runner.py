@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.lora import LoRAStepState, build_lora_batch, wrap_lora_linears
 from engine.models import load_model
 from engine.scheduler import ScheduledSeq
 
@@ -44,6 +45,18 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
+        self.lora_state = LoRAStepState()
+        self.lora_layers = []
+        if config.max_loras:
+            self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
+                                                 config.max_lora_rank, self.dtype, self.device)
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer."""
+        for index, layer in enumerate(self.lora_layers):
+            weights = adapter.layers.get(index, {})
+            for lora in layer.values():
+                lora.load_slot(slot, weights)
 
     def _kv_layout(self, config: EngineConfig) -> KVLayout:
         num_layers, kv_heads, head_dim = self.model.kv_shape
@@ -64,8 +77,12 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
-        input_ids, positions, meta, sample_rows, sampling = self._prepare(ordered)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        input_ids, positions, meta, sample_rows, sampling, token_slots = self._prepare(ordered)
+        self.lora_state.batch = build_lora_batch(token_slots, self.device) if self.lora_layers else None
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            self.lora_state.batch = None
         if not sample_rows:
             return torch.empty(0, device=self.device), []
         rows = torch.tensor(sample_rows, device=self.device)
@@ -80,6 +97,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        token_slots: list[int] = []  # adapter slot per token, -1 for the base model
         sample_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
@@ -91,6 +109,7 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            token_slots += [-1 if seq.lora_slot is None else seq.lora_slot] * s.num_new_tokens
             if self._is_decode(s):
                 decode.append(s)
             else:
@@ -100,7 +119,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
         meta = AttentionMetadata(self._tensor(slots), len(decode), *self._decode_tables(decode), prefills)
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, token_slots
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not decode:

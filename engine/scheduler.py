@@ -4,16 +4,19 @@ Every step, running sequences are served first (oldest first: a decode token eac
 chunk of a long prompt), then waiting sequences are admitted while the token budget, the
 `max_num_seqs` cap and the free KV blocks allow. When a running sequence needs a block and none
 is free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
-from its prompt plus the tokens it has already produced.
+from its prompt plus the tokens it has already produced. A request for a LoRA adapter is admitted
+only with a device slot for its adapter (so at most `max_loras` adapters run in one step); one
+that cannot get a slot yet keeps its place while the requests behind it are admitted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from lora_cache.slots import AdapterSlots
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     num_preempted: int
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter id) to copy in first
 
     @property
     def num_batched_tokens(self) -> int:
@@ -38,8 +42,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 adapter_slots: AdapterSlots | None = None):
         self.block_manager = block_manager
+        self.adapter_slots = adapter_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -55,9 +61,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled, budget, num_preempted = self._schedule_running(budget)
+        adapter_loads: list[tuple[int, str]] = []
         if num_preempted == 0:
-            scheduled += self._admit_waiting(budget)
-        return SchedulerOutput(scheduled, num_preempted)
+            scheduled += self._admit_waiting(budget, adapter_loads)
+        return SchedulerOutput(scheduled, num_preempted, adapter_loads)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], int, int]:
         scheduled: list[ScheduledSeq] = []
@@ -77,23 +84,43 @@ class Scheduler:
             i += 1
         return scheduled, budget, num_preempted
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+    def _admit_waiting(self, budget: int, adapter_loads: list[tuple[int, str]]) -> list[ScheduledSeq]:
         scheduled: list[ScheduledSeq] = []
+        no_slot: list[Sequence] = []  # their adapter has no slot free now: they keep their place in line
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
+            if seq.adapter_id is not None and not self._grant_slot(seq, adapter_loads):
+                no_slot.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(no_slot))
         return scheduled
+
+    def _grant_slot(self, seq: Sequence, adapter_loads: list[tuple[int, str]]) -> bool:
+        grant = self.adapter_slots.acquire(seq.adapter_id)
+        if grant is None:
+            return False
+        seq.lora_slot = grant.slot
+        if grant.needs_load:
+            adapter_loads.append((grant.slot, seq.adapter_id))
+        return True
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.adapter_slots.release(seq.adapter_id)
+            seq.lora_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.total_preemptions += 1
@@ -107,3 +134,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_slot(seq)

@@ -24,6 +24,8 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
+    adapter_id: str | None = None
+    lora_slot: int | None = None  # device slot of the adapter while the sequence runs
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
+from engine.layers.lora import LoRASubModule
 
 
 class GPT2Attention(nn.Module):
@@ -64,6 +65,10 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.h
+
+    @property
     def kv_shape(self) -> tuple[int, int, int]:
         attn = self.h[0].attn
         return len(self.h), attn.num_kv_heads, attn.head_dim
@@ -76,6 +81,13 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def lora_targets(self) -> list[dict[str, tuple[int, list[LoRASubModule]]]]:
+        n, inner = self.config.n_embd, self.config.n_inner or 4 * self.config.n_embd
+        sub = LoRASubModule
+        targets = {"attn.c_attn": (n, [sub("attn.c_attn", 0, 3 * n)]), "attn.c_proj": (n, [sub("attn.c_proj", 0, n)]),
+                   "mlp.c_fc": (n, [sub("mlp.c_fc", 0, inner)]), "mlp.c_proj": (inner, [sub("mlp.c_proj", 0, n)])}
+        return [targets] * len(self.h)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
         return name.removeprefix("transformer."), None

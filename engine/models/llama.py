@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
+from engine.layers.lora import LoRASubModule
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -96,6 +97,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype())
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    @property
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim) of the KV cache this model needs."""
         attn = self.layers[0].self_attn
@@ -110,6 +115,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def lora_targets(self) -> list[dict[str, tuple[int, list[LoRASubModule]]]]:
+        """Per layer: linear path -> (in_features, the PEFT modules fused into it with their output columns)."""
+        attn, cfg = self.layers[0].self_attn, self.config
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        sub = LoRASubModule
+        targets = {
+            "self_attn.qkv_proj": (hidden, [sub("self_attn.q_proj", 0, q), sub("self_attn.k_proj", q, kv),
+                                            sub("self_attn.v_proj", q + kv, kv)]),
+            "self_attn.o_proj": (q, [sub("self_attn.o_proj", 0, hidden)]),
+            "mlp.gate_up_proj": (hidden, [sub("mlp.gate_proj", 0, inter), sub("mlp.up_proj", inter, inter)]),
+            "mlp.down_proj": (inter, [sub("mlp.down_proj", 0, hidden)]),
+        }
+        return [targets] * len(self.layers)
 
     def shard_offset(self, param_name: str, shard: int) -> int:
         """First row of shard `shard` inside a fused weight or bias."""

@@ -1,0 +1,291 @@
+"""Parse and validate a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).
+
+Only plain LoRA on the per-layer linear projections is served; every other feature is refused with a
+reason instead of being served wrong. The delta of one module is always
+
+    delta(x) = x @ lora_a.T @ lora_b.T * scaling
+
+PEFT saves lora_A as [r, in_features] and lora_B as [out_features, r] for GPT-2's Conv1D too
+(fan_in_fan_out only matters when merging into the transposed base weight), so no transpose is needed.
+Weights are read with safetensors only: pickled checkpoints are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+# Config keys (when set) for features that a plain x @ A.T @ B.T delta cannot express.
+UNSUPPORTED_FEATURES = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "a bias on lora_B (lora_bias)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "layer_replication": "layer_replication",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+}
+# These initialisations rewrite the base weights; unless PEFT converted the adapter on save (which resets
+# init_lora_weights to true), it only fits that rewritten base.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the adapter and the reason."""
+
+    def __init__(self, adapter_id: str, reason: str):
+        shown = adapter_id if len(adapter_id) <= 100 else adapter_id[:100] + "..."
+        super().__init__(f"adapter {shown!r}: {reason}")
+        self.adapter_id = adapter_id
+        self.reason = reason
+
+    def __reduce__(self):  # exceptions cross Ray process boundaries pickled; rebuild from both fields
+        return AdapterError, (self.adapter_id, self.reason)
+
+
+@dataclass
+class LoRAWeights:
+    """One target module of one layer; delta(x) = x @ lora_a.T @ lora_b.T * scaling."""
+    lora_a: torch.Tensor  # [rank, in_features], float32, CPU, contiguous
+    lora_b: torch.Tensor  # [out_features, rank], float32, CPU, contiguous
+    scaling: float
+
+
+@dataclass
+class LoRAAdapter:
+    adapter_id: str
+    rank: int  # max rank over modules
+    target_modules: tuple[str, ...]  # module keys present, sorted, e.g. ("mlp.down_proj", "self_attn.q_proj")
+    layers: dict[int, dict[str, LoRAWeights]]  # layer index -> module key -> weights
+    nbytes: int  # bytes of all A and B tensors (float32)
+    base_model_name_or_path: str | None
+
+
+def target_module_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """Module key -> (in_features, out_features) of the base model's LoRA-able linear layers."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in LLAMA_FAMILY:
+        return _llama_shapes(hf_config)
+    if model_type == "gpt2":
+        return _gpt2_shapes(hf_config)
+    raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
+                     f"supported: gpt2, {', '.join(LLAMA_FAMILY)}")
+
+
+def _llama_shapes(c) -> dict[str, tuple[int, int]]:
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    q_size = heads * head_dim
+    kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+    return {
+        "self_attn.q_proj": (hidden, q_size),
+        "self_attn.k_proj": (hidden, kv_size),
+        "self_attn.v_proj": (hidden, kv_size),
+        "self_attn.o_proj": (q_size, hidden),
+        "mlp.gate_proj": (hidden, c.intermediate_size),
+        "mlp.up_proj": (hidden, c.intermediate_size),
+        "mlp.down_proj": (c.intermediate_size, hidden),
+    }
+
+
+def _gpt2_shapes(c) -> dict[str, tuple[int, int]]:
+    inner = c.n_inner or 4 * c.n_embd
+    return {
+        "attn.c_attn": (c.n_embd, 3 * c.n_embd),
+        "attn.c_proj": (c.n_embd, c.n_embd),
+        "mlp.c_fc": (c.n_embd, inner),
+        "mlp.c_proj": (inner, c.n_embd),
+    }
+
+
+def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 << 30) -> LoRAAdapter:
+    """Read and validate the adapter in `folder` against the base model described by `hf_config`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterError(adapter_id, f"folder {folder} not found")
+    config = _read_config(adapter_id, folder)
+    _check_features(adapter_id, config)
+    weights_file = _weights_file(adapter_id, folder, max_bytes)
+    shapes = target_module_shapes(hf_config)
+    modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes,
+                               hf_config.num_hidden_layers)
+    layers: dict[int, dict[str, LoRAWeights]] = {}
+    for (layer, key), (name, pair) in sorted(modules.items()):
+        layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes[key])
+    weights = [w for modules_of_layer in layers.values() for w in modules_of_layer.values()]
+    return LoRAAdapter(
+        adapter_id=adapter_id,
+        rank=max(w.lora_a.shape[0] for w in weights),
+        target_modules=tuple(sorted({key for _, key in modules})),
+        layers=layers,
+        nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in weights),
+        base_model_name_or_path=config.get("base_model_name_or_path"),
+    )
+
+
+def _read_config(adapter_id: str, folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError(adapter_id, f"{CONFIG_FILE} not found in {folder}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(adapter_id, f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(adapter_id, f"{CONFIG_FILE} must hold a JSON object")
+    return config
+
+
+def _check_features(adapter_id: str, config: dict) -> None:
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(adapter_id, f"peft_type {config.get('peft_type')!r} is not supported; only LORA")
+    for key, feature in UNSUPPORTED_FEATURES.items():
+        if config.get(key):
+            raise AdapterError(adapter_id, f"{feature} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(adapter_id, f"bias={config['bias']!r} is not supported; only 'none'")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(BASE_REWRITING_INITS):
+        raise AdapterError(adapter_id, f"init_lora_weights={init!r} rewrites the base weights; save the adapter "
+                                       "with path_initial_model_for_weight_conversion to get a plain LoRA")
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)  # PEFT's defaults
+    if type(r) is not int or r <= 0 or type(alpha) not in (int, float):
+        raise AdapterError(adapter_id, f"r must be a positive integer and lora_alpha a number, "
+                                       f"got r={r!r}, lora_alpha={alpha!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise AdapterError(adapter_id, f"{key} must be an object")
+
+
+def _weights_file(adapter_id: str, folder: Path, max_bytes: int) -> Path:
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise AdapterError(adapter_id, f"pickled weights are refused ({', '.join(pickled)}); "
+                                           "convert to safetensors")
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} not found in {folder}")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes} bytes")
+    return path
+
+
+def _read_tensors(adapter_id: str, path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers and data
+        raise AdapterError(adapter_id, f"cannot read {WEIGHTS_FILE}: {e}") from None
+    if not tensors:
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} holds no tensors")
+    return tensors
+
+
+# "model.layers.3.self_attn.q_proj" (Llama family) or "transformer.h.3.attn.c_attn" (GPT-2)
+_LAYER_MODULE = re.compile(r"(?:^|.*\.)(?:layers|h)\.(?P<layer>\d+)\.(?P<key>.+)")
+# what follows ".lora_" in a weight name: "A.weight", or "A.default.weight" with an adapter name
+_LORA_WEIGHT = re.compile(r"(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+
+
+def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]],
+                     num_layers: int) -> dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]:
+    """(layer, module key) -> (full module name, {"A": tensor, "B": tensor}) from PEFT tensor names."""
+    modules: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]] = {}
+    # LoRA tensors first: an unsupported target module (lm_head, embeddings) is the reason to report, not the
+    # full weights PEFT saves alongside it.
+    for tensor_name in sorted(tensors, key=lambda n: ".lora_" not in n):
+        tensor = tensors[tensor_name]
+        # PEFT names: base_model.model.<module name>.lora_A[.<adapter name>].weight
+        name, found, rest = tensor_name.removeprefix("base_model.model.").partition(".lora_")
+        if not found:
+            raise AdapterError(adapter_id, f"tensor {tensor_name!r} is not a LoRA weight "
+                                           "(full or extra module weights are not supported)")
+        match = _LAYER_MODULE.fullmatch(name)
+        if match is None or match["key"] not in shapes:
+            raise AdapterError(adapter_id, f"target module {name!r} is not supported; "
+                                           f"supported: {', '.join(sorted(shapes))}")
+        layer, key = int(match["layer"]), match["key"]
+        if layer >= num_layers:
+            raise AdapterError(adapter_id, f"{name} is in layer {layer} but the base model has {num_layers} layers")
+        weight = _LORA_WEIGHT.fullmatch(rest)
+        if weight is None:
+            raise AdapterError(adapter_id, f"tensor {tensor_name!r} is not a lora_A/lora_B weight "
+                                           "(DoRA magnitudes, LoRA biases and embedding LoRA are not supported)")
+        _, pair = modules.setdefault((layer, key), (name, {}))
+        if weight["ab"] in pair:
+            raise AdapterError(adapter_id, f"lora_{weight['ab']} of {name} appears twice")
+        pair[weight["ab"]] = tensor
+    return modules
+
+
+def _module_weights(adapter_id: str, config: dict, name: str, pair: dict[str, torch.Tensor],
+                    shape: tuple[int, int]) -> LoRAWeights:
+    a, b = (_lora_tensor(adapter_id, name, pair, ab) for ab in "AB")
+    rank, alpha, rank_source = _rank_and_alpha(config, name)
+    if a.shape[0] != rank:
+        raise AdapterError(adapter_id, f"rank {rank} in {rank_source} but lora_A of {name} has {a.shape[0]} rows")
+    if b.shape[1] != rank:
+        raise AdapterError(adapter_id, f"rank {rank} in {rank_source} but lora_B of {name} has "
+                                       f"{b.shape[1]} columns")
+    in_features, out_features = shape
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(adapter_id, f"{name} maps {a.shape[1]} -> {b.shape[0]} features but in the base model "
+                                       f"it maps {in_features} -> {out_features}: the adapter was made for a "
+                                       "different base model")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoRAWeights(lora_a=a, lora_b=b, scaling=float(scaling))
+
+
+def _lora_tensor(adapter_id: str, name: str, pair: dict[str, torch.Tensor], ab: str) -> torch.Tensor:
+    """lora_A or lora_B of module `name` as a finite 2-D float32 CPU tensor."""
+    if ab not in pair:
+        raise AdapterError(adapter_id, f"lora_{ab} of {name} is missing")
+    tensor = pair[ab]
+    if tensor.ndim != 2 or not tensor.is_floating_point():
+        raise AdapterError(adapter_id, f"lora_{ab} of {name} must be a 2-D float tensor, "
+                                       f"got {tensor.dtype} {list(tensor.shape)}")
+    tensor = tensor.to(torch.float32).contiguous()
+    if not torch.isfinite(tensor).all():
+        raise AdapterError(adapter_id, f"lora_{ab} of {name} holds NaN or infinite values")
+    return tensor
+
+
+def _rank_and_alpha(config: dict, name: str) -> tuple[int, float, str]:
+    """The module's rank and alpha (rank_pattern / alpha_pattern over the config-wide r / lora_alpha),
+    and where the rank came from, for error messages."""
+    rank_key = _pattern_key(config.get("rank_pattern") or {}, name)
+    alpha_key = _pattern_key(config.get("alpha_pattern") or {}, name)
+    rank = config["rank_pattern"][rank_key] if rank_key else config.get("r", 8)
+    alpha = config["alpha_pattern"][alpha_key] if alpha_key else config.get("lora_alpha", 8)
+    return rank, alpha, f"rank_pattern[{rank_key!r}]" if rank_key else "config"
+
+
+def _pattern_key(patterns: dict, module_name: str) -> str | None:
+    """PEFT's rule: the first key that matches the end of the module name at a dot boundary wins, whether
+    a plain suffix ("q_proj", "model.layers.0.self_attn.q_proj") or a regex."""
+    for key in patterns:
+        if module_name == key or module_name.endswith("." + key):
+            return key
+        try:
+            if re.fullmatch(rf"(.*\.)?({key})", module_name):
+                return key
+        except re.error:
+            pass  # not a regex after all; only the suffix rule applies
+    return None

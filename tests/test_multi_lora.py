@@ -1,0 +1,95 @@
+"""Multi-LoRA in one batch: every greedy output equals PEFT's merged model for that adapter alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from tests.conftest import PROMPTS
+
+LLAMA_ADAPTERS = {  # name -> (rank, target modules)
+    "attn-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp-r8": (8, ["gate_proj", "up_proj", "down_proj"]),
+    "all-r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "qv-r8": (8, ["q_proj", "v_proj"]),
+}
+GPT2_ADAPTERS = {
+    "attn-r4": (4, ["c_attn"]),
+    "proj-r8": (8, ["c_proj"]),
+    "all-r16": (16, ["c_attn", "c_proj", "c_fc"]),
+    "fc-r8": (8, ["c_fc"]),
+}
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+def _make_adapters(base_path, root, specs, seed):
+    """Random-weight PEFT adapters saved under root/<name>; returns PEFT-merged greedy outputs per adapter."""
+    tok = AutoTokenizer.from_pretrained(base_path)
+    references = {}
+    for i, (name, (rank, targets)) in enumerate(specs.items()):
+        torch.manual_seed(seed + i)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+                            fan_in_fan_out=base.config.model_type == "gpt2")
+        peft_model = get_peft_model(base, config)
+        peft_model.save_pretrained(root / name)
+        merged = peft_model.merge_and_unload().eval()
+        references[name] = [_greedy(merged, tok, p) for p in PROMPTS[:4]]
+    return references
+
+
+def _greedy(model, tok, prompt):
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                             do_sample=False, pad_token_id=tok.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", LLAMA_ADAPTERS),
+                                                 ("tiny_gpt2_path", GPT2_ADAPTERS)])
+@pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters: slots are evicted and requests wait for one
+def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base_fixture, specs, max_loras):
+    base_path = request.getfixturevalue(base_fixture)
+    root = tmp_path_factory.mktemp(f"adapters-{base_fixture}-{max_loras}")
+    references = _make_adapters(base_path, root, specs, seed=10)
+    llm = LLM(str(base_path), max_loras=max_loras, adapters_root=str(root), log_stats=False)
+    base_outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+
+    prompts, adapters, expected = [], [], []
+    for i, prompt in enumerate(PROMPTS[:4]):
+        prompts.append(prompt)
+        adapters.append(None)
+        expected.append(base_outputs[i].token_ids)
+        for name in specs:
+            prompts.append(prompt)
+            adapters.append(name)
+            expected.append(references[name][i])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, adapters=adapters)
+    for prompt, adapter, out, want in zip(prompts, adapters, outputs, expected):
+        assert out.token_ids == want, f"adapter {adapter} on {prompt!r}"
+    assert any(references[name][0] != base_outputs[0].token_ids for name in specs), "adapters must change outputs"
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert all(p == 0 for p in llm.engine.adapter_slots.pins)
+    if max_loras < len(specs):
+        assert llm.engine.adapter_slots.evictions > 0
+
+
+def test_unknown_or_bad_adapter_fails_only_that_request(tiny_llama_path, tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text("{not json")
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    for adapter, words in (("missing", "not found"), ("broken", "broken"), ("../etc", "..")):
+        with pytest.raises(ValueError, match=words):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=[adapter])
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].finish_reason in ("length", "eos")
+
+
+def test_adapter_requires_lora_enabled(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), log_stats=False)
+    with pytest.raises(ValueError, match="max_loras"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=["any"])
