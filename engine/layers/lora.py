@@ -28,7 +28,7 @@ class LoRASubModule:
 class LoRABatch:
     """Tokens grouped by adapter slot; built once per step, shared by every LoRA layer."""
     gather_index: torch.Tensor  # [segments, longest]: token rows, padded with row 0
-    slots: torch.Tensor  # [segments]
+    slots: torch.Tensor | slice  # [segments]; a slice when the slots are contiguous (weights are then a view)
     valid_positions: torch.Tensor  # positions in the flattened [segments * longest] that are real tokens
     token_rows: torch.Tensor  # the token row of each valid position, same order
 
@@ -48,6 +48,7 @@ def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch 
             rows_by_slot.setdefault(slot, []).append(row)
     if not rows_by_slot:
         return None
+    rows_by_slot = dict(sorted(rows_by_slot.items()))
     longest = max(len(rows) for rows in rows_by_slot.values())
     gather, valid, token_rows = [], [], []
     for s, rows in enumerate(rows_by_slot.values()):
@@ -58,7 +59,10 @@ def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch 
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return LoRABatch(tensor(gather), tensor(list(rows_by_slot)), tensor(valid), tensor(token_rows))
+    slots = list(rows_by_slot)
+    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+    slot_index = slice(slots[0], slots[-1] + 1) if contiguous else tensor(slots)
+    return LoRABatch(tensor(gather), slot_index, tensor(valid), tensor(token_rows))
 
 
 class LoRALinear(nn.Module):
@@ -71,28 +75,33 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         out_features = sum(s.out_size for s in subs)
         rank_total = max_rank * len(subs)
+        if device.type == "cpu":  # CPU bf16 batched matmuls of these small shapes are slow; fp32 ones are not
+            dtype = torch.float32
         self.register_buffer("lora_a", torch.zeros(max_loras, in_features, rank_total, dtype=dtype, device=device))
         self.register_buffer("lora_b", torch.zeros(max_loras, rank_total, out_features, dtype=dtype, device=device))
+        self.slots_with_weights: set[int] = set()  # a linear no resident adapter targets skips the LoRA path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.state.batch
-        if batch is None:
+        if batch is None or not self.slots_with_weights:
             return y
-        grouped = x[batch.gather_index]  # [segments, longest, in]
+        grouped = x[batch.gather_index].to(self.lora_a.dtype)  # [segments, longest, in]
         delta = torch.bmm(torch.bmm(grouped, self.lora_a[batch.slots]), self.lora_b[batch.slots])
         delta = delta.flatten(0, 1).index_select(0, batch.valid_positions)
-        return y.index_add_(0, batch.token_rows, delta)
+        return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
     @torch.no_grad()
     def load_slot(self, slot: int, weights: dict) -> None:
         """weights: module key -> object with lora_a [r, in], lora_b [out, r], scaling; absent keys stay zero."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slots_with_weights.discard(slot)
         for i, sub in enumerate(self.subs):
             w = weights.get(sub.key)
             if w is None:
                 continue
+            self.slots_with_weights.add(slot)
             rank = w.lora_a.shape[0]
             ranks = slice(i * self.max_rank, i * self.max_rank + rank)
             self.lora_a[slot, :, ranks] = w.lora_a.t().to(self.lora_a.dtype)
