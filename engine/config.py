@@ -42,6 +42,7 @@ class EngineConfig:
     adapter_source: str = "local"  # "local" or "hub" (a Hugging Face style cache folder, offline)
     hub_cache: str | None = None
     max_adapter_bytes: int = 1 << 30
+    max_adapter_wait_s: float = 1.0  # after this, a request whose adapter has no slot stops being passed
     seed: int = 0
     log_stats: bool = True
 

@@ -51,6 +51,15 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     preemptions: int
+    waiting_for_adapter: int = 0  # waiting requests whose adapter is not in a device slot yet
+    resident_adapters: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AdapterUsage:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
     @property
     def kv_utilisation(self) -> float:
@@ -75,9 +84,10 @@ class LLMEngine:
         self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
         self.adapters = self._adapter_cache(config, hf_config) if config.max_loras else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapter_slots)
+                                   self.adapter_slots, config.max_adapter_wait_s)
         self.sampler = Sampler(config.torch_device, config.seed)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self.adapter_usage: dict[str, AdapterUsage] = {}
         if config.log_stats:
             print(f"[lora-serve] {config.model} on {config.torch_device} ({config.dtype}): KV cache "
                   f"{layout.bytes_per_token / 1024:.1f} KiB/token, {layout.num_blocks} blocks x {layout.block_size} "
@@ -130,6 +140,10 @@ class LLMEngine:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = (seq, detok)
         self.scheduler.add(seq)
+        if seq.adapter_id is not None:
+            usage = self.adapter_usage.setdefault(seq.adapter_id, AdapterUsage())
+            usage.requests += 1
+            usage.prompt_tokens += len(seq.prompt_token_ids)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -162,7 +176,26 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
                            self.block_manager.num_used_blocks, self.block_manager.num_blocks,
-                           self.scheduler.total_preemptions)
+                           self.scheduler.total_preemptions, self.scheduler.num_waiting_for_adapter(),
+                           self.adapter_slots.resident() if self.adapter_slots else [])
+
+    def adapter_stats(self) -> dict[str, dict]:
+        """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),
+        source reads and their mean latency, copies into a device slot."""
+        if self.adapters is None:
+            return {}
+        on_device = set(self.adapter_slots.resident())
+        stats = {}
+        for adapter_id in set(self.adapter_usage) | set(self.adapters.adapters):
+            usage = self.adapter_usage.get(adapter_id, AdapterUsage())
+            loads = self.adapters.load_counts.get(adapter_id, 0)
+            residence = "device" if adapter_id in on_device else "cpu" if adapter_id in self.adapters else "source"
+            stats[adapter_id] = {
+                "requests": usage.requests, "prompt_tokens": usage.prompt_tokens,
+                "generated_tokens": usage.generated_tokens, "residence": residence, "source_loads": loads,
+                "mean_load_s": self.adapters.load_seconds.get(adapter_id, 0.0) / loads if loads else None,
+                "slot_loads": self.adapter_slots.load_counts.get(adapter_id, 0)}
+        return stats
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
@@ -186,6 +219,8 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float | None,
                        top: list[dict[int, float]]) -> RequestOutput:
         seq.append_token(token)
+        if seq.adapter_id is not None:
+            self.adapter_usage[seq.adapter_id].generated_tokens += 1
         if logprob is not None:
             seq.logprobs.append(logprob)
         seq.top_logprobs.extend(top)

@@ -6,11 +6,15 @@ chunk of a long prompt), then waiting sequences are admitted while the token bud
 is free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has already produced. A request for a LoRA adapter is admitted
 only with a device slot for its adapter (so at most `max_loras` adapters run in one step); one
-that cannot get a slot yet keeps its place while the requests behind it are admitted.
+that cannot get a slot yet keeps its place while the requests behind it are admitted. That alone
+could starve it (a popular adapter's requests keep re-pinning its slot), so once such a request
+has waited `max_adapter_wait_s`, only base-model requests and requests of its own adapter may pass
+it: running requests finish, a slot drains, and it is admitted. Its wait is bounded.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,9 +47,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 adapter_slots: AdapterSlots | None = None):
+                 adapter_slots: AdapterSlots | None = None, max_adapter_wait_s: float = 1.0):
         self.block_manager = block_manager
         self.adapter_slots = adapter_slots
+        self.max_adapter_wait_s = max_adapter_wait_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -87,12 +92,14 @@ class Scheduler:
     def _admit_waiting(self, budget: int, adapter_loads: list[tuple[int, str]]) -> list[ScheduledSeq]:
         scheduled: list[ScheduledSeq] = []
         no_slot: list[Sequence] = []  # their adapter has no slot free now: they keep their place in line
+        starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
-            if seq.adapter_id is not None and not self._grant_slot(seq, adapter_loads):
+            may_pass = starving is None or seq.adapter_id in (None, starving)
+            if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, adapter_loads)):
                 no_slot.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -103,6 +110,23 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(no_slot))
         return scheduled
+
+    def _starving_adapter(self) -> str | None:
+        """The adapter of the oldest waiting request that has no slot and has waited too long, if any."""
+        if self.adapter_slots is None:
+            return None
+        now = time.perf_counter()
+        for seq in self.waiting:
+            if seq.adapter_id is not None and seq.adapter_id not in self.adapter_slots.slot_of:
+                return seq.adapter_id if now - seq.arrival_time >= self.max_adapter_wait_s else None
+        return None
+
+    def num_waiting_for_adapter(self) -> int:
+        """Waiting requests whose adapter is not in a device slot yet ("loading adapter")."""
+        if self.adapter_slots is None:
+            return 0
+        return sum(1 for seq in self.waiting
+                   if seq.adapter_id is not None and seq.adapter_id not in self.adapter_slots.slot_of)
 
     def _grant_slot(self, seq: Sequence, adapter_loads: list[tuple[int, str]]) -> bool:
         grant = self.adapter_slots.acquire(seq.adapter_id)

@@ -7,7 +7,7 @@ pinned and never evicted; among unpinned slots the least recently used one is re
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 
@@ -24,6 +24,7 @@ class AdapterSlots:
         self.pins = [0] * max_loras
         self.loads = 0
         self.evictions = 0
+        self.load_counts: defaultdict[str, int] = defaultdict(int)  # per adapter: copies into a slot
 
     def resident(self) -> list[str]:
         return list(self.slot_of)
@@ -41,6 +42,7 @@ class AdapterSlots:
         self.slot_of[adapter_id] = slot
         self.pins[slot] = 1
         self.loads += 1
+        self.load_counts[adapter_id] += 1
         return SlotGrant(slot, needs_load=True)
 
     def release(self, adapter_id: str) -> None:

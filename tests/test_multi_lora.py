@@ -93,3 +93,64 @@ def test_adapter_requires_lora_enabled(tiny_llama_path):
     llm = LLM(str(tiny_llama_path), log_stats=False)
     with pytest.raises(ValueError, match="max_loras"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=["any"])
+
+
+def _step_until_done(engine, request_id, feed, max_steps=300):
+    """Step the engine, calling feed() before every step; returns the step at which request_id finished."""
+    for step in range(max_steps):
+        feed()
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return step
+    return None
+
+
+@pytest.mark.parametrize("max_wait, bounded", [(float("inf"), False), (0.0, True)])
+def test_skewed_load_cannot_starve_a_cold_adapter(tiny_llama_path, tmp_path, max_wait, bounded):
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, name in enumerate(("hot", "cold")):
+        write_random_adapter(tmp_path / name, config, rank=4, seed=seed)
+    llm = LLM(str(tiny_llama_path), max_loras=1, max_num_seqs=4, adapters_root=str(tmp_path),
+              max_adapter_wait_s=max_wait, log_stats=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    hot = iter(range(10 ** 6))
+
+    def keep_hot_queue_full():  # staggered lengths, so some hot request always holds the only slot
+        while len(engine.scheduler.waiting) < 6:
+            n = next(hot)
+            engine.add_request(f"hot-{n}", PROMPTS[0], SamplingParams(max_tokens=4 + n % 7, temperature=0.0,
+                                                                      ignore_eos=True), "hot")
+
+    keep_hot_queue_full()
+    engine.step()
+    engine.add_request("cold", PROMPTS[1], params, "cold")
+    engine.step()
+    assert engine.stats().waiting_for_adapter == 1  # visible as "loading adapter"
+    finished_at = _step_until_done(engine, "cold", keep_hot_queue_full)
+    if bounded:
+        assert finished_at is not None and finished_at < 40
+    else:
+        assert finished_at is None, "without the bound the popular adapter starves the cold one"
+
+
+def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, name in enumerate(("a", "b", "c")):
+        write_random_adapter(tmp_path / name, config, rank=4, seed=seed)
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False, adapters=["a", "a", "b", None])
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["c"])  # evicts the least recently used: a
+    stats = llm.engine.adapter_stats()
+    assert stats["a"]["requests"] == 2 and stats["a"]["generated_tokens"] == 2 * GREEDY.max_tokens
+    assert stats["a"]["residence"] == "cpu" and stats["c"]["residence"] == "device"
+    assert stats["b"]["source_loads"] == 1 and stats["b"]["mean_load_s"] > 0
+    assert sorted(llm.engine.stats().resident_adapters) == ["b", "c"]
