@@ -31,8 +31,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
-        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides))
+    def __init__(self, config: EngineConfig | None = None, adapter_provider=None, **overrides):
+        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapter_provider)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}

@@ -67,7 +67,9 @@ class AdapterUsage:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, adapter_provider=None):
+        """adapter_provider: where adapters come from (`get(id) -> LoRAAdapter`); by default an in-process
+        CPU tier over config.adapter_source; in serving, the cluster's cache actor (lora_cache.actor)."""
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -82,7 +84,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
         self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
-        self.adapters = self._adapter_cache(config, hf_config) if config.max_loras else None
+        if adapter_provider is not None and not config.max_loras:
+            raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
+        self.adapters = adapter_provider or (self._adapter_cache(config, hf_config) if config.max_loras else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapter_slots, config.max_adapter_wait_s)
         self.sampler = Sampler(config.torch_device, config.seed)

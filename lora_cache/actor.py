@@ -1,0 +1,133 @@
+"""The cluster-wide adapter cache: one named Ray actor that loads adapters just in time.
+
+An adapter is read from its source once, validated, and kept in the Ray object store (the CPU
+tier, LRU by bytes within a budget). Replicas get an object reference and fetch the tensors from
+the object store, on any node, without touching the source again. Concurrent requests for one
+adapter share one load (single flight). The actor is restarted by Ray if it dies and reloads on
+demand; replicas keep serving the adapters they already hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import ray
+from transformers import AutoConfig
+
+from lora_cache.adapter import LoRAAdapter, load_adapter
+from lora_cache.sources import make_source, validate_adapter_id
+
+ACTOR_NAME = "lora-serve-adapter-cache"
+
+
+@dataclass
+class _Entry:
+    ref: ray.ObjectRef
+    nbytes: int
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
+class LoRACacheActor:
+    def __init__(self, base_model_path: str, adapter_source: str = "local", adapters_root: str | None = None,
+                 hub_cache: str | None = None, capacity_bytes: int = 4 << 30, max_adapter_bytes: int = 1 << 30):
+        self.hf_config = AutoConfig.from_pretrained(base_model_path)
+        self.source = make_source(adapter_source, adapters_root=adapters_root, hub_cache=hub_cache)
+        self.capacity_bytes = capacity_bytes
+        self.max_adapter_bytes = max_adapter_bytes
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.inflight: dict[str, asyncio.Future] = {}
+        self.load_counts: dict[str, int] = {}
+        self.load_seconds: dict[str, float] = {}
+        self.hits = self.misses = 0
+
+    async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
+        """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
+        entry = self.entries.get(adapter_id)
+        if entry is not None:
+            self.hits += 1
+            self.entries.move_to_end(adapter_id)
+            return [entry.ref]
+        self.misses += 1
+        if adapter_id not in self.inflight:  # single flight: later callers await the first caller's load
+            self.inflight[adapter_id] = asyncio.ensure_future(self._load(adapter_id))
+        try:
+            return [await asyncio.shield(self.inflight[adapter_id])]
+        finally:
+            if self.inflight.get(adapter_id) is not None and self.inflight[adapter_id].done():
+                self.inflight.pop(adapter_id, None)
+
+    async def _load(self, adapter_id: str) -> ray.ObjectRef:
+        start = time.perf_counter()
+        adapter = await asyncio.to_thread(self._read, adapter_id)
+        ref = ray.put(adapter)
+        self.entries[adapter_id] = _Entry(ref, adapter.nbytes)
+        self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
+        self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
+        self._evict_beyond_capacity()
+        return ref
+
+    def _read(self, adapter_id: str) -> LoRAAdapter:
+        folder = self.source.locate(validate_adapter_id(adapter_id))
+        return load_adapter(adapter_id, folder, self.hf_config, self.max_adapter_bytes)
+
+    def _evict_beyond_capacity(self) -> None:
+        while len(self.entries) > 1 and sum(e.nbytes for e in self.entries.values()) > self.capacity_bytes:
+            self.entries.popitem(last=False)  # the object store frees it once no replica holds the ref
+
+    def stats(self) -> dict:
+        return {"adapters": {a: {"nbytes": e.nbytes} for a, e in self.entries.items()},
+                "bytes": sum(e.nbytes for e in self.entries.values()), "capacity_bytes": self.capacity_bytes,
+                "hits": self.hits, "misses": self.misses, "load_counts": dict(self.load_counts),
+                "load_seconds": dict(self.load_seconds)}
+
+
+def get_or_create_cache_actor(base_model_path: str, namespace: str | None = None, **options) -> ray.actor.ActorHandle:
+    """The one named, detached cache actor of this Ray cluster (created on first use)."""
+    return LoRACacheActor.options(name=ACTOR_NAME, namespace=namespace, lifetime="detached",
+                                  get_if_exists=True).remote(base_model_path, **options)
+
+
+class RayAdapterCache:
+    """The engine's adapter provider in serving: asks the cache actor, keeps a process-local copy.
+
+    Same interface as LocalAdapterCache (`get`, `in`, per-adapter load counts), so the engine does not
+    know which one it has. A call is retried once if the actor died in between (Ray restarts it).
+    """
+
+    def __init__(self, actor: ray.actor.ActorHandle):
+        self.actor = actor
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # process-local copies, newest last
+        self.load_counts: dict[str, int] = {}
+        self.load_seconds: dict[str, float] = {}
+        self.max_local = 64
+
+    def get(self, adapter_id: str) -> LoRAAdapter:
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            start = time.perf_counter()
+            adapter = self._fetch(adapter_id)
+            self.adapters[adapter_id] = adapter
+            self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
+            self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
+            while len(self.adapters) > self.max_local:
+                self.adapters.popitem(last=False)
+        self.adapters.move_to_end(adapter_id)
+        return adapter
+
+    def _fetch(self, adapter_id: str) -> LoRAAdapter:
+        for attempt in range(2):
+            try:
+                [ref] = ray.get(self.actor.get.remote(adapter_id))
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:  # the load itself failed: the adapter is bad
+                raise exc.as_instanceof_cause() from None
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def __contains__(self, adapter_id: str) -> bool:
+        return adapter_id in self.adapters

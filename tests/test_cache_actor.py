@@ -1,0 +1,100 @@
+"""The Ray adapter cache actor: single flight, LRU by bytes, restart after death, errors, engine use."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from lora_cache.actor import LoRACacheActor, RayAdapterCache
+from lora_cache.adapter import AdapterError
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def adapters_root(tiny_llama_path, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    root = tmp_path_factory.mktemp("actor-adapters")
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, name in enumerate(("a", "b", "c")):
+        write_random_adapter(root / name, config, rank=4, seed=seed)
+    (root / "pickled").mkdir()
+    (root / "pickled" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    (root / "pickled" / "adapter_model.bin").write_bytes(b"not really a pickle")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray-actor")))
+    yield
+    ray.shutdown()
+
+
+def _actor(tiny_llama_path, adapters_root, **options):
+    return LoRACacheActor.remote(str(tiny_llama_path), adapters_root=str(adapters_root), **options)
+
+
+def test_concurrent_requests_cause_one_load(ray_cluster, tiny_llama_path, adapters_root):
+    actor = _actor(tiny_llama_path, adapters_root)
+    refs = ray.get([actor.get.remote("a") for _ in range(8)])
+    assert len({r[0].hex() for r in refs}) == 1
+    stats = ray.get(actor.stats.remote())
+    assert stats["load_counts"] == {"a": 1} and stats["misses"] >= 1
+
+
+def test_lru_eviction_by_bytes(ray_cluster, tiny_llama_path, adapters_root):
+    probe = _actor(tiny_llama_path, adapters_root)
+    ray.get(probe.get.remote("a"))
+    one = ray.get(probe.stats.remote())["bytes"]
+    actor = _actor(tiny_llama_path, adapters_root, capacity_bytes=2 * one)
+    for name in ("a", "b", "a", "c"):  # "a" was used after "b": "b" is the least recently used
+        ray.get(actor.get.remote(name))
+    stats = ray.get(actor.stats.remote())
+    assert sorted(stats["adapters"]) == ["a", "c"] and stats["bytes"] <= 2 * one
+    ray.get(actor.get.remote("b"))
+    assert ray.get(actor.stats.remote())["load_counts"]["b"] == 2
+
+
+def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root):
+    actor = _actor(tiny_llama_path, adapters_root)
+    client = RayAdapterCache(actor)
+    held = client.get("a")
+    ray.kill(actor, no_restart=False)
+    assert client.get("a") is held  # served from the replica's own copy while the actor restarts
+    fresh = client.get("b")  # the restarted actor loads on demand
+    assert fresh.adapter_id == "b"
+    assert ray.get(actor.stats.remote())["load_counts"] == {"b": 1}
+
+
+def test_bad_adapter_error_reaches_the_replica_with_its_reason(ray_cluster, tiny_llama_path, adapters_root):
+    client = RayAdapterCache(_actor(tiny_llama_path, adapters_root))
+    with pytest.raises(AdapterError, match="pickled"):
+        client.get("pickled")
+    with pytest.raises(AdapterError, match="not found"):
+        client.get("nope")
+    with pytest.raises(ValueError, match=r"\.\."):
+        client.get("../a")
+
+
+def test_engine_through_actor_equals_local_cache(ray_cluster, tiny_llama_path, adapters_root):
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    adapters = ["a", None, "b", "c"]
+    local = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    expected = [o.token_ids for o in local.generate(PROMPTS[:4], params, use_tqdm=False, adapters=adapters)]
+    from engine import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    provider = RayAdapterCache(_actor(tiny_llama_path, adapters_root))
+    engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider)
+    for i, (prompt, adapter) in enumerate(zip(PROMPTS[:4], adapters)):
+        engine.add_request(str(i), prompt, params, adapter)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [outputs[str(i)] for i in range(4)] == expected
