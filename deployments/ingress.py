@@ -16,9 +16,10 @@ app = FastAPI(title="lora-serve")
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, llm_server: DeploymentHandle, model_name: str):
+    def __init__(self, llm_server: DeploymentHandle, model_name: str, adapter_source: str = "local"):
         self.llm = llm_server.options(stream=True)
         self.model_name = model_name
+        self.adapter_source = adapter_source
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -58,8 +59,17 @@ class Ingress:
             return JSONResponse({"error": first["error"], "error_type": "validation"}, status_code=400)
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
 
+    async def _refused(self, reason: str) -> AsyncIterator[dict]:
+        yield {"error": reason}
+
     def _events(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        return self.llm.generate.remote(request.inputs, request.parameters.to_sampling_params())
+        source = request.parameters.adapter_source
+        if source is not None and source != self.adapter_source:
+            return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
+                                 f"from {self.adapter_source!r}")
+        adapter = request.parameters.adapter_id or ""  # the multiplexed model id: routes to replicas holding it
+        return self.llm.options(multiplexed_model_id=adapter).generate.remote(
+            request.inputs, request.parameters.to_sampling_params())
 
     async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:
         event = first

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling import SamplingParams
@@ -21,6 +23,8 @@ class GenerateParameters(BaseModel):
     ignore_eos_token: bool = False
     return_full_text: bool = False
     details: bool = False
+    adapter_id: str | None = Field(None, min_length=1, description="LoRA adapter; none for the base model")
+    adapter_source: Literal["local", "hub"] | None = None
 
     @field_validator("stop")
     @classmethod

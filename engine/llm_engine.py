@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -124,11 +125,12 @@ class LLMEngine:
                         adapter_id: str | None = None) -> tuple[Sequence, IncrementalDetokenizer]:
         """Validate, tokenize and fetch the adapter into the CPU tier, without touching the running batch
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
+        arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
         token_ids = self._tokenize(prompt)
         if adapter_id is not None:
             self._check_adapter(adapter_id)
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None,
-                       adapter_id=adapter_id)
+                       adapter_id=adapter_id, arrival_time=arrival)
         return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
 
     def _check_adapter(self, adapter_id: str) -> None:

@@ -31,9 +31,10 @@ class _Entry:
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
-    def __init__(self, base_model_path: str, adapter_source: str = "local", adapters_root: str | None = None,
+    def __init__(self, base_config: dict, adapter_source: str = "local", adapters_root: str | None = None,
                  hub_cache: str | None = None, capacity_bytes: int = 4 << 30, max_adapter_bytes: int = 1 << 30):
-        self.hf_config = AutoConfig.from_pretrained(base_model_path)
+        # The base model's config as a dict: the actor may live on a node without the model's files.
+        self.hf_config = AutoConfig.for_model(**base_config)
         self.source = make_source(adapter_source, adapters_root=adapters_root, hub_cache=hub_cache)
         self.capacity_bytes = capacity_bytes
         self.max_adapter_bytes = max_adapter_bytes
@@ -84,10 +85,9 @@ class LoRACacheActor:
                 "load_seconds": dict(self.load_seconds)}
 
 
-def get_or_create_cache_actor(base_model_path: str, namespace: str | None = None, **options) -> ray.actor.ActorHandle:
-    """The one named, detached cache actor of this Ray cluster (created on first use)."""
-    return LoRACacheActor.options(name=ACTOR_NAME, namespace=namespace, lifetime="detached",
-                                  get_if_exists=True).remote(base_model_path, **options)
+def get_or_create_cache_actor(base_config: dict, name: str = ACTOR_NAME, **options) -> ray.actor.ActorHandle:
+    """The one named, detached cache actor of this Ray cluster (created by the first replica that asks)."""
+    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(base_config, **options)
 
 
 class RayAdapterCache:

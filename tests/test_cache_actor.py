@@ -37,7 +37,10 @@ def ray_cluster(tmp_path_factory):
 
 
 def _actor(tiny_llama_path, adapters_root, **options):
-    return LoRACacheActor.remote(str(tiny_llama_path), adapters_root=str(adapters_root), **options)
+    from transformers import AutoConfig
+
+    base_config = AutoConfig.from_pretrained(tiny_llama_path).to_dict()
+    return LoRACacheActor.remote(base_config, adapters_root=str(adapters_root), **options)
 
 
 def test_concurrent_requests_cause_one_load(ray_cluster, tiny_llama_path, adapters_root):

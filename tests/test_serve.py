@@ -21,7 +21,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
+def adapters_root(tiny_llama_path, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    root = tmp_path_factory.mktemp("serve-adapters")
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, name in enumerate(("alpha", "beta")):
+        write_random_adapter(root / name, config, rank=4, seed=seed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, adapters_root, tmp_path_factory):
     import ray
     from ray import serve
 
@@ -30,8 +43,8 @@ def server(tiny_llama_path, tmp_path_factory):
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": {"model": str(tiny_llama_path), "log_stats": False}}), name="lora-serve",
-              route_prefix="/")
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root)}
+    serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -81,3 +94,26 @@ def test_malformed_json_is_422(server):
     r = requests.post(f"{server}/generate", data="{not json", headers={"content-type": "application/json"},
                       timeout=60)
     assert r.status_code == 422
+
+
+def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    for adapter in ("alpha", "beta", None):
+        expected = llm.generate([PROMPTS[2]], params, use_tqdm=False, adapters=[adapter])[0]
+        body = {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 10, "details": True, "adapter_id": adapter,
+                                                      "adapter_source": "local"}}
+        r = requests.post(f"{server}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == expected.token_ids, adapter
+
+
+@pytest.mark.parametrize("parameters, words", [
+    ({"adapter_id": "missing"}, "not found"),
+    ({"adapter_id": "../alpha"}, ".."),
+    ({"adapter_id": "alpha", "adapter_source": "hub"}, "not served here"),
+])
+def test_bad_adapter_requests_get_400_with_reason(server, parameters, words):
+    r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2, **parameters}},
+                      timeout=60)
+    assert r.status_code == 400 and words in r.text, r.text

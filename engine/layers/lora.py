@@ -86,10 +86,17 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
-        grouped = x[batch.gather_index].to(self.lora_a.dtype)  # [segments, longest, in]
-        delta = torch.bmm(torch.bmm(grouped, self.lora_a[batch.slots]), self.lora_b[batch.slots])
+        segments, longest = batch.gather_index.shape
+        grouped = x.index_select(0, batch.gather_index.view(-1)).view(segments, longest, -1).to(self.lora_a.dtype)
+        delta = torch.bmm(torch.bmm(grouped, self._slot_weights(self.lora_a, batch.slots)),
+                          self._slot_weights(self.lora_b, batch.slots))
         delta = delta.flatten(0, 1).index_select(0, batch.valid_positions)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
+
+    @staticmethod
+    def _slot_weights(stack: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+        # index_select copies whole rows; advanced indexing of a 3-D tensor was ~2x slower here
+        return stack[slots] if isinstance(slots, slice) else stack.index_select(0, slots)
 
     @torch.no_grad()
     def load_slot(self, slot: int, weights: dict) -> None:
