@@ -13,6 +13,15 @@ from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest
 app = FastAPI(title="lora-serve")
 
 
+class RequestRefused(Exception):
+    """The engine refused the request (bad prompt, unknown or invalid adapter, ...): HTTP 400 with the reason."""
+
+
+@app.exception_handler(RequestRefused)
+async def _refused_response(_, exc: RequestRefused) -> JSONResponse:
+    return JSONResponse({"error": str(exc), "error_type": "validation"}, status_code=400)
+
+
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
@@ -39,9 +48,7 @@ class Ingress:
     @app.post("/generate")
     async def generate(self, request: GenerateRequest):
         events = self._events(request)
-        first = await events.__anext__()
-        if "error" in first:
-            return JSONResponse({"error": first["error"], "error_type": "validation"}, status_code=400)
+        first = await self._first_event(events)
         tokens, last = [first], first
         async for event in events:
             tokens.append(event)
@@ -54,10 +61,16 @@ class Ingress:
     @app.post("/generate_stream")
     async def generate_stream(self, request: GenerateRequest):
         events = self._events(request)
+        first = await self._first_event(events)
+        return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
+
+    @staticmethod
+    async def _first_event(events) -> dict:
+        """The first token event; a refusal arrives as the only event and becomes HTTP 400."""
         first = await events.__anext__()
         if "error" in first:
-            return JSONResponse({"error": first["error"], "error_type": "validation"}, status_code=400)
-        return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
+            raise RequestRefused(first["error"])
+        return first
 
     async def _refused(self, reason: str) -> AsyncIterator[dict]:
         yield {"error": reason}
