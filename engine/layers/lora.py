@@ -29,7 +29,7 @@ class LoRABatch:
     """Tokens grouped by adapter slot; built once per step, shared by every LoRA layer."""
     gather_index: torch.Tensor  # [segments, longest]: token rows, padded with row 0
     slots: torch.Tensor | slice  # [segments]; a slice when the slots are contiguous (weights are then a view)
-    valid_positions: torch.Tensor  # positions in the flattened [segments * longest] that are real tokens
+    valid_positions: torch.Tensor | None  # real tokens' positions in the flat [segments * longest]; None: no padding
     token_rows: torch.Tensor  # the token row of each valid position, same order
 
 
@@ -62,7 +62,8 @@ def build_lora_batch(token_slots: list[int], device: torch.device) -> LoRABatch 
     slots = list(rows_by_slot)
     contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
     slot_index = slice(slots[0], slots[-1] + 1) if contiguous else tensor(slots)
-    return LoRABatch(tensor(gather), slot_index, tensor(valid), tensor(token_rows))
+    padded = len(valid) < len(slots) * longest
+    return LoRABatch(tensor(gather), slot_index, tensor(valid) if padded else None, tensor(token_rows))
 
 
 class LoRALinear(nn.Module):
@@ -90,7 +91,9 @@ class LoRALinear(nn.Module):
         grouped = x.index_select(0, batch.gather_index.view(-1)).view(segments, longest, -1).to(self.lora_a.dtype)
         delta = torch.bmm(torch.bmm(grouped, self._slot_weights(self.lora_a, batch.slots)),
                           self._slot_weights(self.lora_b, batch.slots))
-        delta = delta.flatten(0, 1).index_select(0, batch.valid_positions)
+        delta = delta.flatten(0, 1)
+        if batch.valid_positions is not None:
+            delta = delta.index_select(0, batch.valid_positions)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
     @staticmethod
