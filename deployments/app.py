@@ -19,7 +19,7 @@ class AppArgs(BaseModel):
 def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs(**(args or {}))
-        engine_config = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
+        EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
     except (ValidationError, TypeError, ValueError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
-    return Ingress.bind(LLMServer.bind(parsed.engine), engine_config.model, engine_config.adapter_source)
+    return Ingress.bind(LLMServer.bind(parsed.engine), parsed.engine)

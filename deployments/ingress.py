@@ -1,14 +1,22 @@
-"""HTTP ingress (FastAPI through @serve.ingress): LoRAX / TGI style generate and SSE streaming."""
+"""HTTP ingress (FastAPI through @serve.ingress): LoRAX / TGI and OpenAI-compatible routes, with SSE streaming."""
 
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+import ray
+
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import openai_protocol as oai
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest
+from engine import EngineConfig, SamplingParams
+from engine.model_files import resolve_model
+from lora_cache.actor import ACTOR_NAME
 
 app = FastAPI(title="lora-serve")
 
@@ -17,18 +25,40 @@ class RequestRefused(Exception):
     """The engine refused the request (bad prompt, unknown or invalid adapter, ...): HTTP 400 with the reason."""
 
 
+def _error_response(request: Request, message: str) -> JSONResponse:
+    """HTTP 400 in the error shape each API's clients parse."""
+    if request.url.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    else:
+        body = {"error": message, "error_type": "validation"}
+    return JSONResponse(body, status_code=400)
+
+
 @app.exception_handler(RequestRefused)
-async def _refused_response(_, exc: RequestRefused) -> JSONResponse:
-    return JSONResponse({"error": str(exc), "error_type": "validation"}, status_code=400)
+async def _refused_response(request: Request, exc: RequestRefused) -> JSONResponse:
+    return _error_response(request, str(exc))
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):  # OpenAI answers invalid parameters with 400
+        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
+        return _error_response(request, reasons)
+    return await request_validation_exception_handler(request, exc)
 
 
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, llm_server: DeploymentHandle, model_name: str, adapter_source: str = "local"):
+    def __init__(self, llm_server: DeploymentHandle, engine: dict | None = None):
+        from transformers import AutoTokenizer
+
+        config = EngineConfig.from_overrides(**(engine or {}))
         self.llm = llm_server.options(stream=True)
-        self.model_name = model_name
-        self.adapter_source = adapter_source
+        self.model_name = config.model
+        self.adapter_source = config.adapter_source
+        self.lora_enabled = config.max_loras > 0
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.model_cache_dir))
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -55,7 +85,7 @@ class Ingress:
             last = event
         body = {"generated_text": self._full_text(request, last["generated_text"])}
         if request.parameters.details:
-            body["details"] = self._details(last, tokens)
+            body["details"] = self._details(request, last, tokens)
         return body
 
     @app.post("/generate_stream")
@@ -72,7 +102,8 @@ class Ingress:
             raise RequestRefused(first["error"])
         return first
 
-    async def _refused(self, reason: str) -> AsyncIterator[dict]:
+    @staticmethod
+    async def _refused(reason: str) -> AsyncIterator[dict]:
         yield {"error": reason}
 
     def _events(self, request: GenerateRequest) -> AsyncIterator[dict]:
@@ -80,9 +111,60 @@ class Ingress:
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
                                  f"from {self.adapter_source!r}")
-        adapter = request.parameters.adapter_id or ""  # the multiplexed model id: routes to replicas holding it
-        return self.llm.options(multiplexed_model_id=adapter).generate.remote(
-            request.inputs, request.parameters.to_sampling_params())
+        return self._stream(request.inputs, request.parameters.to_sampling_params(), request.parameters.adapter_id)
+
+    def _stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> AsyncIterator[dict]:
+        # The adapter travels as the multiplexed model id, so Serve routes to replicas that hold it.
+        return self.llm.options(multiplexed_model_id=adapter or "").generate.remote(prompt, params)
+
+    # ---- OpenAI-compatible API: `model` names the base model or an adapter id ----
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        ids = [self.model_name] + await self._known_adapters()
+        return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "lora-serve",
+                                            "parent": None if i == self.model_name else self.model_name}
+                                           for i in ids]}
+
+    async def _known_adapters(self) -> list[str]:
+        if not self.lora_enabled:
+            return []
+        try:
+            stats = await ray.get_actor(ACTOR_NAME).stats.remote()
+        except ValueError:  # no replica has created the cache actor yet
+            return []
+        return sorted(set(stats["adapters"]) | set(stats["load_counts"]))
+
+    @app.post("/v1/completions")
+    async def completions(self, request: oai.CompletionRequest):
+        return await self._openai(request, request.text, 16, "cmpl", oai.completion_body, oai.completion_chunk)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: oai.ChatRequest):
+        messages = [m.model_dump() for m in request.messages]
+        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return await self._openai(request, prompt, 256, "chatcmpl", oai.chat_body, oai.chat_chunk)
+
+    async def _openai(self, request: oai.OpenAISampling, prompt: str, default_max_tokens: int, prefix: str,
+                      body, chunk):
+        adapter = None if request.model == self.model_name else request.model
+        events = self._stream(prompt, request.to_sampling_params(default_max_tokens), adapter)
+        first = await self._first_event(events)
+        cid = oai.completion_id(prefix)
+        if request.stream:
+            return StreamingResponse(self._openai_sse(cid, request.model, first, events, chunk),
+                                     media_type="text/event-stream")
+        last = first
+        async for event in events:
+            last = event
+        return body(cid, request.model, last["generated_text"], last)
+
+    @staticmethod
+    async def _openai_sse(cid: str, model: str, first: dict, events, chunk) -> AsyncIterator[str]:
+        yield f"data: {json.dumps(chunk(cid, model, first, True))}\n\n"
+        async for event in events:
+            yield f"data: {json.dumps(chunk(cid, model, event, False))}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:
         event = first
@@ -93,6 +175,7 @@ class Ingress:
             if event["finished"]:
                 payload["generated_text"] = self._full_text(request, event["generated_text"])
                 payload["details"] = {"finish_reason": TGI_FINISH_REASONS[event["finish_reason"]],
+                                      "prompt_tokens": event["prompt_tokens"],
                                       "generated_tokens": event["generated_tokens"], "seed": request.parameters.seed}
             yield f"data:{json.dumps(payload)}\n\n"
             if event["finished"]:
@@ -103,9 +186,12 @@ class Ingress:
     def _full_text(request: GenerateRequest, generated: str) -> str:
         return request.inputs + generated if request.parameters.return_full_text else generated
 
-    @staticmethod
-    def _details(last: dict, events: list[dict]) -> dict:
+    def _details(self, request: GenerateRequest, last: dict, events: list[dict]) -> dict:
+        prefill = []
+        if request.parameters.decoder_input_details:
+            prefill = [{"id": t, "text": self.tokenizer.decode([t]), "logprob": None} for t in last["prompt_token_ids"]]
         return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
                 "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
+                "seed": request.parameters.seed, "prefill": prefill,
                 "tokens": [{"id": e["token_id"], "text": e["text"], "logprob": e["logprob"], "special": False}
                            for e in events]}

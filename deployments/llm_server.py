@@ -66,6 +66,7 @@ class LLMServer:
                 "generated_text": out.text if out.finished else None,
                 "generated_tokens": len(out.token_ids),
                 "prompt_tokens": len(out.prompt_token_ids),
+                "prompt_token_ids": out.prompt_token_ids if out.finished else None,
             }
 
     def stats(self) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling import SamplingParams
 
@@ -25,6 +25,27 @@ class GenerateParameters(BaseModel):
     details: bool = False
     adapter_id: str | None = Field(None, min_length=1, description="LoRA adapter; none for the base model")
     adapter_source: Literal["local", "hub"] | None = None
+    # LoRAX clients send these (usually null or false); set to anything else they are refused by name below.
+    decoder_input_details: bool = False  # prompt tokens (ids and text, no logprobs) in details.prefill
+    api_token: str | None = None
+    merged_adapters: dict | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    best_of: int | None = None
+    watermark: bool = False
+    return_k_alternatives: int | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        unsupported = {"merged_adapters": self.merged_adapters, "truncate": self.truncate,
+                       "typical_p": self.typical_p, "best_of": self.best_of if self.best_of != 1 else None,
+                       "watermark": self.watermark or None, "return_k_alternatives": self.return_k_alternatives,
+                       "response_format": self.response_format}
+        named = [name for name, value in unsupported.items() if value is not None]
+        if named:
+            raise ValueError(f"not supported yet: {', '.join(named)}")
+        return self
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,104 @@
+"""Pydantic models and response shapes of the OpenAI-compatible API (completions, chat, models)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.sampling import SamplingParams
+
+FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
+
+
+class OpenAISampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
+                              logprobs=0)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str]
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError("prompt must be a string or a list of exactly one string")
+        if not self.text:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(last: dict) -> dict:
+    return {"prompt_tokens": last["prompt_tokens"], "completion_tokens": last["generated_tokens"],
+            "total_tokens": last["prompt_tokens"] + last["generated_tokens"]}
+
+
+def completion_body(cid: str, model: str, text: str, last: dict) -> dict:
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
+            "usage": usage(last)}
+
+
+def chat_body(cid: str, model: str, text: str, last: dict) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
+            "usage": usage(last)}
+
+
+def completion_chunk(cid: str, model: str, event: dict, first: bool) -> dict:
+    reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": event["text"], "logprobs": None, "finish_reason": reason}]}
+
+
+def chat_chunk(cid: str, model: str, event: dict, first: bool) -> dict:
+    reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
+    delta = {"role": "assistant", "content": event["text"]} if first else {"content": event["text"]}
+    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
