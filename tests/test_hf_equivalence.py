@@ -65,3 +65,14 @@ def test_token_id_prompts_and_chunked_prefill(tiny_llama_path, tokenizer):
                        use_tqdm=False)[0]
     assert len(tokenizer(prompt).input_ids) > 32
     assert out.token_ids == reference
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_keeps_real_answers(smollm2_path):
+    """bf16 must stay close enough to fp32 that the instruct model still answers (a precision regression test)."""
+    llm = LLM(str(smollm2_path), dtype="bfloat16", log_stats=False)
+    questions = ["What is the capital of France?", "What is the capital of Japan?"]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert "Paris" in outs[0].text and "Tokyo" in outs[1].text, [o.text for o in outs]

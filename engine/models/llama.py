@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op; it accumulates in float32 for low-precision inputs, as transformers does.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in float32 and scale in the model dtype, as transformers does: F.rms_norm on a bf16 input
+        # lost enough precision here to turn SmolLM2's "Paris" into nonsense.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
