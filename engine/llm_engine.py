@@ -55,16 +55,16 @@ class EngineStats:
     waiting_for_adapter: int = 0  # waiting requests whose adapter is not in a device slot yet
     resident_adapters: list[str] = field(default_factory=list)
 
+    @property
+    def kv_utilisation(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
 
 @dataclass
 class AdapterUsage:
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-
-    @property
-    def kv_utilisation(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
 
 
 class LLMEngine:
@@ -78,9 +78,10 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         model_len = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
-        self.runner = ModelRunner(config, path, hf_config, min(config.max_model_len or model_len, model_len))
+        model_len = min(config.max_model_len or model_len, model_len)
+        self.runner = ModelRunner(config, path, hf_config, model_len)
         layout = self.runner.layout
-        self.max_model_len = min(config.max_model_len or model_len, model_len, layout.token_capacity)
+        self.max_model_len = min(model_len, layout.token_capacity)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size)

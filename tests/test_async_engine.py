@@ -51,6 +51,7 @@ def test_abort_frees_blocks_and_closing_stream_aborts(engine):
         stream = engine.generate("to-abort", PROMPTS[1], _params(10_000))
         await stream.__anext__()
         assert engine.stats().running == 1 and engine.stats().kv_blocks_used > 0
+        assert 0 < engine.stats().kv_utilisation < 1
         await engine.abort("to-abort")
         assert engine.stats().kv_blocks_used == 0
         await stream.aclose()
