@@ -1,140 +1,219 @@
-"""The multi-LoRA lesson of the "Efficiently Serving LLMs" course, on a toy model, next to lora-serve's LoRA layer.
+"""The multi-LoRA lesson of the "Efficiently Serving LLMs" course, on its own toy model, next to lora-serve's layer.
 
-The toy model is one linear layer (hidden 1024 -> 1024; the course itself used hidden 10 so that the base matmul
-stays negligible on CPU, measured here too) and many LoRA adapters of rank 2..8. Each row of a batch is one request
-decoding one token with its own adapter. Three ways to add the per-row LoRA delta, plus the base linear alone:
+The course's toy model: an embedding (vocabulary 10), one linear layer carrying the LoRA, an lm_head, hidden size
+10 ("so low to ensure we are not compute-bound by the linear layer" on CPU), 64 random LoRAs of rank 2, prompts of
+8 tokens; one request per batch row, each with a uniformly drawn LoRA. The timed call is the course's
+`generate_token`: forward, argmax of the last position, detokenize. Three ways to add the per-row LoRA delta:
 
-  loop      the course's first version: one row at a time, y[i] += x[i] @ A[idx] @ B[idx]
-  gathered  the course's second version: index_select each row's A and B (padded to the top rank), two batched bmm
-  lora-serve engine.layers.lora.LoRALinear: rows grouped by adapter slot (one weight copy per adapter, not per row),
-            its per-step batch built by build_lora_batch inside the timed call (and, as a fourth line, prebuilt:
-            the engine builds it once per step for all of its LoRA layers)
+  loop        the course's first version: one row at a time, y[i] += x[i] @ A[idx] @ B[idx]
+  gathered    the course's second version: index_select each row's A and B, then batched matmuls
+  lora-serve  engine.layers.lora.LoRALinear: rows grouped by adapter slot (one weight copy per adapter, not per
+              row); its step batch is built by build_lora_batch inside every timed call
+
+The same model at hidden 1024 (the course's single-LoRA lesson size) shows where the base matmul takes over.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.layers.lora import LoRALinear, LoRAStepState, LoRASubModule, build_lora_batch
+from benchmarks.common import fmt, markdown_table
+from engine.layers.lora import LoRALinear, LoRASubModule
+from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
 
-HIDDEN = 1024
-COURSE_HIDDEN = 10  # the course's own toy size
-NUM_ADAPTERS = 64
-MAX_RANK = 8
+COURSE_HIDDEN, WIDE_HIDDEN = 10, 1024
+VOCAB, SEQ_LEN, NUM_LORAS, RANK = 10, 8, 64, 2
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-METHODS = ("loop (course)", "gathered (course)", "lora-serve LoRALinear")
-PREBUILT = "lora-serve, batch prebuilt"  # as in the engine: one build_lora_batch per step serves every layer
-BASE = "base linear only (no LoRA)"
+METHODS = ("loop (course)", "gathered (course)", "lora-serve")
+PREBUILT = "lora-serve, step batch prebuilt"  # the engine builds it once per step for all of its LoRA linears
+DETOKENIZER = ["red", "orange", "yellow", "green", "blue", "indigo", "violet", "magenta", "marigold", "chartreuse"]
 CPU = torch.device("cpu")
 
 
-@dataclass
-class ToyLoRAModel:
-    """One base linear plus NUM_ADAPTERS adapters, stored the way each of the three methods wants them."""
-    base: nn.Linear
-    a: list[torch.Tensor]  # per adapter [in, r], unpadded (the loop)
-    b: list[torch.Tensor]  # per adapter [r, out]
-    a_stacked: torch.Tensor  # [adapters, in, MAX_RANK], zero-padded ranks (the gathered version)
-    b_stacked: torch.Tensor  # [adapters, MAX_RANK, out]
-    lora: LoRALinear  # lora-serve's layer, adapter i in slot i
-    state: LoRAStepState = field(default_factory=LoRAStepState)
+class ToyMultiLoraModel(nn.Module):
+    """The course's AbstractMultiLoraModel, with the three linear_lora versions selected by name."""
+
+    def __init__(self, hidden: int, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(VOCAB, hidden)
+        self.linear = nn.Linear(hidden, hidden)
+        self.lm_head = nn.Linear(hidden, VOCAB)
+        self.loras_a = torch.randn(NUM_LORAS, hidden, RANK)  # the course's layout: [loras, in, r] and [loras, r, out]
+        self.loras_b = torch.randn(NUM_LORAS, RANK, hidden)
+        self.lora_state = LoRAStepState()
+        self.lora_linear = LoRALinear(self.linear, hidden, [LoRASubModule("linear", hidden)], self.lora_state,
+                                      NUM_LORAS, RANK, torch.float32, CPU)
+        for slot in range(NUM_LORAS):  # lora-serve's (PEFT's) convention: A [r, in], B [out, r]
+            weights = SimpleNamespace(lora_a=self.loras_a[slot].t(), lora_b=self.loras_b[slot].t(), scaling=1.0)
+            self.lora_linear.load_slot(slot, {"linear": weights})
+        self.method = METHODS[0]
+
+    def forward(self, input_ids: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(input_ids)
+        x = LINEAR_LORA[self.method](self, x, lora_indices)
+        return self.lm_head(x)
 
 
-def build_toy(hidden: int = HIDDEN, num_adapters: int = NUM_ADAPTERS, seed: int = 0) -> ToyLoRAModel:
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    base = nn.Linear(hidden, hidden).eval()
-    ranks = [2 + i % (MAX_RANK - 1) for i in range(num_adapters)]  # 2, 3, ..., 8, 2, 3, ...
-    a = [torch.randn(hidden, r, generator=gen) / hidden ** 0.5 for r in ranks]
-    b = [torch.randn(r, hidden, generator=gen) * 0.02 for r in ranks]
-    a_stacked = torch.zeros(num_adapters, hidden, MAX_RANK)
-    b_stacked = torch.zeros(num_adapters, MAX_RANK, hidden)
-    for i, r in enumerate(ranks):
-        a_stacked[i, :, :r], b_stacked[i, :r] = a[i], b[i]
-    state = LoRAStepState()
-    lora = LoRALinear(base, hidden, [LoRASubModule("m", 0, hidden)], state, num_adapters, MAX_RANK,
-                      torch.float32, CPU)
-    for slot in range(num_adapters):  # lora-serve's convention: lora_a [r, in], lora_b [out, r], scaling
-        weights = SimpleNamespace(lora_a=a[slot].t().contiguous(), lora_b=b[slot].t().contiguous(), scaling=1.0)
-        lora.load_slot(slot, {"m": weights})
-    return ToyLoRAModel(base, a, b, a_stacked, b_stacked, lora, state)
-
-
-def loop_forward(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
-    y = toy.base(x)
-    for row, adapter in enumerate(lora_indices.tolist()):
-        y[row] += x[row] @ toy.a[adapter] @ toy.b[adapter]
+def loop_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
+    y = model.linear(x)
+    for batch_idx, lora_idx in enumerate(lora_indices.numpy()):
+        y[batch_idx] += x[batch_idx] @ model.loras_a[lora_idx] @ model.loras_b[lora_idx]
     return y
 
 
-def gathered_forward(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
-    y = toy.base(x)
-    a = torch.index_select(toy.a_stacked, 0, lora_indices)  # [batch, in, r]: one weight copy per row
-    b = torch.index_select(toy.b_stacked, 0, lora_indices)  # [batch, r, out]
-    y += torch.bmm(torch.bmm(x.unsqueeze(1), a), b).squeeze(1)
+def gathered_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
+    y = model.linear(x)
+    lora_a = torch.index_select(model.loras_a, 0, lora_indices)  # [batch, in, r]: a weight copy per row
+    lora_b = torch.index_select(model.loras_b, 0, lora_indices)
+    y += x @ lora_a @ lora_b
     return y
 
 
-def lora_serve_forward(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
-    toy.state.batch = build_lora_batch(lora_indices.tolist(), CPU)
-    return toy.lora(x)
+def build_step_batch(model: ToyMultiLoraModel, lora_indices: torch.Tensor) -> None:
+    runs = [(i, SEQ_LEN) for i in lora_indices.tolist()]
+    model.lora_state.batch = build_lora_batch(runs, CPU, padding_allowance(model.lora_linear.row_flops))
 
 
-def prebuilt_forward(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
-    return toy.lora(x)  # the caller set toy.state.batch for these lora_indices
+def lora_serve_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
+    build_step_batch(model, lora_indices)
+    return model.lora_linear(x.flatten(0, 1)).view(x.shape)
 
 
-def base_forward(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:
-    return toy.base(x)
+LINEAR_LORA = dict(zip(METHODS, (loop_linear_lora, gathered_linear_lora, lora_serve_linear_lora)))
 
 
-FORWARDS = dict(zip(METHODS + (PREBUILT, BASE),
-                    (loop_forward, gathered_forward, lora_serve_forward, prebuilt_forward, base_forward)))
+def generate_token(model: ToyMultiLoraModel, input_ids: torch.Tensor, lora_indices: torch.Tensor) -> list[str]:
+    """The course's timed unit: one forward, argmax of the last position, detokenize."""
+    with torch.no_grad():
+        logits = model(input_ids, lora_indices)
+    return [DETOKENIZER[t] for t in logits[:, -1, :].argmax(dim=1)]
 
 
-def mean_latency_ms(forward, toy, x, lora_indices, iters: int) -> float:
-    for _ in range(3):
-        forward(toy, x, lora_indices)
+def time_layer(model: ToyMultiLoraModel, method: str, x: torch.Tensor, lora_indices: torch.Tensor) -> float:
+    """Seconds for one linear_lora call (the only part of the model the methods change)."""
+    if method == PREBUILT:
+        build_step_batch(model, lora_indices)
+        start = time.perf_counter()
+        model.lora_linear(x.flatten(0, 1))
+        return time.perf_counter() - start
     start = time.perf_counter()
-    for _ in range(iters):
-        forward(toy, x, lora_indices)
-    return (time.perf_counter() - start) / iters * 1000
+    LINEAR_LORA[method](model, x, lora_indices)
+    return time.perf_counter() - start
 
 
-@torch.inference_mode()
-def max_difference(toy: ToyLoRAModel, x: torch.Tensor, lora_indices: torch.Tensor) -> float:
-    """Largest |difference| of the gathered and lora-serve outputs from the loop's: the three compute the same."""
-    reference = loop_forward(toy, x, lora_indices)
-    return max((FORWARDS[m](toy, x, lora_indices) - reference).abs().max().item() for m in METHODS[1:])
+def time_generate_token(model: ToyMultiLoraModel, method: str, input_ids, lora_indices) -> float:
+    model.method = method
+    start = time.perf_counter()
+    generate_token(model, input_ids, lora_indices)
+    return time.perf_counter() - start
 
 
-@torch.inference_mode()
-def sweep(hidden: int, batch_sizes, rounds: int, iters: int, seed: int = 0) -> dict:
-    """Per method and batch size: the mean latency per forward of each round (all methods interleaved in a round)."""
-    toy = build_toy(hidden, seed=seed)
+def max_difference(model: ToyMultiLoraModel, input_ids: torch.Tensor, lora_indices: torch.Tensor) -> float:
+    """Largest |logit difference| of the gathered and lora-serve versions from the loop: all compute the same."""
+    outputs = {}
+    with torch.no_grad():
+        for method in METHODS:
+            model.method = method
+            outputs[method] = model(input_ids, lora_indices)
+    return max((outputs[m] - outputs[METHODS[0]]).abs().max().item() for m in METHODS[1:])
+
+
+LAYER_METHODS = METHODS + (PREBUILT,)
+END_TO_END = ("loop (course)", "lora-serve")  # generate_token timed whole, as the course does
+
+
+@torch.no_grad()
+def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) -> dict:
+    """Per variant and batch size: the mean latency over `samples` calls with fresh random inputs, in every
+    round; the variants take turns within a round."""
+    model = ToyMultiLoraModel(hidden, seed).eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    inputs = {b: (torch.randn(b, hidden, generator=gen), torch.randint(0, NUM_ADAPTERS, (b,), generator=gen))
-              for b in batch_sizes}
-    samples = {m: {b: [] for b in batch_sizes} for m in FORWARDS}
-    items = [(r, b, m) for r in range(rounds) for b in batch_sizes for m in FORWARDS]
-    for _, b, m in tqdm(items, desc=f"course toy model, hidden {hidden}", unit="item"):
-        toy.state.batch = build_lora_batch(inputs[b][1].tolist(), CPU) if m == PREBUILT else None
-        samples[m][b].append(mean_latency_ms(FORWARDS[m], toy, *inputs[b], iters))
-    return {"hidden": hidden, "num_adapters": NUM_ADAPTERS, "ranks": "2..8 (cycled)", "rounds": rounds,
-            "iters": iters, "batch_sizes": list(batch_sizes),
-            "max_abs_difference": max(max_difference(toy, *inputs[b]) for b in batch_sizes),
-            "distinct_adapters": {b: len(set(inputs[b][1].tolist())) for b in batch_sizes},
-            "median_ms": {m: {b: statistics.median(v) for b, v in per.items()} for m, per in samples.items()},
-            "samples_ms": samples}
+
+    def draw(b):
+        return torch.randint(VOCAB, (b, SEQ_LEN), generator=gen), torch.randint(NUM_LORAS, (b,), generator=gen)
+
+    variants = [("layer", m) for m in LAYER_METHODS] + [("generate_token", m) for m in END_TO_END]
+    results = {kind: {m: {b: [] for b in batch_sizes} for k, m in variants if k == kind}
+               for kind in ("layer", "generate_token")}
+    items = [(b, v) for _ in range(rounds) for b in batch_sizes for v in variants]
+    for b, (kind, method) in tqdm(items, desc=f"course toy model, hidden {hidden}", unit="item"):
+        seconds = []
+        for input_ids, lora_indices in [draw(b) for _ in range(samples + 1)]:  # the first one warms up
+            if kind == "layer":
+                seconds.append(time_layer(model, method, model.embedding(input_ids), lora_indices))
+            else:
+                seconds.append(time_generate_token(model, method, input_ids, lora_indices))
+        results[kind][method][b].append(statistics.fmean(seconds[1:]) * 1000)
+    return {"hidden": hidden, "rounds": rounds, "samples": samples, "batch_sizes": list(batch_sizes),
+            "max_abs_difference": max(max_difference(model, *draw(b)) for b in batch_sizes),
+            "median_ms": {kind: {m: {b: statistics.median(v) for b, v in per.items()} for m, per in r.items()}
+                          for kind, r in results.items()},
+            "round_means_ms": results}
 
 
-def run(batch_sizes=BATCH_SIZES, rounds: int = 5, iters: int = 50, hidden_sizes=(HIDDEN, COURSE_HIDDEN)) -> dict:
+def run(batch_sizes=BATCH_SIZES, rounds: int = 5, samples: int = 200,
+        hidden_sizes=(COURSE_HIDDEN, WIDE_HIDDEN)) -> dict:
     """hidden size -> sweep results."""
-    return {h: sweep(h, batch_sizes, rounds, iters) for h in hidden_sizes}
+    return {h: sweep(h, batch_sizes, rounds, samples) for h in hidden_sizes}
+
+
+def plot(course: dict, path, plt) -> None:
+    """Layer latency against batch size, one panel per hidden size, as the course plots it."""
+    fig, axes = plt.subplots(1, len(course), figsize=(6 * len(course), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], course.values()):
+        for method, per_batch in result["median_ms"]["layer"].items():
+            batches = sorted(per_batch)
+            style = {"linestyle": ":", "marker": "."} if method == PREBUILT else {"marker": "o"}
+            ax.plot(batches, [per_batch[b] for b in batches], label=method, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(result["batch_sizes"], [str(b) for b in result["batch_sizes"]])
+        ax.set_xlabel("batch size (requests, one LoRA each)")
+        ax.set_ylabel("mean latency of linear_lora (ms)")
+        ax.set_title(f"Course toy model, hidden {result['hidden']}: {NUM_LORAS} LoRAs of rank {RANK}, "
+                     f"{SEQ_LEN}-token prompts", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def section(course: dict) -> str:
+    """Markdown: the method, then a table and the batch-32 verdict per hidden size."""
+    first = next(iter(course.values()))
+    parts = [f"Method: the course's multi-LoRA toy model (embedding, one linear with the LoRA, lm_head; vocabulary "
+             f"{VOCAB}; {NUM_LORAS} LoRAs of rank {RANK}; {SEQ_LEN}-token prompts; fp32, 2 threads) with fresh "
+             f"random prompts and LoRA indices for every call, as the course does. The methods differ only in "
+             f"`linear_lora`, so that call is timed alone; \"generate_token\" times the course's whole unit "
+             f"(forward + argmax + detokenize), whose fixed part caps any end-to-end ratio. lora-serve includes "
+             f"building its step batch (`build_lora_batch`) in every call; \"prebuilt\" leaves it out, as in the "
+             f"engine, which builds it once per step for all of its LoRA linears (120 in SmolLM2). Each figure is "
+             f"the mean over {first['samples']} calls, median of {first['rounds']} rounds with the variants taking "
+             f"turns. Logits of the three versions agree to "
+             f"{max(r['max_abs_difference'] for r in course.values()):.1e}."]
+    header = [*(f"{m} ms" for m in LAYER_METHODS), "speed-up vs loop: lora-serve / prebuilt",
+              "generate_token ms: loop / lora-serve"]
+    for hidden, result in course.items():
+        layer, e2e = result["median_ms"]["layer"], result["median_ms"]["generate_token"]
+        loop, ours, pre = layer[METHODS[0]], layer[METHODS[2]], layer[PREBUILT]
+        rows = [[str(b), *(fmt(layer[m][b], 3) for m in LAYER_METHODS),
+                 f"{fmt(loop[b] / ours[b], 2)} / {fmt(loop[b] / pre[b], 2)}",
+                 " / ".join(fmt(e2e[m][b], 3) for m in END_TO_END)] for b in result["batch_sizes"]]
+        label = "the course's size" if hidden == COURSE_HIDDEN else "the base matmul dominates"
+        parts += ["", f"**Hidden {hidden}** ({label}); times of `linear_lora`", "",
+                  markdown_table(["batch", *header], rows)]
+        if 32 in loop:
+            verdict = "met" if loop[32] / pre[32] >= 5 else "missed"
+            parts += ["", f"At batch 32: lora-serve's layer is **{loop[32] / pre[32]:.2f}x** the loop's speed with "
+                          f"the step batch prebuilt as in the engine (target at least 5x: {verdict}), "
+                          f"{loop[32] / ours[32]:.2f}x with the build in the call, and "
+                          f"{layer[METHODS[1]][32] / pre[32]:.2f}x the gathered version's."]
+    return "\n".join(parts)

@@ -72,7 +72,8 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, "
+                             f"got {self.max_loras}, {self.max_lora_rank}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 

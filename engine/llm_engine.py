@@ -136,7 +136,8 @@ class LLMEngine:
 
     def _check_adapter(self, adapter_id: str) -> None:
         if self.adapters is None:
-            raise ValueError(f"adapter {adapter_id!r} requested but LoRA is disabled: start the engine with max_loras > 0")
+            raise ValueError(f"adapter {adapter_id!r} requested but LoRA is disabled: "
+                             f"start the engine with max_loras > 0")
         adapter = self.adapters.get(adapter_id)  # AdapterError (a ValueError) names the adapter and the reason
         if adapter.rank > self.config.max_lora_rank:
             raise ValueError(f"adapter {adapter_id!r} has rank {adapter.rank}, above this engine's max_lora_rank "

@@ -14,7 +14,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, PrefillSegment
-from engine.layers.lora import LoRAStepState, build_lora_batch, wrap_lora_linears
+from engine.layers.lora import wrap_lora_linears
+from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
 from engine.models import load_model
 from engine.scheduler import ScheduledSeq
 
@@ -50,6 +51,8 @@ class ModelRunner:
         if config.max_loras:
             self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
                                                  config.max_lora_rank, self.dtype, self.device)
+            linears = [lora for layer in self.lora_layers for lora in layer.values()]
+            self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
 
     def load_adapter(self, slot: int, adapter) -> None:
         """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer."""
@@ -77,8 +80,9 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
-        input_ids, positions, meta, sample_rows, sampling, token_slots = self._prepare(ordered)
-        self.lora_state.batch = build_lora_batch(token_slots, self.device) if self.lora_layers else None
+        input_ids, positions, meta, sample_rows, sampling, adapter_runs = self._prepare(ordered)
+        if self.lora_layers:
+            self.lora_state.batch = build_lora_batch(adapter_runs, self.device, self.lora_padding)
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         finally:
@@ -97,7 +101,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        token_slots: list[int] = []  # adapter slot per token, -1 for the base model
+        adapter_runs: list[tuple[int, int]] = []  # (adapter slot or -1 for the base model, tokens)
         sample_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
@@ -109,7 +113,7 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            token_slots += [-1 if seq.lora_slot is None else seq.lora_slot] * s.num_new_tokens
+            adapter_runs.append((-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
             if self._is_decode(s):
                 decode.append(s)
             else:
@@ -119,7 +123,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
         meta = AttentionMetadata(self._tensor(slots), len(decode), *self._decode_tables(decode), prefills)
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, token_slots
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not decode:

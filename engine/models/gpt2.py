@@ -85,8 +85,8 @@ class GPT2LMHeadModel(nn.Module):
     def lora_targets(self) -> list[dict[str, tuple[int, list[LoRASubModule]]]]:
         n, inner = self.config.n_embd, self.config.n_inner or 4 * self.config.n_embd
         sub = LoRASubModule
-        targets = {"attn.c_attn": (n, [sub("attn.c_attn", 0, 3 * n)]), "attn.c_proj": (n, [sub("attn.c_proj", 0, n)]),
-                   "mlp.c_fc": (n, [sub("mlp.c_fc", 0, inner)]), "mlp.c_proj": (inner, [sub("mlp.c_proj", 0, n)])}
+        targets = {"attn.c_attn": (n, [sub("attn.c_attn", 3 * n)]), "attn.c_proj": (n, [sub("attn.c_proj", n)]),
+                   "mlp.c_fc": (n, [sub("mlp.c_fc", inner)]), "mlp.c_proj": (inner, [sub("mlp.c_proj", n)])}
         return [targets] * len(self.h)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:

@@ -124,11 +124,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         sub = LoRASubModule
         targets = {
-            "self_attn.qkv_proj": (hidden, [sub("self_attn.q_proj", 0, q), sub("self_attn.k_proj", q, kv),
-                                            sub("self_attn.v_proj", q + kv, kv)]),
-            "self_attn.o_proj": (q, [sub("self_attn.o_proj", 0, hidden)]),
-            "mlp.gate_up_proj": (hidden, [sub("mlp.gate_proj", 0, inter), sub("mlp.up_proj", inter, inter)]),
-            "mlp.down_proj": (inter, [sub("mlp.down_proj", 0, hidden)]),
+            "self_attn.qkv_proj": (hidden, [sub("self_attn.q_proj", q), sub("self_attn.k_proj", kv),
+                                            sub("self_attn.v_proj", kv)]),
+            "self_attn.o_proj": (q, [sub("self_attn.o_proj", hidden)]),
+            "mlp.gate_up_proj": (hidden, [sub("mlp.gate_proj", inter), sub("mlp.up_proj", inter)]),
+            "mlp.down_proj": (inter, [sub("mlp.down_proj", hidden)]),
         }
         return [targets] * len(self.layers)
 

@@ -1,0 +1,124 @@
+"""The batched LoRA linear against a per-token reference, over the batch shapes the engine produces."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from engine.layers.lora import LoRALinear, LoRASubModule
+from engine.layers.lora_batch import LoRAStepState, build_lora_batch
+
+CPU = torch.device("cpu")
+IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6
+RANKS = {0: 2, 1: 8, 2: 4, 3: 8, 4: 1}  # slot 5 stays empty
+
+
+def _adapter(slot: int, gen: torch.Generator) -> dict:
+    r = RANKS[slot]
+    def weights(out):
+        return SimpleNamespace(lora_a=torch.randn(r, IN, generator=gen), lora_b=torch.randn(out, r, generator=gen),
+                               scaling=0.5 + slot)
+    return {f"m{i}": weights(out) for i, out in enumerate(OUTS) if (slot + i) % 3}  # each skips one sub-module
+
+
+def _layer(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    base = nn.Linear(IN, sum(OUTS)).to(dtype)
+    state = LoRAStepState()
+    subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(OUTS)]
+    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU)
+    adapters = {slot: _adapter(slot, gen) for slot in RANKS}
+    for slot, weights in adapters.items():
+        layer.load_slot(slot, weights)
+    return layer, state, adapters
+
+
+def _reference(layer, adapters, x, runs):
+    """y = base(x) + scaling * x A^T B^T, one token at a time."""
+    y = layer.base(x).float()
+    slots = [slot for slot, count in runs for _ in range(count)]
+    offsets = [0]
+    for out in OUTS:
+        offsets.append(offsets[-1] + out)
+    for row, slot in enumerate(slots):
+        for i, (key, w) in enumerate(sorted(adapters.get(slot, {}).items())):
+            col = int(key[1:])
+            delta = (x[row].float() @ w.lora_a.t() @ w.lora_b.t()) * w.scaling
+            y[row, offsets[col]:offsets[col + 1]] += delta
+    return y
+
+
+RUN_SHAPES = {
+    "decode, contiguous slots in order": [(0, 1), (1, 1), (2, 1), (3, 1)],
+    "decode with base-only rows": [(-1, 1), (3, 1), (-1, 1), (1, 1)],
+    "prefill runs share a slot (padding)": [(2, 5), (-1, 3), (2, 2), (0, 7), (4, 1)],
+    "non-contiguous slots": [(4, 2), (0, 1), (4, 1), (2, 3)],
+    "empty slot and base": [(5, 2), (-1, 2)],
+}
+
+
+@pytest.mark.parametrize("runs", RUN_SHAPES.values(), ids=RUN_SHAPES.keys())
+def test_batched_lora_equals_per_token_reference(runs):
+    layer, state, adapters = _layer()
+    x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(1))
+    state.batch = build_lora_batch(runs, CPU)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_base_gets_the_same_delta():
+    layer, state, adapters = _layer(torch.bfloat16)
+    runs = RUN_SHAPES["prefill runs share a slot (padding)"]
+    x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    state.batch = build_lora_batch(runs, CPU)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x).float(), _reference(layer, adapters, x, runs), rtol=2e-2, atol=5e-2)
+
+
+def test_batch_shape_fast_paths():
+    assert build_lora_batch([(-1, 4)], CPU) is None  # no adapter tokens: the LoRA path is skipped
+    in_order = build_lora_batch([(0, 1), (1, 1), (2, 1)], CPU)
+    assert in_order.token_rows is None and in_order.valid_positions is None
+    (group,) = in_order.groups
+    assert group.gather_index is None and group.slots == slice(0, 3)
+    padded = build_lora_batch([(3, 2), (-1, 1), (1, 1)], CPU)
+    (group,) = padded.groups
+    assert (group.segments, group.longest) == (2, 2)
+    assert group.gather_index.tolist() == [3, 0, 0, 1]  # slot 1's row, padded; then slot 3's rows
+    assert padded.valid_positions.tolist() == [0, 2, 3] and padded.token_rows.tolist() == [3, 0, 1]
+    assert group.slots.tolist() == [1, 3]
+
+
+def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():
+    runs = [(slot, 1) for slot in range(8)] + [(8, 500)]
+    batch = build_lora_batch(runs, CPU)
+    assert [(g.segments, g.longest) for g in batch.groups] == [(1, 500), (8, 1)]  # the default allowance: 32
+    assert batch.valid_positions is None  # neither group needs padding
+    assert build_lora_batch([(0, 3), (1, 2), (2, 3)], CPU).groups[0].longest == 3  # similar lengths: one group
+
+
+@pytest.mark.parametrize("runs", [[(0, 40), (1, 1), (2, 1), (0, 1), (3, 17), (-1, 5), (4, 2)],
+                                  [(5, 300), (1, 1), (-1, 2), (3, 1)]])
+def test_several_groups_equal_the_reference(runs):
+    layer, state, adapters = _layer()
+    x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(4))
+    state.batch = build_lora_batch(runs, CPU)
+    assert len(state.batch.groups) > 1
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
+
+
+def test_reloading_a_slot_clears_modules_the_new_adapter_does_not_target():
+    layer, state, adapters = _layer()
+    key = sorted(adapters[1])[0]
+    kept = {key: adapters[1][key]}
+    layer.load_slot(1, kept)
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
+    state.batch = build_lora_batch([(1, 3)], CPU)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), _reference(layer, {1: kept}, x, [(1, 3)]), rtol=1e-5, atol=1e-5)
+    layer.load_slot(1, {})
+    assert 1 not in layer.slots_with_weights
