@@ -10,33 +10,45 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_protocol as oai
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest
 from engine import EngineConfig, SamplingParams
 from engine.model_files import resolve_model
-from lora_cache.actor import ACTOR_NAME
+from lora_cache.actor import ACTOR_NAME, adapter_residence
 
 app = FastAPI(title="lora-serve")
 
 
+OVERLOADED_RETRY_AFTER_S = 1
+
+
 class RequestRefused(Exception):
-    """The engine refused the request (bad prompt, unknown or invalid adapter, ...): HTTP 400 with the reason."""
+    """The engine refused the request: 400 for a bad prompt or adapter, 429 or 503 when it is overloaded."""
+
+    def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
-def _error_response(request: Request, message: str) -> JSONResponse:
-    """HTTP 400 in the error shape each API's clients parse."""
+def _error_response(request: Request, message: str, status: int = 400, retry_after_s: float | None = None):
+    """A 4xx/5xx in the error shape each API's clients parse; overload answers carry Retry-After."""
+    kind = "validation" if status == 400 else "overloaded"
     if request.url.path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        error_type = "invalid_request_error" if status == 400 else "rate_limit_error"
+        body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
     else:
-        body = {"error": message, "error_type": "validation"}
-    return JSONResponse(body, status_code=400)
+        body = {"error": message, "error_type": kind}
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @app.exception_handler(RequestRefused)
 async def _refused_response(request: Request, exc: RequestRefused) -> JSONResponse:
-    return _error_response(request, str(exc))
+    return _error_response(request, str(exc), exc.status, exc.retry_after_s)
 
 
 @app.exception_handler(RequestValidationError)
@@ -56,6 +68,7 @@ class Ingress:
         config = EngineConfig.from_overrides(**(engine or {}))
         self.llm = llm_server.options(stream=True)
         self.model_name = config.model
+        self.config = config
         self.adapter_source = config.adapter_source
         self.lora_enabled = config.max_loras > 0
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.model_cache_dir))
@@ -66,7 +79,12 @@ class Ingress:
 
     @app.get("/info")
     async def info(self) -> dict:
-        return {"model_id": self.model_name, "version": "0.1.0"}
+        """The served model and engine limits, and where each adapter resides."""
+        c = self.config
+        return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "max_loras": c.max_loras,
+                "max_lora_rank": c.max_lora_rank, "adapter_source": c.adapter_source if c.max_loras else None,
+                "max_num_seqs": c.max_num_seqs, "max_waiting_requests": c.max_waiting_requests,
+                "adapters": await self._adapters()}
 
     @app.post("/")
     async def root(self, request: GenerateRequest):
@@ -96,10 +114,14 @@ class Ingress:
 
     @staticmethod
     async def _first_event(events) -> dict:
-        """The first token event; a refusal arrives as the only event and becomes HTTP 400."""
-        first = await events.__anext__()
+        """The first token event; a refusal arrives as the only event and becomes an HTTP error."""
+        try:
+            first = await events.__anext__()
+        except BackPressureError as exc:  # the engine deployment's max_queued_requests is reached
+            raise RequestRefused(f"the server is overloaded, retry later: {exc}", 503,
+                                 OVERLOADED_RETRY_AFTER_S) from None
         if "error" in first:
-            raise RequestRefused(first["error"])
+            raise RequestRefused(first["error"], first.get("status", 400), first.get("retry_after_s"))
         return first
 
     @staticmethod
@@ -121,19 +143,20 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        ids = [self.model_name] + await self._known_adapters()
-        return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "lora-serve",
-                                            "parent": None if i == self.model_name else self.model_name}
-                                           for i in ids]}
+        base = {"id": self.model_name, "object": "model", "owned_by": "lora-serve", "parent": None}
+        adapters = [{"id": a, "object": "model", "owned_by": "lora-serve", "parent": self.model_name,
+                     "residence": where} for a, where in (await self._adapters()).items()]
+        return {"object": "list", "data": [base] + adapters}
 
-    async def _known_adapters(self) -> list[str]:
+    async def _adapters(self) -> dict[str, dict]:
+        """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads)."""
         if not self.lora_enabled:
-            return []
+            return {}
         try:
             stats = await ray.get_actor(ACTOR_NAME).stats.remote()
         except ValueError:  # no replica has created the cache actor yet
-            return []
-        return sorted(set(stats["adapters"]) | set(stats["load_counts"]))
+            return {}
+        return adapter_residence(stats)
 
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest):

@@ -2,29 +2,41 @@
 
 The LoRA adapter of a request arrives as Ray Serve's multiplexed model id, so the router prefers
 replicas that already hold it. Adapters come from the cluster's one cache actor; a replica added by
-scale-up reaches every adapter through it at once.
+scale-up reaches every adapter through it at once. Every few seconds the replica publishes its
+engine gauges and tells the cache actor which adapters it holds (shown by /info and /v1/models).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 from transformers import AutoConfig
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from deployments.metrics import ServingMetrics
+from engine import AsyncEngine, EngineConfig, EngineOverloadedError, SamplingParams
 from engine.model_files import resolve_model
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
+
+REPORT_INTERVAL_S = 2.0
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
 class LLMServer:
-    def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None):
+    def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
         config = EngineConfig.from_overrides(**(engine or {}))
-        provider = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
-        self.engine = AsyncEngine(config, provider)
+        self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
+        self.engine = AsyncEngine(config, self.adapter_cache)
+        self.metrics = ServingMetrics(top_adapters)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.replica = f"{serve.get_replica_context().replica_tag}@node-{self.node_id[:8]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
     @staticmethod
     def _adapter_provider(config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
@@ -38,25 +50,29 @@ class LLMServer:
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _adapter(self, adapter_id: str) -> str:
         """Fetch the adapter into this replica's CPU copy; Serve then routes its requests here first."""
-        await asyncio.to_thread(self.engine.engine.adapters.get, adapter_id)
+        await asyncio.to_thread(self.adapter_cache.get, adapter_id)
         return adapter_id
 
     async def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[dict]:
         """Yield one event per new token; the last one carries finish_reason and counts. A request the engine
-        refuses yields one {"error": reason} event instead."""
+        refuses yields one {"error": reason, "status": HTTP status} event instead."""
         adapter = serve.get_multiplexed_model_id() or None
+        timer = self.metrics.start(adapter)
         try:
             if adapter is not None:
-                if self.engine.engine.adapters is None:
-                    raise ValueError(f"adapter {adapter!r} requested but this server runs without LoRA "
-                                     f"(engine.max_loras is 0)")
-                await self._adapter(adapter)
+                await self._fetch_adapter(adapter, timer)
             stream = self.engine.generate(uuid.uuid4().hex, prompt, params, adapter)
             first = await stream.__anext__()
+        except EngineOverloadedError as exc:
+            yield {"error": str(exc), "status": 429, "retry_after_s": exc.retry_after_s}
+            return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
-            yield {"error": str(exc)}
+            yield {"error": str(exc), "status": 400}
             return
         async for out in _chain(first, stream):
+            timer.token()
+            if out.finished:
+                self.metrics.finish(timer, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids))
             yield {
                 "token_id": out.new_token_ids[-1] if out.new_token_ids else None,
                 "logprob": out.logprobs[-1] if out.logprobs else None,
@@ -69,15 +85,41 @@ class LLMServer:
                 "prompt_token_ids": out.prompt_token_ids if out.finished else None,
             }
 
+    async def _fetch_adapter(self, adapter: str, timer) -> None:
+        if self.adapter_cache is None:
+            raise ValueError(f"adapter {adapter!r} requested but this server runs without LoRA "
+                             f"(engine.max_loras is 0)")
+        hit = adapter in self.adapter_cache
+        start = time.monotonic()
+        await self._adapter(adapter)
+        self.metrics.adapter_fetch(timer, hit, time.monotonic() - start)
+
     def stats(self) -> dict:
         s = self.engine.stats()
-        return {"waiting": s.waiting, "running": s.running, "kv_blocks_used": s.kv_blocks_used,
-                "kv_blocks_total": s.kv_blocks_total, "kv_utilisation": s.kv_utilisation,
-                "waiting_for_adapter": s.waiting_for_adapter, "resident_adapters": s.resident_adapters}
+        return {"replica": self.replica, "node_id": self.node_id, "waiting": s.waiting, "running": s.running,
+                "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
+                "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
+                "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Per-replica signals for deployments.autoscaling.EngineLoadPolicy."""
+        s = self.engine.stats()
+        return {"waiting": float(s.waiting), "running": float(s.running), "kv_utilisation": s.kv_utilisation}
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(REPORT_INTERVAL_S):
+            stats = self.engine.stats()
+            self.metrics.engine_state(stats)
+            if self.adapter_cache is not None:
+                self.adapter_cache.actor.report_residence.remote(self.replica, stats.resident_adapters,
+                                                                 list(self.adapter_cache.adapters))
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:
             raise RuntimeError("engine loop is not running")
+
+    def __del__(self):
+        self._stop.set()
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:

@@ -17,8 +17,19 @@ from engine.llm_engine import EngineStats, LLMEngine, Prompt, RequestOutput
 from engine.sampling import SamplingParams
 
 
+OVERLOADED_RETRY_AFTER_S = 1.0
+
+
 class EngineDeadError(RuntimeError):
     pass
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (max_waiting_requests): the caller should retry later."""
+
+    def __init__(self, waiting: int, retry_after_s: float):
+        super().__init__(f"the engine is overloaded: {waiting} requests are already waiting; retry later")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -37,6 +48,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list = []
+        self._preparing = 0  # requests past the queue check whose prompt is still being tokenized
         self._pending_aborts: list[tuple[str, asyncio.Future | None]] = []
         self._wakeup = threading.Event()
         self._error: BaseException | None = None
@@ -57,8 +69,13 @@ class AsyncEngine:
         closing the stream early aborts the request."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
-        seq, detok = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt,
-                                             params or SamplingParams(), adapter)
+        self._reserve_queue_place()
+        try:
+            seq, detok = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt,
+                                                 params or SamplingParams(), adapter)
+        finally:
+            with self._lock:
+                self._preparing -= 1
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -77,6 +94,13 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._request_abort(request_id, None)
+
+    def _reserve_queue_place(self) -> None:
+        with self._lock:
+            waiting = len(self.engine.scheduler.waiting) + len(self._pending_adds) + self._preparing
+            if waiting >= self.engine.config.max_waiting_requests:
+                raise EngineOverloadedError(waiting, retry_after_s=OVERLOADED_RETRY_AFTER_S)
+            self._preparing += 1
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free."""

@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
     max_model_len: int | None = None  # defaults to the model's context length
+    max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
     num_threads: int | None = None  # torch CPU threads; None = all cores
     cache_dir: str | None = None
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
@@ -68,7 +69,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_loras < 0 or self.max_lora_rank < 1:

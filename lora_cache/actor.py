@@ -21,6 +21,7 @@ from lora_cache.adapter import LoRAAdapter, load_adapter
 from lora_cache.sources import make_source, validate_adapter_id
 
 ACTOR_NAME = "lora-serve-adapter-cache"
+RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
 
 
 @dataclass
@@ -43,6 +44,7 @@ class LoRACacheActor:
         self.load_counts: dict[str, int] = {}
         self.load_seconds: dict[str, float] = {}
         self.hits = self.misses = 0
+        self.residence: dict[str, tuple[float, list[str], list[str]]] = {}  # replica -> (time, device, cpu)
 
     async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
@@ -78,11 +80,32 @@ class LoRACacheActor:
         while len(self.entries) > 1 and sum(e.nbytes for e in self.entries.values()) > self.capacity_bytes:
             self.entries.popitem(last=False)  # the object store frees it once no replica holds the ref
 
+    def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> None:
+        """A replica tells which adapters it holds in device slots and in its CPU copy."""
+        self.residence[replica] = (time.monotonic(), device, cpu)
+
+    def _replicas(self) -> dict[str, dict]:
+        now = time.monotonic()
+        self.residence = {r: v for r, v in self.residence.items() if now - v[0] < RESIDENCE_TTL_S}
+        return {r: {"device": device, "cpu": cpu} for r, (_, device, cpu) in self.residence.items()}
+
     def stats(self) -> dict:
-        return {"adapters": {a: {"nbytes": e.nbytes} for a, e in self.entries.items()},
+        return {"adapters": {a: {"nbytes": e.nbytes} for a, e in self.entries.items()}, "replicas": self._replicas(),
                 "bytes": sum(e.nbytes for e in self.entries.values()), "capacity_bytes": self.capacity_bytes,
                 "hits": self.hits, "misses": self.misses, "load_counts": dict(self.load_counts),
                 "load_seconds": dict(self.load_seconds)}
+
+
+def adapter_residence(stats: dict) -> dict[str, dict]:
+    """Per adapter the cache knows: in the object store or not, the replicas holding it in device slots and in
+    their CPU copy, and how often it was read from its source."""
+    known = set(stats["adapters"]) | set(stats["load_counts"])
+    for replica in stats["replicas"].values():
+        known |= set(replica["device"]) | set(replica["cpu"])
+    return {a: {"object_store": a in stats["adapters"],
+                "device_replicas": sorted(r for r, v in stats["replicas"].items() if a in v["device"]),
+                "cpu_replicas": sorted(r for r, v in stats["replicas"].items() if a in v["cpu"]),
+                "source_loads": stats["load_counts"].get(a, 0)} for a in sorted(known)}
 
 
 def get_or_create_cache_actor(base_config: dict, name: str = ACTOR_NAME, **options) -> ray.actor.ActorHandle:

@@ -77,3 +77,27 @@ def test_bad_request_fails_alone(engine):
         assert outs[-1].finished and len(outs[-1].token_ids) == 4
 
     asyncio.run(main())
+
+
+def test_full_waiting_queue_refuses_new_requests_with_retry_hint(tiny_llama_path):
+    from engine import EngineOverloadedError
+
+    tight = AsyncEngine(model=str(tiny_llama_path), log_stats=False, max_num_seqs=1, max_waiting_requests=1)
+
+    async def main():
+        async def run(rid):
+            try:
+                return len(await _collect(tight, rid, PROMPTS[0], 50))
+            except EngineOverloadedError as exc:
+                return exc
+
+        return await asyncio.gather(*(run(f"r{i}") for i in range(4)))
+
+    try:
+        results = asyncio.run(main())
+        refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+        assert refused and all(r.retry_after_s > 0 and "overloaded" in str(r) for r in refused)
+        assert [r for r in results if r == 50]  # the admitted ones ran to the end
+        assert asyncio.run(_collect(tight, "after", PROMPTS[1], 5))[-1].finished  # and it keeps serving
+    finally:
+        tight.shutdown()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -12,6 +14,16 @@ from engine import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.slow
+METRICS = {}  # the Ray metrics endpoint of the module's server
+
+
+def _poll(condition, timeout=30.0, interval=0.5):
+    """condition()'s first truthy value within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval)
+    return value
 
 
 def _free_port() -> int:
@@ -40,8 +52,10 @@ def server(tiny_llama_path, adapters_root, tmp_path_factory):
 
     from deployments.app import build_app
 
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    port, metrics_port = _free_port(), _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             _metrics_export_port=metrics_port)
+    METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root)}
     serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
@@ -180,3 +194,77 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
         return finished
 
     assert asyncio.run(three_streams())[-1] == "long"
+
+
+def test_info_and_models_show_where_adapters_reside(server):
+    r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2,
+                                                                                   "adapter_id": "alpha"}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def alpha_on_device():
+        alpha = requests.get(f"{server}/info", timeout=10).json()["adapters"].get("alpha", {})
+        return alpha if alpha.get("device_replicas") else None
+
+    alpha = _poll(alpha_on_device)  # replicas report every 2 s
+    assert alpha["object_store"] and alpha["source_loads"] == 1 and alpha["cpu_replicas"]
+    models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
+    assert models["alpha"]["residence"]["device_replicas"] == alpha["device_replicas"]
+
+
+def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+
+    def beta_tokens():
+        return handle.stats.remote().result()["adapters"].get("beta", {}).get("generated_tokens", 0)
+
+    before = beta_tokens()
+    r = requests.post(f"{server}/generate_stream", json={"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 450, "ignore_eos_token": True, "adapter_id": "beta"}}, stream=True, timeout=60)
+    assert next(line for line in r.iter_lines() if line).startswith(b"data:")  # the stream is running
+    r.close()
+    stats = _poll(lambda: (s := handle.stats.remote().result())["running"] == 0 and s["waiting"] == 0 and s)
+    assert stats["kv_blocks_used"] == 0
+    assert beta_tokens() - before < 450  # cancelled mid-stream, not run to its end
+
+
+def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
+    from ray import serve
+
+    from deployments.ingress import Ingress
+    from deployments.llm_server import LLMServer
+
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_num_seqs": 1, "max_waiting_requests": 1}
+    no_cpus = {"num_cpus": 0}  # the module's app holds both of the cluster's CPUs
+    llm = LLMServer.options(max_ongoing_requests=3, max_queued_requests=1, ray_actor_options=no_cpus)
+    app = Ingress.options(ray_actor_options=no_cpus).bind(llm.bind(engine), engine)
+    serve.run(app, name="tight", route_prefix="/tight")
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: requests.post(f"{server}/tight/generate", json=body, timeout=120),
+                                      range(8)))
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) <= {200, 429, 503} and 200 in statuses and statuses[-1] != 200, statuses
+        for r in responses:
+            if r.status_code != 200:
+                assert int(r.headers["Retry-After"]) >= 1 and "overloaded" in r.json()["error"], r.text
+        assert requests.post(f"{server}/tight/generate", json=body, timeout=120).status_code == 200
+    finally:
+        serve.delete("tight")
+
+
+def test_prometheus_metrics_are_exported(server):
+    requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3,
+                                                                             "adapter_id": "alpha"}}, timeout=60)
+    names = ("lora_serve_time_to_first_token_seconds_bucket", "lora_serve_time_per_output_token_seconds",
+             "lora_serve_request_latency_seconds", "lora_serve_generation_tokens", "lora_serve_prompt_tokens",
+             "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests")
+
+    def exported():
+        text = requests.get(METRICS["url"], timeout=10).text
+        return text if all(n in text for n in names) else None
+
+    text = _poll(exported, timeout=60, interval=2)
+    assert 'adapter="alpha"' in text and 'adapter="base"' in text

@@ -1,0 +1,95 @@
+"""A simulated two-node cluster: one engine replica per node, both serving adapters through the one cache actor."""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from engine import LLM, SamplingParams
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+ADAPTERS = ("alpha", "beta", "gamma", "delta")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adapters_root(tiny_llama_path, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    root = tmp_path_factory.mktemp("multinode-adapters")
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, name in enumerate(ADAPTERS):
+        write_random_adapter(root / name, config, rank=4, seed=seed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.ingress import Ingress
+    from deployments.llm_server import LLMServer
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+    nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1, f"node_{name}": 1}) for name in "ab"]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 4,
+              "adapters_root": str(adapters_root)}
+    llm = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5, "resources": {"llm_node": 1}})
+    serve.run(Ingress.bind(llm.bind(engine), engine), name="lora-serve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}", {node.node_id for node in nodes}
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_server, tiny_llama_path,
+                                                                      adapters_root):
+    import ray
+    from ray import serve
+
+    url, llm_nodes = cluster_server
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    replicas = {handle.stats.remote().result()["node_id"] for _ in range(20)}
+    assert replicas == llm_nodes  # one replica on each of the two nodes
+
+    llm = LLM(str(tiny_llama_path), max_loras=4, adapters_root=str(adapters_root), log_stats=False)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = {a: llm.generate([PROMPTS[3]], params, use_tqdm=False, adapters=[a])[0].token_ids for a in ADAPTERS}
+
+    def ask(adapter):
+        body = {"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 8, "details": True, "adapter_id": adapter}}
+        r = requests.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return adapter, [t["id"] for t in r.json()["details"]["tokens"]]
+
+    with ThreadPoolExecutor(8) as pool:  # new adapter ids go to the replica holding the fewest
+        answers = list(pool.map(ask, [a for a in ADAPTERS for _ in range(3)]))
+    assert all(tokens == expected[a] for a, tokens in answers)
+
+    holders = {}  # adapter -> nodes whose replica fetched it
+    for _ in range(20):
+        stats = handle.stats.remote().result()
+        for adapter, usage in stats["adapters"].items():
+            if usage["requests"]:
+                holders.setdefault(adapter, set()).add(stats["node_id"])
+    assert set().union(*holders.values()) == llm_nodes  # both nodes served adapters
+    cache = ray.get(ray.get_actor("lora-serve-adapter-cache").stats.remote())
+    assert cache["load_counts"] == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
