@@ -16,13 +16,11 @@ from ray.serve.handle import DeploymentHandle
 from deployments import openai_protocol as oai
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest
 from engine import EngineConfig, SamplingParams
+from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.model_files import resolve_model
 from lora_cache.actor import ACTOR_NAME, adapter_residence
 
 app = FastAPI(title="lora-serve")
-
-
-OVERLOADED_RETRY_AFTER_S = 1
 
 
 class RequestRefused(Exception):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
@@ -29,6 +32,24 @@ PROMPTS = [
     "Q: What is 12 times 12?\nA:",
 ]
 
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_tiny_adapters(base_path, root: Path, names) -> Path:
+    """Random-weight rank-4 q,k,v,o PEFT adapters for the tiny model at base_path, one per name (seeds 0, 1, ...)."""
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    config = AutoConfig.from_pretrained(base_path)
+    for seed, name in enumerate(names):
+        write_random_adapter(root / name, config, rank=4, seed=seed)
+    return root
 
 @pytest.fixture(scope="session")
 def smollm2_path():

@@ -8,21 +8,14 @@ import ray
 from engine import LLM, SamplingParams
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter import AdapterError
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def adapters_root(tiny_llama_path, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    root = tmp_path_factory.mktemp("actor-adapters")
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    for seed, name in enumerate(("a", "b", "c")):
-        write_random_adapter(root / name, config, rank=4, seed=seed)
+    root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("actor-adapters"), ("a", "b", "c"))
     (root / "pickled").mkdir()
     (root / "pickled" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
     (root / "pickled" / "adapter_model.bin").write_bytes(b"not really a pickle")

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, write_tiny_adapters
 
 LLAMA_ADAPTERS = {  # name -> (rank, target modules)
     "attn-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -107,13 +107,7 @@ def _step_until_done(engine, request_id, feed, max_steps=300):
 
 @pytest.mark.parametrize("max_wait, bounded", [(float("inf"), False), (0.0, True)])
 def test_skewed_load_cannot_starve_a_cold_adapter(tiny_llama_path, tmp_path, max_wait, bounded):
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    for seed, name in enumerate(("hot", "cold")):
-        write_random_adapter(tmp_path / name, config, rank=4, seed=seed)
+    write_tiny_adapters(tiny_llama_path, tmp_path, ("hot", "cold"))
     llm = LLM(str(tiny_llama_path), max_loras=1, max_num_seqs=4, adapters_root=str(tmp_path),
               max_adapter_wait_s=max_wait, log_stats=False)
     engine = llm.engine
@@ -139,13 +133,7 @@ def test_skewed_load_cannot_starve_a_cold_adapter(tiny_llama_path, tmp_path, max
 
 
 def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    for seed, name in enumerate(("a", "b", "c")):
-        write_random_adapter(tmp_path / name, config, rank=4, seed=seed)
+    write_tiny_adapters(tiny_llama_path, tmp_path, ("a", "b", "c"))
     llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
     llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False, adapters=["a", "a", "b", None])
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["c"])  # evicts the least recently used: a

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 METRICS = {}  # the Ray metrics endpoint of the module's server
@@ -26,23 +25,9 @@ def _poll(condition, timeout=30.0, interval=0.5):
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def adapters_root(tiny_llama_path, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    root = tmp_path_factory.mktemp("serve-adapters")
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    for seed, name in enumerate(("alpha", "beta")):
-        write_random_adapter(root / name, config, rank=4, seed=seed)
-    return root
+    return write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("serve-adapters"), ("alpha", "beta"))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +37,7 @@ def server(tiny_llama_path, adapters_root, tmp_path_factory):
 
     from deployments.app import build_app
 
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
              _metrics_export_port=metrics_port)
     METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def adapters_root(tiny_llama_path, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    root = tmp_path_factory.mktemp("multinode-adapters")
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    for seed, name in enumerate(ADAPTERS):
-        write_random_adapter(root / name, config, rank=4, seed=seed)
-    return root
+    return write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("multinode-adapters"), ADAPTERS)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +33,7 @@ def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
     nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1, f"node_{name}": 1}) for name in "ab"]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 4,
               "adapters_root": str(adapters_root)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,16 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, free_port
 
 pytestmark = pytest.mark.slow
 APP = "scaling"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _running_replicas() -> int:
@@ -44,7 +37,7 @@ def server(tiny_llama_path, tmp_path_factory):
     from deployments.ingress import Ingress
     from deployments.llm_server import LLMServer
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1}
