@@ -7,8 +7,8 @@ The course's toy model: an embedding (vocabulary 10), one linear layer carrying 
 
   loop        the course's first version: one row at a time, y[i] += x[i] @ A[idx] @ B[idx]
   gathered    the course's second version: index_select each row's A and B, then batched matmuls
-  lora-serve  engine.layers.lora.LoRALinear: rows grouped by adapter slot (one weight copy per adapter, not per
-              row); its step batch is built by build_lora_batch inside every timed call
+  lora-serve  engine.layers.lora.LoRALinear: rows grouped into segments of one adapter (one weight copy per
+              segment, never per row); its step batch is built by build_lora_batch inside every timed call
 
 The same model at hidden 1024 (the course's single-LoRA lesson size) shows where the base matmul takes over.
 """
@@ -131,8 +131,9 @@ END_TO_END = ("loop (course)", "lora-serve")  # generate_token timed whole, as t
 
 @torch.no_grad()
 def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) -> dict:
-    """Per variant and batch size: the mean latency over `samples` calls with fresh random inputs, in every
-    round; the variants take turns within a round."""
+    """Per variant and batch size: the median latency of `samples` calls with fresh random inputs, in every
+    round (the median, not the mean: an interrupt on this shared 2-core machine can cost one call more than
+    a hundred calls take); the variants take turns within a round."""
     model = ToyMultiLoraModel(hidden, seed).eval()
     gen = torch.Generator().manual_seed(seed + 1)
 
@@ -150,12 +151,12 @@ def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) ->
                 seconds.append(time_layer(model, method, model.embedding(input_ids), lora_indices))
             else:
                 seconds.append(time_generate_token(model, method, input_ids, lora_indices))
-        results[kind][method][b].append(statistics.fmean(seconds[1:]) * 1000)
+        results[kind][method][b].append(statistics.median(seconds[1:]) * 1000)
     return {"hidden": hidden, "rounds": rounds, "samples": samples, "batch_sizes": list(batch_sizes),
             "max_abs_difference": max(max_difference(model, *draw(b)) for b in batch_sizes),
             "median_ms": {kind: {m: {b: statistics.median(v) for b, v in per.items()} for m, per in r.items()}
                           for kind, r in results.items()},
-            "round_means_ms": results}
+            "round_medians_ms": results}
 
 
 def run(batch_sizes=BATCH_SIZES, rounds: int = 5, samples: int = 200,
@@ -176,7 +177,7 @@ def plot(course: dict, path, plt) -> None:
         ax.set_yscale("log")
         ax.set_xticks(result["batch_sizes"], [str(b) for b in result["batch_sizes"]])
         ax.set_xlabel("batch size (requests, one LoRA each)")
-        ax.set_ylabel("mean latency of linear_lora (ms)")
+        ax.set_ylabel("median latency of linear_lora (ms)")
         ax.set_title(f"Course toy model, hidden {result['hidden']}: {NUM_LORAS} LoRAs of rank {RANK}, "
                      f"{SEQ_LEN}-token prompts", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
@@ -196,7 +197,7 @@ def section(course: dict) -> str:
              f"(forward + argmax + detokenize), whose fixed part caps any end-to-end ratio. lora-serve includes "
              f"building its step batch (`build_lora_batch`) in every call; \"prebuilt\" leaves it out, as in the "
              f"engine, which builds it once per step for all of its LoRA linears (120 in SmolLM2). Each figure is "
-             f"the mean over {first['samples']} calls, median of {first['rounds']} rounds with the variants taking "
+             f"the median call of {first['samples']}, median of {first['rounds']} rounds with the variants taking "
              f"turns. Logits of the three versions agree to "
              f"{max(r['max_abs_difference'] for r in course.values()):.1e}."]
     header = [*(f"{m} ms" for m in LAYER_METHODS), "speed-up vs loop: lora-serve / prebuilt",

@@ -8,9 +8,35 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling import SamplingParams
+from engine.sampling import ResponseFormat, SamplingParams
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
+
+
+class JSONSchemaSpec(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class OpenAIResponseFormat(BaseModel):
+    """{"type": "text"}, {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {...}}."""
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a "json_schema" object with a "schema"')
+        return self
+
+    def to_engine(self) -> ResponseFormat | None:
+        if self.type == "text":
+            return None
+        return ResponseFormat(self.json_schema.json_schema) if self.type == "json_schema" else ResponseFormat()
 
 
 class OpenAISampling(BaseModel):
@@ -27,6 +53,7 @@ class OpenAISampling(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    response_format: OpenAIResponseFormat | None = None
 
     @model_validator(mode="after")
     def _supported(self):
@@ -40,7 +67,8 @@ class OpenAISampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
-                              logprobs=0)
+                              logprobs=0,
+                              response_format=self.response_format.to_engine() if self.response_format else None)
 
 
 class CompletionRequest(OpenAISampling):

@@ -6,7 +6,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling import SamplingParams
+from engine.sampling import ResponseFormat, SamplingParams
+
+
+class JSONResponseFormat(BaseModel):
+    """LoRAX's response_format: {"type": "json_object", "schema": {...}}; without a schema, any JSON object."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["json_object", "json_schema"]
+    json_schema: dict | None = Field(None, alias="schema")
+
+    def to_engine(self) -> ResponseFormat:
+        return ResponseFormat(self.json_schema) if self.json_schema is not None else ResponseFormat()
 
 
 class GenerateParameters(BaseModel):
@@ -34,14 +45,13 @@ class GenerateParameters(BaseModel):
     best_of: int | None = None
     watermark: bool = False
     return_k_alternatives: int | None = None
-    response_format: dict | None = None
+    response_format: JSONResponseFormat | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         unsupported = {"merged_adapters": self.merged_adapters, "truncate": self.truncate,
                        "typical_p": self.typical_p, "best_of": self.best_of if self.best_of != 1 else None,
-                       "watermark": self.watermark or None, "return_k_alternatives": self.return_k_alternatives,
-                       "response_format": self.response_format}
+                       "watermark": self.watermark or None, "return_k_alternatives": self.return_k_alternatives}
         named = [name for name, value in unsupported.items() if value is not None]
         if named:
             raise ValueError(f"not supported yet: {', '.join(named)}")
@@ -66,6 +76,7 @@ class GenerateParameters(BaseModel):
             stop=self.stop,
             ignore_eos=self.ignore_eos_token,
             logprobs=0,  # TGI reports each token's logprob
+            response_format=self.response_format.to_engine() if self.response_format else None,
         )
 
 

@@ -1,6 +1,7 @@
 """Sampler: logits -> one token per sequence, with its log-probability.
 
-Order of processing follows transformers: repetition penalty, temperature, top-k, top-p. Greedy
+Order of processing follows transformers: structured-output masks first, then repetition penalty,
+temperature, top-k, top-p. Greedy
 rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
 Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import TokenMasks, mask_penalty
 from engine.sequence import Sequence
 
 
@@ -28,8 +30,10 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SamplerOutput:
         raw_logits = logits
+        if masks is not None:
+            logits = self._apply_masks(logits, seqs, masks)
         logits = self._apply_repetition_penalty(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -59,6 +63,13 @@ class Sampler:
             if want:
                 top[i] = dict(zip(ids[j, :want].tolist(), (values[j, :want] - normalizer[j]).tolist()))
         return chosen, top
+
+    @staticmethod
+    def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks) -> torch.Tensor:
+        row_of = {seq.request_id: i for i, seq in enumerate(seqs)}
+        rows = torch.tensor([row_of[request_id] for request_id in masks.request_ids], device=logits.device)
+        penalty = mask_penalty(masks.bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
+        return logits.index_add(0, rows, penalty)
 
     @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

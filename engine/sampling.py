@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class ResponseFormat:
+    """Constrain the output to JSON valid for a JSON schema; the default schema admits any JSON object."""
+    schema: dict = field(default_factory=lambda: {"type": "object"})
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -18,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also its top-k alternatives
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.response_format is not None and not isinstance(self.response_format.schema, dict):
+            raise ValueError("response_format schema must be a JSON object")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG, made by the sampler when a seed is given
+    grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
 
     @property
     def token_ids(self) -> list[int]:

@@ -16,21 +16,23 @@ IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6
 RANKS = {0: 2, 1: 8, 2: 4, 3: 8, 4: 1}  # slot 5 stays empty
 
 
-def _adapter(slot: int, gen: torch.Generator) -> dict:
+def _adapter(slot: int, gen: torch.Generator, outs=OUTS) -> dict:
     r = RANKS[slot]
     def weights(out):
         return SimpleNamespace(lora_a=torch.randn(r, IN, generator=gen), lora_b=torch.randn(out, r, generator=gen),
                                scaling=0.5 + slot)
-    return {f"m{i}": weights(out) for i, out in enumerate(OUTS) if (slot + i) % 3}  # each skips one sub-module
+    if len(outs) == 1:
+        return {"m0": weights(outs[0])}
+    return {f"m{i}": weights(out) for i, out in enumerate(outs) if (slot + i) % 3}  # each skips one sub-module
 
 
-def _layer(dtype=torch.float32):
+def _layer(dtype=torch.float32, outs=OUTS):
     gen = torch.Generator().manual_seed(0)
-    base = nn.Linear(IN, sum(OUTS)).to(dtype)
+    base = nn.Linear(IN, sum(outs)).to(dtype)
     state = LoRAStepState()
-    subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(OUTS)]
+    subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(outs)]
     layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU)
-    adapters = {slot: _adapter(slot, gen) for slot in RANKS}
+    adapters = {slot: _adapter(slot, gen, outs) for slot in RANKS}
     for slot, weights in adapters.items():
         layer.load_slot(slot, weights)
     return layer, state, adapters
@@ -41,7 +43,7 @@ def _reference(layer, adapters, x, runs):
     y = layer.base(x).float()
     slots = [slot for slot, count in runs for _ in range(count)]
     offsets = [0]
-    for out in OUTS:
+    for out in (sub.out_size for sub in layer.subs):
         offsets.append(offsets[-1] + out)
     for row, slot in enumerate(slots):
         for i, (key, w) in enumerate(sorted(adapters.get(slot, {}).items())):
@@ -56,6 +58,7 @@ RUN_SHAPES = {
     "decode with base-only rows": [(-1, 1), (3, 1), (-1, 1), (1, 1)],
     "prefill runs share a slot (padding)": [(2, 5), (-1, 3), (2, 2), (0, 7), (4, 1)],
     "non-contiguous slots": [(4, 2), (0, 1), (4, 1), (2, 3)],
+    "a slot in many runs": [(1, 1), (2, 1), (1, 1), (2, 1), (1, 1), (2, 1), (1, 1), (2, 1), (1, 1), (2, 1)],
     "empty slot and base": [(5, 2), (-1, 2)],
 }
 
@@ -65,6 +68,15 @@ def test_batched_lora_equals_per_token_reference(runs):
     layer, state, adapters = _layer()
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(1))
     state.batch = build_lora_batch(runs, CPU)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("runs", [[(1, 3), (0, 3), (1, 3)], [(1, 3), (-1, 1), (0, 2)]], ids=["in order", "gathered"])
+def test_a_linear_with_one_sub_module(runs):
+    layer, state, adapters = _layer(outs=(16,))
+    x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(5))
+    state.batch = build_lora_batch(runs, CPU, allowance=1000)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
@@ -87,9 +99,21 @@ def test_batch_shape_fast_paths():
     padded = build_lora_batch([(3, 2), (-1, 1), (1, 1)], CPU)
     (group,) = padded.groups
     assert (group.segments, group.longest) == (2, 2)
-    assert group.gather_index.tolist() == [3, 0, 0, 1]  # slot 1's row, padded; then slot 3's rows
-    assert padded.valid_positions.tolist() == [0, 2, 3] and padded.token_rows.tolist() == [3, 0, 1]
-    assert group.slots.tolist() == [1, 3]
+    assert group.gather_index.tolist() == [0, 1, 3, 0]  # slot 3's rows; then slot 1's row, padded
+    assert padded.valid_positions.tolist() == [0, 1, 2] and padded.token_rows.tolist() == [0, 1, 3]
+    assert group.slots.tolist() == [3, 1]  # not contiguous when sorted: batch order is kept
+
+
+def test_runs_of_one_slot_are_segments_until_their_weight_copies_cost_more_than_a_gather():
+    repeated = [(0, 4), (1, 8), (0, 4), (2, 8)]
+    (group,) = build_lora_batch(repeated, CPU, allowance=1000).groups  # cheap weights: a segment per run
+    assert group.gather_index is not None and group.slots.tolist() == [1, 2, 0, 0]  # longest first
+    (group,) = build_lora_batch(repeated, CPU, allowance=4).groups  # dear weights: a segment per slot
+    assert group.slots == slice(0, 3) and (group.segments, group.longest) == (3, 8)
+    (group,) = build_lora_batch([(0, 8), (1, 8), (0, 8)], CPU, allowance=1000).groups
+    assert group.gather_index is None and group.slots.tolist() == [0, 1, 0]  # equal runs stay in batch order
+    (group,) = build_lora_batch([(2, 1), (2, 1), (1, 2)], CPU).groups  # adjacent runs of a slot merge
+    assert group.segments == 2 and group.slots == slice(1, 3)  # sorted: the weights are a view
 
 
 def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():

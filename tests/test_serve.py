@@ -181,6 +181,62 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
     assert asyncio.run(three_streams())[-1] == "long"
 
 
+PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "n"]}  # a finite language: even the random tiny model finishes it
+
+
+def _valid_pick(text: str) -> dict:
+    import jsonschema
+
+    value = json.loads(text)
+    jsonschema.validate(value, PICK)
+    return value
+
+
+def test_structured_output_through_lorax_and_openai_clients(server, tiny_llama_path):
+    import openai
+    from lorax import Client
+
+    client = Client(server)
+    fmt = {"type": "json_object", "schema": PICK}
+    response = client.generate(PROMPTS[0], max_new_tokens=40, response_format=fmt, adapter_id="alpha")
+    _valid_pick(response.generated_text)
+    assert response.details.finish_reason == "eos_token"
+    streamed = [r.token.text for r in client.generate_stream(PROMPTS[1], max_new_tokens=40, response_format=fmt)
+                if not r.token.special]
+    _valid_pick("".join(streamed))
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    schema_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK, "strict": True}}
+    chat = oai.chat.completions.create(model="beta", messages=[{"role": "user", "content": "Pick one."}],
+                                       max_tokens=40, response_format=schema_format)
+    _valid_pick(chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop"
+    stream = oai.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[2], max_tokens=40, stream=True,
+                                    extra_body={"response_format": schema_format})
+    _valid_pick("".join(chunk.choices[0].text for chunk in stream))
+    short = oai.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[2], max_tokens=3,
+                                   extra_body={"response_format": schema_format})
+    assert short.choices[0].finish_reason == "length"  # the JSON is cut off: the client must check
+
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+        oai.chat.completions.create(model="beta", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+
+
+@pytest.mark.parametrize("response_format, status, words", [
+    ({"type": "json_object", "schema": {"type": "object", "required": "a"}}, 400, "invalid JSON schema"),
+    ({"type": "json_object", "schema": {"$ref": "#/$defs/none"}}, 400, "cannot be used"),
+    ({"type": "xml"}, 422, "response_format"),
+])
+def test_bad_response_formats_get_a_clear_error(server, response_format, status, words):
+    r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {
+        "max_new_tokens": 4, "response_format": response_format}}, timeout=60)
+    assert r.status_code == status and words in r.text, r.text
+
+
 def test_info_and_models_show_where_adapters_reside(server):
     r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2,
                                                                                    "adapter_id": "alpha"}}, timeout=60)

@@ -48,6 +48,11 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
+        if batch.token_rows is None and len(batch.groups) == 1 and len(self.subs) == 1 and y.dtype == x.dtype \
+                and x.dtype == self.lora_a.dtype:  # every token in one group, in order: expand into y in place
+            group = batch.groups[0]
+            out = y.view(group.segments, group.longest, -1)
+            return out.baddbmm_(self._shrink(x, group), self._slot_weights(self.lora_b0, group.slots)).view(y.shape)
         deltas = [self._group_delta(x, group) for group in batch.groups]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
         if batch.valid_positions is not None:
@@ -56,11 +61,13 @@ class LoRALinear(nn.Module):
             return y.add_(delta)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
-    def _group_delta(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
+    def _shrink(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
         grouped = x if group.gather_index is None else x.index_select(0, group.gather_index)
         grouped = grouped.view(group.segments, group.longest, -1).to(self.lora_a.dtype)
-        shrunk = torch.bmm(grouped, self._slot_weights(self.lora_a, group.slots))
-        return self._expand(shrunk, group.slots).flatten(0, 1)
+        return torch.bmm(grouped, self._slot_weights(self.lora_a, group.slots))
+
+    def _group_delta(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
+        return self._expand(self._shrink(x, group), group.slots).flatten(0, 1)
 
     @property
     def lora_b(self) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """The per-step layout of adapter tokens that every LoRA linear of the model shares.
 
-Tokens are grouped by adapter slot into segments (one weight copy per adapter, never per token).
+Tokens are grouped into segments of one adapter slot: a run of adjacent tokens, or all of a slot's
+tokens when its runs are many (one weight copy per segment, never per token).
 Segments of similar length form a group, computed as one padded [segments, longest, in] batched
 matmul; a long prefill chunk next to single decode tokens gets a group of its own instead of
 padding every decode segment to its length. The groups' deltas are concatenated, the padding is
@@ -16,6 +17,9 @@ import torch
 
 # An extra group costs about as much as this much padded LoRA math (its ~6 kernel launches, ~30 us on a CPU).
 GROUP_COST_FLOPS = 1_000_000
+# Copying one segment's weights costs about as much as this many padded rows of LoRA math (a copy moves
+# each weight once, at memory speed; a padded row multiplies by each weight once, at compute speed).
+WEIGHT_COPY_ROWS = 8
 
 
 @dataclass
@@ -49,56 +53,82 @@ def padding_allowance(row_flops: int) -> int:
 def build_lora_batch(runs: list[tuple[int, int]], device: torch.device, allowance: int = 32) -> LoRABatch | None:
     """runs: (adapter slot, token count) for consecutive stretches of the flat batch; slot -1 is base-only.
     allowance: padded rows a group may add before a new group pays off (see padding_allowance)."""
-    rows_by_slot: dict[int, list[int]] = {}
-    total = 0
-    for slot, count in runs:
-        if slot >= 0:
-            rows_by_slot.setdefault(slot, []).extend(range(total, total + count))
-        total += count
-    if not rows_by_slot:
+    segments, total = _segments(runs, allowance)
+    if not segments:
         return None
-    groups = _group_segments({slot: len(rows) for slot, rows in rows_by_slot.items()}, allowance)
+    groups = _group_segments(segments, allowance)
     gather: list[int] = []
     valid: list[int] = []
     token_rows: list[int] = []
-    for longest, slots in groups:
-        for slot in slots:
-            rows = rows_by_slot[slot]
+    for longest, members in groups:
+        for _, rows in members:
             valid += range(len(gather), len(gather) + len(rows))
             token_rows += rows
             gather += rows
             gather += [0] * (longest - len(rows))
     padded = len(valid) < len(gather)
     in_order = not padded and token_rows == list(range(total))
-    sizes = [longest * len(slots) for longest, slots in groups] + [len(slots) for _, slots in groups]
-    packed = gather + [slot for _, slots in groups for slot in slots] + valid + token_rows
+    slots = [[slot for slot, _ in members] for _, members in groups]
+    sizes = [longest * len(members) for longest, members in groups] + [len(s) for s in slots]
+    packed = gather + [slot for group_slots in slots for slot in group_slots] + valid + token_rows
     tensors = torch.frombuffer(array("q", packed), dtype=torch.long).to(device).split(
         sizes + [len(valid), len(token_rows)])  # one host-to-device copy for every index
     return LoRABatch(
-        [LoRAGroup(len(slots), longest, None if in_order else gather_t, _slot_index(slots, slots_t))
-         for (longest, slots), gather_t, slots_t in zip(groups, tensors, tensors[len(groups):])],
+        [LoRAGroup(len(group_slots), longest, None if in_order else gather_t, _slot_index(group_slots, slots_t))
+         for (longest, _), group_slots, gather_t, slots_t in zip(groups, slots, tensors, tensors[len(groups):])],
         tensors[-2] if padded else None,
         None if in_order else tensors[-1])
 
 
-def _group_segments(lengths: dict[int, int], allowance: int) -> list[tuple[int, list[int]]]:
-    """(longest, slots) per group. Longest segments first; a group takes the next one while its padding stays
-    within the allowance. A group's slots are sorted, so that they are often one contiguous slice."""
-    groups: list[tuple[int, list[int]]] = []
+def _segments(runs: list[tuple[int, int]], allowance: int) -> tuple[list[tuple[int, list[int]]], int]:
+    """(slot, token rows) per segment, and the batch's token count.
+
+    A segment per run of adjacent tokens of one slot keeps the tokens in batch order (no gather, no
+    scatter), at the price of one weight copy per run. When slots recur across runs (several decodes
+    of one adapter) and the extra copies cost more than the allowance, a segment per slot instead."""
+    by_run: list[tuple[int, list[int]]] = []
+    total = 0
+    for slot, count in runs:
+        if slot >= 0 and by_run and by_run[-1][0] == slot and by_run[-1][1][-1] == total - 1:
+            by_run[-1][1].extend(range(total, total + count))
+        elif slot >= 0:
+            by_run.append((slot, list(range(total, total + count))))
+        total += count
+    extra_copies = len(by_run) - len({slot for slot, _ in by_run})
+    if extra_copies * WEIGHT_COPY_ROWS <= allowance:
+        return by_run, total
+    by_slot: dict[int, list[int]] = {}
+    for slot, rows in by_run:
+        by_slot.setdefault(slot, []).extend(rows)
+    return list(by_slot.items()), total
+
+
+def _group_segments(segments: list[tuple[int, list[int]]], allowance: int):
+    """(longest, segments) per group. Longest segments first; a group takes the next one while its padding
+    stays within the allowance. A group's segments are put in slot order where that makes the slots one
+    contiguous range (their weights are then a view); otherwise they keep batch order."""
+    groups: list[tuple[int, list[tuple[int, list[int]]]]] = []
     padding = 0
-    for slot, length in sorted(lengths.items(), key=lambda item: -item[1]):
+    for segment in sorted(segments, key=lambda seg: -len(seg[1])):
+        length = len(segment[1])
         if groups and padding + groups[-1][0] - length <= allowance:
-            groups[-1][1].append(slot)
+            groups[-1][1].append(segment)
             padding += groups[-1][0] - length
         else:
-            groups.append((length, [slot]))
+            groups.append((length, [segment]))
             padding = 0
-    for _, slots in groups:
-        slots.sort()
+    for _, members in groups:
+        by_slot = sorted(members, key=lambda seg: seg[0])
+        if _is_contiguous([slot for slot, _ in by_slot]):
+            members[:] = by_slot
     return groups
 
 
+def _is_contiguous(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
 def _slot_index(slots: list[int], as_tensor: torch.Tensor) -> torch.Tensor | slice:
-    if slots == list(range(slots[0], slots[0] + len(slots))):
+    if _is_contiguous(slots):
         return slice(slots[0], slots[-1] + 1)
     return as_tensor
