@@ -1,8 +1,9 @@
 """Batched multi-LoRA linears: one step mixes base-only tokens and tokens of many adapters.
 
-Each wrapped linear keeps stacked, rank-padded slot weights: A [max_loras, in, subs * R] shared by
-its sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [max_loras, R,
-out_sub] per sub-module (scaling folded in), so that no zero block of a fused B is ever read. The
+Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its
+sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
+sub-module (scaling folded in), so that no zero block of a fused B is ever read; a slot's A and Bs
+are packed in one row, gathered by one copy per group. The
 step's tokens arrive grouped by adapter slot (lora_batch.py); per group the delta is batched
 matmuls over the segments' weights, and one index_add puts all deltas into the base output.
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
@@ -32,15 +33,18 @@ class LoRALinear(nn.Module):
         self.base = base
         self.subs = subs
         self.state = state
+        self.in_features = in_features
         self.max_rank = max_rank
         self.row_flops = 2 * max_rank * len(subs) * in_features + 2 * max_rank * sum(s.out_size for s in subs)
         if device.type == "cpu":  # CPU bf16 batched matmuls of these small shapes are slow; fp32 ones are not
             dtype = torch.float32
-        self.register_buffer("lora_a", torch.zeros(max_loras, in_features, max_rank * len(subs), dtype=dtype,
-                                                   device=device))
-        for i, sub in enumerate(subs):
-            self.register_buffer(f"lora_b{i}", torch.zeros(max_loras, max_rank, sub.out_size, dtype=dtype,
-                                                          device=device))
+        # One row per slot packs A and every B, so a group gathers all of a slot's weights in one copy.
+        self.a_size = in_features * max_rank * len(subs)
+        self.b_spans: list[tuple[int, int]] = []
+        for sub in subs:
+            start = self.a_size if not self.b_spans else self.b_spans[-1][1]
+            self.b_spans.append((start, start + max_rank * sub.out_size))
+        self.register_buffer("packed", torch.zeros(max_loras, self.b_spans[-1][1], dtype=dtype, device=device))
         self.slots_with_weights: set[int] = set()  # a linear no resident adapter targets skips the LoRA path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,11 +52,12 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
-        if batch.token_rows is None and len(batch.groups) == 1 and len(self.subs) == 1 and y.dtype == x.dtype \
-                and x.dtype == self.lora_a.dtype:  # every token in one group, in order: expand into y in place
+        if batch.token_rows is None and len(batch.groups) == 1 and len(self.subs) == 1 \
+                and y.dtype == x.dtype == self.packed.dtype:  # every token in one group, in order: expand in place
             group = batch.groups[0]
+            a, (b,) = self._weights(group.slots)
             out = y.view(group.segments, group.longest, -1)
-            return out.baddbmm_(self._shrink(x, group), self._slot_weights(self.lora_b0, group.slots)).view(y.shape)
+            return out.baddbmm_(self._shrink(x, group, a), b).view(y.shape)
         deltas = [self._group_delta(x, group) for group in batch.groups]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
         if batch.valid_positions is not None:
@@ -61,44 +66,42 @@ class LoRALinear(nn.Module):
             return y.add_(delta)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
-    def _shrink(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
+    def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: views of one gather
+        (of none when the slots are a contiguous slice)."""
+        # index_select copies whole rows; advanced indexing was ~2x slower here
+        rows = self.packed[slots] if isinstance(slots, slice) else self.packed.index_select(0, slots)
+        n = rows.shape[0]
+        a = rows[:, :self.a_size].view(n, self.in_features, -1)
+        return a, [rows[:, start:end].view(n, self.max_rank, -1) for start, end in self.b_spans]
+
+    def _shrink(self, x: torch.Tensor, group: LoRAGroup, a: torch.Tensor) -> torch.Tensor:
         grouped = x if group.gather_index is None else x.index_select(0, group.gather_index)
-        grouped = grouped.view(group.segments, group.longest, -1).to(self.lora_a.dtype)
-        return torch.bmm(grouped, self._slot_weights(self.lora_a, group.slots))
+        return torch.bmm(grouped.view(group.segments, group.longest, -1).to(a.dtype), a)
 
     def _group_delta(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
-        return self._expand(self._shrink(x, group), group.slots).flatten(0, 1)
-
-    @property
-    def lora_b(self) -> list[torch.Tensor]:
-        return [getattr(self, f"lora_b{i}") for i in range(len(self.subs))]
-
-    def _expand(self, shrunk: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
-        if len(self.subs) == 1:
-            return torch.bmm(shrunk, self._slot_weights(self.lora_b0, slots))
+        a, bs = self._weights(group.slots)
+        shrunk = self._shrink(x, group, a)
+        if len(bs) == 1:
+            return torch.bmm(shrunk, bs[0]).flatten(0, 1)
         r = self.max_rank
-        return torch.cat([torch.bmm(shrunk[..., i * r:(i + 1) * r], self._slot_weights(b, slots))
-                          for i, b in enumerate(self.lora_b)], dim=-1)
-
-    @staticmethod
-    def _slot_weights(stack: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
-        # index_select copies whole rows; advanced indexing of a 3-D tensor was ~2x slower here
-        return stack[slots] if isinstance(slots, slice) else stack.index_select(0, slots)
+        return torch.cat([torch.bmm(shrunk[..., i * r:(i + 1) * r], b) for i, b in enumerate(bs)],
+                         dim=-1).flatten(0, 1)
 
     @torch.no_grad()
     def load_slot(self, slot: int, weights: dict) -> None:
         """weights: module key -> object with lora_a [r, in], lora_b [out, r], scaling; absent keys stay zero."""
-        self.lora_a[slot].zero_()
+        self.packed[slot].zero_()
         self.slots_with_weights.discard(slot)
-        for i, (sub, stack) in enumerate(zip(self.subs, self.lora_b)):
-            stack[slot].zero_()
+        a, bs = self._weights(slice(slot, slot + 1))
+        for i, (sub, b) in enumerate(zip(self.subs, bs)):
             w = weights.get(sub.key)
             if w is None:
                 continue
             self.slots_with_weights.add(slot)
             rank = w.lora_a.shape[0]
-            self.lora_a[slot, :, i * self.max_rank:i * self.max_rank + rank] = w.lora_a.t().to(self.lora_a.dtype)
-            stack[slot, :rank] = (w.lora_b.t() * w.scaling).to(stack.dtype)
+            a[0, :, i * self.max_rank:i * self.max_rank + rank] = w.lora_a.t().to(a.dtype)
+            b[0, :rank] = (w.lora_b.t() * w.scaling).to(b.dtype)
 
 
 def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int,
