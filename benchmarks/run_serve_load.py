@@ -1,6 +1,6 @@
 """HTTP load benchmark: lora-serve through Ray Serve against the same engine offline.
 
-    PYTHONPATH=. python -m benchmarks.run_serve_load            # full run (about 6 minutes)
+    PYTHONPATH=. python -m benchmarks.run_serve_load            # full run (about 12 minutes)
     PYTHONPATH=. python -m benchmarks.run_serve_load --quick    # smoke test
 
 SmolLM2 (bf16, one replica), requests mixing the base model and 8 rank-8 adapters. Closed loop at
@@ -41,7 +41,7 @@ from engine.model_files import resolve_model  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m-instruct"
 ADAPTERS = [f"adapter-{i}" for i in range(8)]
-ENGINE = {"model": MODEL, "dtype": "bfloat16", "max_loras": 8, "max_lora_rank": 8, "num_threads": 2,
+ENGINE = {"model": MODEL, "dtype": "bfloat16", "max_loras": 8, "max_lora_rank": 8,
           "log_stats": False}
 
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(raw, args.out / "serve_load.png")
     note = (f"Method: {raw['requests']} requests x {raw['new_tokens']} new tokens (EOS ignored), a third for the "
             f"base model and the rest spread over {len(ADAPTERS)} rank-8 q,k,v,o adapters; SmolLM2 bf16, one "
-            f"engine replica (2 threads) behind the Ray Serve HTTP proxy and ingress, all on this 2-core "
+            f"engine replica (1 torch thread: a replica leaves one core to the proxy and ingress; the offline row uses both) behind the Ray Serve HTTP proxy and ingress, all on this 2-core "
             f"machine, so the client, proxy and ingress compete with the engine for the same cores. Streams over "
             f"SSE (/generate_stream): TTFT = request sent -> first token event; TPOT = mean gap between later "
             f"events. The offline row runs the same requests in one `LLM.generate` call (its TTFT counts from "

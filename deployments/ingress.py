@@ -77,11 +77,13 @@ class Ingress:
 
     @app.get("/info")
     async def info(self) -> dict:
-        """The served model and engine limits, and where each adapter resides."""
+        """The served model and engine limits, one replica's memory accounting, and where each adapter resides."""
         c = self.config
-        return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "max_loras": c.max_loras,
-                "max_lora_rank": c.max_lora_rank, "adapter_source": c.adapter_source if c.max_loras else None,
-                "max_num_seqs": c.max_num_seqs, "max_waiting_requests": c.max_waiting_requests,
+        return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "quantization": c.quantization,
+                "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
+                "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
+                "max_waiting_requests": c.max_waiting_requests,
+                "memory": await self.llm.options(stream=False).memory.remote(),
                 "adapters": await self._adapters()}
 
     @app.post("/")
@@ -93,15 +95,11 @@ class Ingress:
 
     @app.post("/generate")
     async def generate(self, request: GenerateRequest):
-        events = self._events(request)
-        first = await self._first_event(events)
-        tokens, last = [first], first
-        async for event in events:
-            tokens.append(event)
-            last = event
+        events = self._events(request, stream=False)
+        last = await self._first_event(events)  # the only event: it carries every token
         body = {"generated_text": self._full_text(request, last["generated_text"])}
         if request.parameters.details:
-            body["details"] = self._details(request, last, tokens)
+            body["details"] = self._details(request, last)
         return body
 
     @app.post("/generate_stream")
@@ -126,16 +124,19 @@ class Ingress:
     async def _refused(reason: str) -> AsyncIterator[dict]:
         yield {"error": reason}
 
-    def _events(self, request: GenerateRequest) -> AsyncIterator[dict]:
+    def _events(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[dict]:
         source = request.parameters.adapter_source
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
                                  f"from {self.adapter_source!r}")
-        return self._stream(request.inputs, request.parameters.to_sampling_params(), request.parameters.adapter_id)
+        return self._stream(request.inputs, request.parameters.to_sampling_params(), request.parameters.adapter_id,
+                            stream)
 
-    def _stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> AsyncIterator[dict]:
-        # The adapter travels as the multiplexed model id, so Serve routes to replicas that hold it.
-        return self.llm.options(multiplexed_model_id=adapter or "").generate.remote(prompt, params)
+    def _stream(self, prompt: str, params: SamplingParams, adapter: str | None,
+                stream: bool = True) -> AsyncIterator[dict]:
+        """Events of one or more tokens each (one event with every token when not streaming). The adapter
+        travels as the multiplexed model id, so Serve routes to replicas that hold it."""
+        return self.llm.options(multiplexed_model_id=adapter or "").generate.remote(prompt, params, stream)
 
     # ---- OpenAI-compatible API: `model` names the base model or an adapter id ----
 
@@ -169,7 +170,7 @@ class Ingress:
     async def _openai(self, request: oai.OpenAISampling, prompt: str, default_max_tokens: int, prefix: str,
                       body, chunk):
         adapter = None if request.model == self.model_name else request.model
-        events = self._stream(prompt, request.to_sampling_params(default_max_tokens), adapter)
+        events = self._stream(prompt, request.to_sampling_params(default_max_tokens), adapter, request.stream)
         first = await self._first_event(events)
         cid = oai.completion_id(prefix)
         if request.stream:
@@ -188,17 +189,20 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:
+        """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""
         event = first
         while True:
-            payload = {"token": {"id": event["token_id"], "text": event["text"], "logprob": event["logprob"],
-                                 "special": False},
-                       "generated_text": None, "details": None}
-            if event["finished"]:
-                payload["generated_text"] = self._full_text(request, event["generated_text"])
-                payload["details"] = {"finish_reason": TGI_FINISH_REASONS[event["finish_reason"]],
-                                      "prompt_tokens": event["prompt_tokens"],
-                                      "generated_tokens": event["generated_tokens"], "seed": request.parameters.seed}
-            yield f"data:{json.dumps(payload)}\n\n"
+            lines = []
+            for i, token in enumerate(event["tokens"], start=1):
+                payload = {"token": {**token, "special": False}, "generated_text": None, "details": None}
+                if event["finished"] and i == len(event["tokens"]):
+                    payload["generated_text"] = self._full_text(request, event["generated_text"])
+                    payload["details"] = {"finish_reason": TGI_FINISH_REASONS[event["finish_reason"]],
+                                          "prompt_tokens": event["prompt_tokens"],
+                                          "generated_tokens": event["generated_tokens"],
+                                          "seed": request.parameters.seed}
+                lines.append(f"data:{json.dumps(payload)}\n\n")
+            yield "".join(lines)
             if event["finished"]:
                 return
             event = await events.__anext__()
@@ -207,12 +211,11 @@ class Ingress:
     def _full_text(request: GenerateRequest, generated: str) -> str:
         return request.inputs + generated if request.parameters.return_full_text else generated
 
-    def _details(self, request: GenerateRequest, last: dict, events: list[dict]) -> dict:
+    def _details(self, request: GenerateRequest, last: dict) -> dict:
         prefill = []
         if request.parameters.decoder_input_details:
             prefill = [{"id": t, "text": self.tokenizer.decode([t]), "logprob": None} for t in last["prompt_token_ids"]]
         return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
                 "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
                 "seed": request.parameters.seed, "prefill": prefill,
-                "tokens": [{"id": e["token_id"], "text": e["text"], "logprob": e["logprob"], "special": False}
-                           for e in events]}
+                "tokens": [{**token, "special": False} for token in last["tokens"]]}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ray.serve import metrics
 
 from engine import EngineStats
+from engine.memory import MemoryReport
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
@@ -96,6 +97,18 @@ class ServingMetrics:
         for counter, count in ((self.prompt_tokens, prompt_tokens), (self.generation_tokens, generated_tokens)):
             if count:  # Ray counters refuse 0
                 counter.inc(count, tags)
+
+    def memory(self, report: MemoryReport) -> None:
+        """Set once at start-up: the replica's memory accounting."""
+        weights = metrics.Gauge("lora_serve_weight_bytes", "Model weight bytes by storage dtype.", ("dtype",))
+        for dtype, n in report.weight_bytes.items():
+            weights.set(n, {"dtype": dtype})
+        for name, description, value in (
+                ("kv_cache_bytes", "Bytes of the paged KV cache.", report.kv_bytes),
+                ("kv_cache_capacity_tokens", "Tokens the KV cache holds.", report.kv_token_capacity),
+                ("kv_cache_bytes_per_token", "KV bytes per token.", report.kv_bytes_per_token),
+                ("adapter_slot_bytes", "Bytes of the device slots for LoRA adapters.", report.adapter_slot_bytes)):
+            metrics.Gauge(f"lora_serve_{name}", description).set(value)
 
     def engine_state(self, stats: EngineStats) -> None:
         values = {"running_requests": stats.running, "waiting_requests": stats.waiting,

@@ -67,6 +67,18 @@ class AsyncEngine:
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request (of the base model, or of LoRA adapter `adapter`);
         closing the stream early aborts the request."""
+        chunks = self.generate_chunks(request_id, prompt, params, adapter)
+        try:
+            async for chunk in chunks:
+                for out in chunk:
+                    yield out
+        finally:
+            await chunks.aclose()
+
+    async def generate_chunks(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                              adapter: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Like generate, but each item is every output ready at that moment (one or more): a consumer slower
+        than the engine, such as a stream through Ray, pays its per-item cost once per chunk, not per token."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
         self._reserve_queue_place()
@@ -86,11 +98,14 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                errors = [item for item in items if isinstance(item, BaseException)]
+                if errors:
+                    raise errors[0]
+                finished = items[-1].finished
+                yield items
         finally:
             if not finished:
                 self._request_abort(request_id, None)

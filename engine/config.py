@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from engine.layers.quantized import QUANTIZATIONS
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -25,10 +27,12 @@ def default_cache_dir() -> Path:
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the compute dtype; with quantization, that of everything not quantized
+    quantization: str = "none"  # "none", "int8" or "nf4" (bitsandbytes) for the decoder layers' linears
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
+    kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests use it to force preemption)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
@@ -69,6 +73,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, got {self.kv_cache_memory_fraction}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, TokenMasks
+from engine.memory import MemoryReport
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -102,10 +103,12 @@ class LLMEngine:
         self._mask_worker = (ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
                              if config.torch_device.type == "cuda" else None)
         if config.log_stats:
-            print(f"[lora-serve] {config.model} on {config.torch_device} ({config.dtype}): KV cache "
-                  f"{layout.bytes_per_token / 1024:.1f} KiB/token, {layout.num_blocks} blocks x {layout.block_size} "
-                  f"= {layout.token_capacity} tokens ({layout.bytes_per_token * layout.token_capacity / 2**20:.0f} MiB); "
-                  f"max_model_len {self.max_model_len}", flush=True)
+            quantized = f", {config.quantization}" if config.quantization != "none" else ""
+            print(f"[lora-serve] {config.model} on {config.torch_device} ({config.dtype}{quantized}): "
+                  f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
+
+    def memory(self) -> MemoryReport:
+        return self.runner.memory_report()
 
     @staticmethod
     def _adapter_cache(config: EngineConfig, hf_config) -> LocalAdapterCache:

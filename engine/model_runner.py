@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, PrefillSegment
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
+from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model
 from engine.scheduler import ScheduledSeq
 
@@ -43,7 +44,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
         self.lora_state = LoRAStepState()
@@ -65,10 +66,29 @@ class ModelRunner:
         num_layers, kv_heads, head_dim = self.model.kv_shape
         element = torch.empty((), dtype=self.dtype).element_size()
         per_block = 2 * num_layers * kv_heads * head_dim * element * config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        budget = self._kv_budget(config)
+        num_blocks = config.num_kv_blocks or budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
+            raise ValueError(f"the KV cache budget of {budget} bytes is smaller than one KV block ({per_block} bytes)")
         return KVLayout(num_layers, kv_heads, head_dim, config.block_size, num_blocks, element)
+
+    def _kv_budget(self, config: EngineConfig) -> int:
+        """kv_cache_bytes, or kv_cache_memory_fraction of the device memory free once the weights are loaded."""
+        if config.kv_cache_memory_fraction is None:
+            return config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return int(free * config.kv_cache_memory_fraction)
+
+    def memory_report(self) -> MemoryReport:
+        slots = [lora.packed for layer in self.lora_layers for lora in layer.values()]
+        lay = self.layout
+        return MemoryReport(weight_bytes(self.model, exclude=slots), lay.bytes_per_token, lay.num_blocks,
+                            lay.block_size, sum(s.untyped_storage().nbytes() for s in slots))
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lay = self.layout

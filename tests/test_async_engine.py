@@ -46,6 +46,23 @@ def test_streams_run_concurrently_and_finish_in_length_order(engine):
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_a_slow_consumer_gets_every_ready_token_in_one_chunk(engine):
+    async def main():
+        chunks = []
+        async for chunk in engine.generate_chunks("chunked", PROMPTS[3], _params(40)):
+            chunks.append(chunk)
+            await asyncio.sleep(0.05)  # slower than the tiny model's steps: tokens pile up
+        return chunks
+
+    chunks = asyncio.run(main())
+    outs = [out for chunk in chunks if chunk for out in chunk]
+    expected = asyncio.run(_collect(engine, "unchunked", PROMPTS[3], 40))
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in expected]
+    assert "".join(o.delta_text for o in outs) == expected[-1].text
+    assert len(chunks) < len(outs) / 2 and chunks[-1][-1].finished
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_abort_frees_blocks_and_closing_stream_aborts(engine):
     async def main():
         stream = engine.generate("to-abort", PROMPTS[1], _params(10_000))

@@ -250,6 +250,11 @@ def test_info_and_models_show_where_adapters_reside(server):
     assert alpha["object_store"] and alpha["source_loads"] == 1 and alpha["cpu_replicas"]
     models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
     assert models["alpha"]["residence"]["device_replicas"] == alpha["device_replicas"]
+    info = requests.get(f"{server}/info", timeout=10).json()
+    memory = info["memory"]
+    assert info["quantization"] == "none" and memory["weight_bytes"]["float32"] == memory["total_weight_bytes"] > 0
+    assert memory["kv_bytes"] == memory["kv_bytes_per_token"] * memory["kv_token_capacity"] > 0
+    assert memory["adapter_slot_bytes"] > 0
 
 
 def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
@@ -301,7 +306,8 @@ def test_prometheus_metrics_are_exported(server):
                                                                              "adapter_id": "alpha"}}, timeout=60)
     names = ("lora_serve_time_to_first_token_seconds_bucket", "lora_serve_time_per_output_token_seconds",
              "lora_serve_request_latency_seconds", "lora_serve_generation_tokens", "lora_serve_prompt_tokens",
-             "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests")
+             "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests",
+             'lora_serve_weight_bytes{', "lora_serve_kv_cache_capacity_tokens", "lora_serve_adapter_slot_bytes")
 
     def exported():
         text = requests.get(METRICS["url"], timeout=10).text

@@ -28,9 +28,10 @@ class PrepackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear in `model` by a PrepackedLinear (in place)."""
+    """Replace every plain nn.Linear in `model` by a PrepackedLinear (in place); quantized linears (subclasses)
+    stay as they are."""
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if type(child) is nn.Linear:
             setattr(model, name, PrepackedLinear(child))
         else:
             prepack_linears(child)

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.linear import prepack_linears, prepacking_supported
+from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 
@@ -38,13 +39,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str = "none") -> nn.Module:
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
     _load_weights(model, path)
+    quantize_decoder_linears(model, quantization, dtype, device)
     if prepacking_supported(device, dtype):
-        prepack_linears(model)
+        prepack_linears(model)  # the linears left in the model dtype
     return model.eval()
 
 
