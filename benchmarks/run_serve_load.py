@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     plot(raw, args.out / "serve_load.png")
     note = (f"Method: {raw['requests']} requests x {raw['new_tokens']} new tokens (EOS ignored), a third for the "
             f"base model and the rest spread over {len(ADAPTERS)} rank-8 q,k,v,o adapters; SmolLM2 bf16, one "
-            f"engine replica (1 torch thread: a replica leaves one core to the proxy and ingress; the offline row uses both) behind the Ray Serve HTTP proxy and ingress, all on this 2-core "
+            f"engine replica (1 torch thread: a replica leaves one core to the proxy and ingress; the offline row "
+            f"uses both) behind the Ray Serve HTTP proxy and ingress, all on this 2-core "
             f"machine, so the client, proxy and ingress compete with the engine for the same cores. Streams over "
             f"SSE (/generate_stream): TTFT = request sent -> first token event; TPOT = mean gap between later "
             f"events. The offline row runs the same requests in one `LLM.generate` call (its TTFT counts from "

@@ -85,6 +85,7 @@ def _quantization_state(weight, module_state) -> list[torch.Tensor]:
                if isinstance(scb, torch.Tensor)]
     state = getattr(weight, "quant_state", None)
     while state is not None:
-        tensors += [t for t in (state.absmax, state.code, getattr(state, "offset", None)) if isinstance(t, torch.Tensor)]
+        parts = (state.absmax, state.code, getattr(state, "offset", None))
+        tensors += [t for t in parts if isinstance(t, torch.Tensor)]
         state = getattr(state, "state2", None)
     return tensors
