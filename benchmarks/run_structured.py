@@ -55,6 +55,32 @@ def _path(tokenizer, document_text: str) -> list[int]:
     return tokenizer(document_text, add_special_tokens=False).input_ids
 
 
+def _walk(tokens: list[int], fill, consume) -> list[float]:
+    """Seconds of fill() at each step of the token path; consume(token) moves on after each."""
+    seconds = []
+    for token in tokens:
+        start = time.perf_counter()
+        fill()
+        seconds.append(time.perf_counter() - start)
+        consume(token)
+    return seconds
+
+
+def _summary(compile_s: float, steps: list[float], batch_steps: list[float] | None) -> dict:
+    return {"compile_ms": compile_s * 1e3, "mask_us": statistics.median(steps) * 1e6,
+            "mask_mean_us": statistics.fmean(steps) * 1e6,
+            "batch32_ms": statistics.median(batch_steps) * 1e3 if batch_steps else None}
+
+
+def _consume_all(matchers, method: str):
+    """Feed a token to every matcher; the path is valid JSON for the schema, so each must accept it."""
+    def consume(token):
+        for m in matchers:
+            if getattr(m, method)(token) is False:
+                raise AssertionError(f"token {token} refused")
+    return consume
+
+
 def _llguidance(tokenizer, vocab: int, tokens: list[int]) -> dict:
     import llguidance
     import llguidance.hf
@@ -65,25 +91,16 @@ def _llguidance(tokenizer, vocab: int, tokens: list[int]) -> dict:
     matcher = llguidance.LLMatcher(lltok, grammar)
     compile_s = time.perf_counter() - start
     mask = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
-    steps = []
-    for token in tokens:
-        start = time.perf_counter()
-        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
-        steps.append(time.perf_counter() - start)
-        assert matcher.consume_token(token), matcher.get_error()
+    steps = _walk(tokens, lambda: matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4),
+                  _consume_all([matcher], "consume_token"))
     executor = llguidance.LLExecutor()
     matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(BATCH)]
     masks = torch.empty(BATCH, mask.shape[1], dtype=torch.int32)
-    batch_steps = []
-    for token in tokens:
-        start = time.perf_counter()
-        executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
-                                         masks.shape[1] * 4, BATCH)
-        batch_steps.append(time.perf_counter() - start)
-        for m in matchers:
-            m.consume_token(token)
-    return {"compile_ms": compile_s * 1e3, "mask_us": statistics.median(steps) * 1e6,
-            "mask_mean_us": statistics.fmean(steps) * 1e6, "batch32_ms": statistics.median(batch_steps) * 1e3}
+    pairs = [(m, i) for i, m in enumerate(matchers)]
+    batch_steps = _walk(tokens, lambda: executor.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), masks.shape[1] * 4,
+                                                                         BATCH),
+                        _consume_all(matchers, "consume_token"))
+    return _summary(compile_s, steps, batch_steps)
 
 
 def _xgrammar(tokenizer, vocab: int, tokens: list[int]) -> dict:
@@ -94,23 +111,12 @@ def _xgrammar(tokenizer, vocab: int, tokens: list[int]) -> dict:
     compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(", ", ": "))
     compile_s = time.perf_counter() - start
     matcher, mask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, vocab)
-    steps = []
-    for token in tokens:
-        start = time.perf_counter()
-        matcher.fill_next_token_bitmask(mask, 0)
-        steps.append(time.perf_counter() - start)
-        assert matcher.accept_token(token)
+    steps = _walk(tokens, lambda: matcher.fill_next_token_bitmask(mask, 0), _consume_all([matcher], "accept_token"))
     matchers, masks = [xgr.GrammarMatcher(compiled) for _ in range(BATCH)], xgr.allocate_token_bitmask(BATCH, vocab)
     batch = xgr.BatchGrammarMatcher()
-    batch_steps = []
-    for token in tokens:
-        start = time.perf_counter()
-        batch.batch_fill_next_token_bitmask(matchers, masks)
-        batch_steps.append(time.perf_counter() - start)
-        for m in matchers:
-            m.accept_token(token)
-    return {"compile_ms": compile_s * 1e3, "mask_us": statistics.median(steps) * 1e6,
-            "mask_mean_us": statistics.fmean(steps) * 1e6, "batch32_ms": statistics.median(batch_steps) * 1e3}
+    batch_steps = _walk(tokens, lambda: batch.batch_fill_next_token_bitmask(matchers, masks),
+                        _consume_all(matchers, "accept_token"))
+    return _summary(compile_s, steps, batch_steps)
 
 
 def _outlines_core(tokenizer, vocab: int, tokens: list[int]) -> dict:
@@ -124,14 +130,9 @@ def _outlines_core(tokenizer, vocab: int, tokens: list[int]) -> dict:
     start = time.perf_counter()
     index = Index(build_regex_from_schema(json.dumps(SCHEMA)), Vocabulary(tokenizer.eos_token_id, by_text))
     compile_s = time.perf_counter() - start
-    guide, mask, steps = Guide(index), torch.empty((vocab + 31) // 32, dtype=torch.int32), []
-    for token in tokens:
-        start = time.perf_counter()
-        guide.write_mask_into(mask.data_ptr(), mask.numel(), 4)
-        steps.append(time.perf_counter() - start)
-        guide.advance(token)
-    return {"compile_ms": compile_s * 1e3, "mask_us": statistics.median(steps) * 1e6,
-            "mask_mean_us": statistics.fmean(steps) * 1e6, "batch32_ms": None}
+    guide, mask = Guide(index), torch.empty((vocab + 31) // 32, dtype=torch.int32)
+    steps = _walk(tokens, lambda: guide.write_mask_into(mask.data_ptr(), mask.numel(), 4), guide.advance)
+    return _summary(compile_s, steps, None)
 
 
 LIBRARIES = {"llguidance": _llguidance, "xgrammar": _xgrammar, "outlines_core": _outlines_core}
