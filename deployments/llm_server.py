@@ -109,7 +109,10 @@ class LLMServer:
         return {"replica": self.replica, "node_id": self.node_id, "waiting": s.waiting, "running": s.running,
                 "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
                 "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
-                "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats()}
+                "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats(),
+                "prefix_cache": {"queried_tokens": s.prefix_cache_queried_tokens,
+                                 "hit_tokens": s.prefix_cache_hit_tokens, "hit_rate": s.prefix_cache_hit_rate,
+                                 "cached_blocks": s.prefix_cache_blocks, "evictions": s.prefix_cache_evictions}}
 
     def memory(self) -> dict:
         """Weight bytes by dtype, KV bytes per token, blocks and token capacity, adapter slot bytes."""

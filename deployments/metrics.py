@@ -73,7 +73,13 @@ class ServingMetrics:
             ("waiting_requests", "Requests waiting for admission."),
             ("waiting_for_adapter", "Waiting requests whose adapter has no device slot yet."),
             ("kv_cache_utilisation", "Fraction of KV cache blocks in use."),
-            ("resident_adapters", "Adapters in device slots."))}
+            ("resident_adapters", "Adapters in device slots."),
+            ("prefix_cache_blocks", "KV blocks holding a cached prefix."))}
+        self.prefix_counters = {name: metrics.Counter(f"lora_serve_{name}", description) for name, description in (
+            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed."),
+            ("prefix_cache_evictions", "Cached prefix blocks reused for other tokens."))}
+        self._prefix_totals = dict.fromkeys(self.prefix_counters, 0)
 
     def start(self, adapter: str | None) -> RequestTimer:
         return RequestTimer(self.labels.label(adapter))
@@ -113,6 +119,11 @@ class ServingMetrics:
     def engine_state(self, stats: EngineStats) -> None:
         values = {"running_requests": stats.running, "waiting_requests": stats.waiting,
                   "waiting_for_adapter": stats.waiting_for_adapter, "kv_cache_utilisation": stats.kv_utilisation,
-                  "resident_adapters": len(stats.resident_adapters)}
+                  "resident_adapters": len(stats.resident_adapters), "prefix_cache_blocks": stats.prefix_cache_blocks}
         for name, value in values.items():
             self.gauges[name].set(value)
+        for name, counter in self.prefix_counters.items():  # the engine keeps totals; counters take increments
+            total = getattr(stats, name)
+            if total > self._prefix_totals[name]:
+                counter.inc(total - self._prefix_totals[name])
+                self._prefix_totals[name] = total

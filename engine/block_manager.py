@@ -1,12 +1,18 @@
-"""Paged KV cache bookkeeping: fixed-size blocks handed out from a free list.
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counted, with automatic prefix caching.
 
-Reference counts are kept per block so that prefix sharing can later map one block into several
-sequences' block tables; today every block has exactly one owner.
+A full block whose K/V are computed is keyed by (its parent block's key hash, its token ids, the
+sequence's adapter id): the same tokens after the same prefix under the same adapter have the same
+K/V, and a prefix computed under one adapter is never reused under another. A new sequence takes
+the cached blocks of its longest matching prefix by reference instead of recomputing them. A block
+whose last owner finishes goes back to the free list but keeps its key, so it can still be matched
+until its space is needed; the free list hands out the least recently freed block first (and frees
+a sequence's tail blocks before its head, which more sequences share).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
@@ -15,12 +21,23 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens of admitted sequences
+    hit_tokens: int = 0  # of those, taken from cached blocks
+    evictions: int = 0  # cached blocks reused for other tokens
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.cached: dict[tuple, int] = {}  # block key -> block holding those K/V
+        self.key_of: list[tuple | None] = [None] * num_blocks
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -30,26 +47,86 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its block table covers `num_tokens` tokens."""
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_missing_blocks(seq, num_tokens) <= len(self.free_blocks)
+    def can_allocate(self, seq: Sequence, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Whether `seq`, after taking the cached `prefix` blocks, can cover `num_tokens` tokens."""
+        missing = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table) - len(prefix))
+        free_after = len(self.free_blocks) - sum(1 for block in prefix if block in self.free_blocks)
+        return missing <= free_after
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         missing = self.num_missing_blocks(seq, num_tokens)
         if missing > len(self.free_blocks):
             raise RuntimeError(f"out of KV blocks: need {missing}, have {len(self.free_blocks)}")
         for _ in range(missing):
-            block = self.free_blocks.popleft()
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget(block)
             self.ref_counts[block] = 1
             seq.block_table.append(block)
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of `seq`'s tokens, at least its last token left out (it
+        must be computed for its logits). Takes nothing yet."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        blocks, parent = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(self._key(seq, i, parent))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self.key_of[block]
+        return blocks
+
+    def take_prefix(self, seq: Sequence, prefix: list[int]) -> None:
+        """Give a sequence without blocks the cached prefix blocks by reference; they count as computed."""
+        for block in prefix:
+            self.free_blocks.pop(block, None)
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_hashed_blocks = len(prefix)
+        seq.num_computed_tokens = len(prefix) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_stats.queried_tokens += seq.num_tokens
+            self.prefix_stats.hit_tokens += seq.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Key the sequence's blocks that became full and computed, so later sequences can match them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            block = seq.block_table[i]
+            parent = self.key_of[seq.block_table[i - 1]] if i else None
+            key = self._key(seq, i, parent)
+            self.key_of[block] = key  # a duplicate of a cached block keeps the key too: its children chain from it
+            self.cached.setdefault(key, block)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def _key(self, seq: Sequence, index: int, parent: tuple | None) -> tuple:
+        start = index * self.block_size
+        return hash(parent), tuple(seq.token_slice(start, start + self.block_size)), seq.adapter_id
+
+    def _forget(self, block: int) -> None:
+        key = self.key_of[block]
+        if key is not None:
+            self.key_of[block] = None
+            if self.cached.get(key) == block:
+                del self.cached[key]
+                self.prefix_stats.evictions += 1
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None  # most recently freed: reused last
         seq.block_table.clear()
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests use it to force preemption)
     max_num_seqs: int = 64
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks of an already computed prefix
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
     max_model_len: int | None = None  # defaults to the model's context length
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)

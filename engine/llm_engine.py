@@ -58,6 +58,15 @@ class EngineStats:
     preemptions: int
     waiting_for_adapter: int = 0  # waiting requests whose adapter is not in a device slot yet
     resident_adapters: list[str] = field(default_factory=list)
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests (cumulative)
+    prefix_cache_hit_tokens: int = 0  # of those, read from cached blocks instead of computed
+    prefix_cache_blocks: int = 0  # blocks holding a cached prefix now
+    prefix_cache_evictions: int = 0  # cached blocks reused for other tokens (cumulative)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
     @property
     def kv_utilisation(self) -> float:
@@ -88,7 +97,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, layout.token_capacity)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
-        self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
         if adapter_provider is not None and not config.max_loras:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
@@ -201,10 +210,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
-                           self.block_manager.num_used_blocks, self.block_manager.num_blocks,
-                           self.scheduler.total_preemptions, self.scheduler.num_waiting_for_adapter(),
-                           self.adapter_slots.resident() if self.adapter_slots else [])
+        bm, prefix = self.block_manager, self.block_manager.prefix_stats
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), bm.num_used_blocks,
+                           bm.num_blocks, self.scheduler.total_preemptions, self.scheduler.num_waiting_for_adapter(),
+                           self.adapter_slots.resident() if self.adapter_slots else [], prefix.queried_tokens,
+                           prefix.hit_tokens, bm.num_cached_blocks, prefix.evictions)
 
     def adapter_stats(self) -> dict[str, dict]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),
@@ -234,6 +244,7 @@ class LLMEngine:
         logits, sampling = self.runner.execute(plan.scheduled)
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed_blocks(s.seq)
         if not sampling:
             return []
         result = self.sampler(logits, [s.seq for s in sampling], masks.result() if masks else None)

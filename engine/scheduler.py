@@ -2,7 +2,9 @@
 
 Every step, running sequences are served first (oldest first: a decode token each, or the next
 chunk of a long prompt), then waiting sequences are admitted while the token budget, the
-`max_num_seqs` cap and the free KV blocks allow. When a running sequence needs a block and none
+`max_num_seqs` cap and the free KV blocks allow; an admitted sequence first takes the cached blocks
+of its longest already computed prefix (block_manager.py) and is fed only the rest of its prompt,
+in chunks when it exceeds the token budget. When a running sequence needs a block and none
 is free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has already produced. A request for a LoRA adapter is admitted
 only with a device slot for its adapter (so at most `max_loras` adapters run in one step); one
@@ -95,14 +97,17 @@ class Scheduler:
         starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            prefix = self.block_manager.cached_prefix(seq)
+            computed = len(prefix) * self.block_manager.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.block_manager.can_allocate(seq, computed + n, prefix):
                 break
             may_pass = starving is None or seq.adapter_id in (None, starving)
             if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, adapter_loads)):
                 no_slot.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
+            self.block_manager.take_prefix(seq, prefix)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
