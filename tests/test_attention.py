@@ -63,3 +63,10 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_prompts_beyond_the_explicit_score_limit_use_sdpa(monkeypatch):
+    from engine.layers import attention
+
+    monkeypatch.setattr(attention, "MAX_EXPLICIT_SCORES", 0)  # every prompt chunk takes SDPA's kernels
+    test_paged_attention_matches_reference(torch.bfloat16, 1)

@@ -255,6 +255,7 @@ def test_info_and_models_show_where_adapters_reside(server):
     assert info["quantization"] == "none" and memory["weight_bytes"]["float32"] == memory["total_weight_bytes"] > 0
     assert memory["kv_bytes"] == memory["kv_bytes_per_token"] * memory["kv_token_capacity"] > 0
     assert memory["adapter_slot_bytes"] > 0
+    assert set(info["prefix_cache"]) == {"queried_tokens", "hit_tokens", "hit_rate", "cached_blocks", "evictions"}
 
 
 def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
