@@ -303,12 +303,14 @@ def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
 
 
 def test_prometheus_metrics_are_exported(server):
-    requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3,
-                                                                             "adapter_id": "alpha"}}, timeout=60)
+    for adapter in ("alpha", None):
+        requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3,
+                                                                                 "adapter_id": adapter}}, timeout=60)
     names = ("lora_serve_time_to_first_token_seconds_bucket", "lora_serve_time_per_output_token_seconds",
              "lora_serve_request_latency_seconds", "lora_serve_generation_tokens", "lora_serve_prompt_tokens",
              "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests",
-             'lora_serve_weight_bytes{', "lora_serve_kv_cache_capacity_tokens", "lora_serve_adapter_slot_bytes")
+             'lora_serve_weight_bytes{', "lora_serve_kv_cache_capacity_tokens", "lora_serve_adapter_slot_bytes",
+             "lora_serve_prefix_cache_queried_tokens", "lora_serve_prefix_cache_blocks")
 
     def exported():
         text = requests.get(METRICS["url"], timeout=10).text
