@@ -83,9 +83,7 @@ class Ingress:
         return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "quantization": c.quantization,
                 "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
                 "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
-                "max_waiting_requests": c.max_waiting_requests,
-                "memory": await self.llm.options(stream=False).memory.remote(),
-                "prefix_cache": (await self.llm.options(stream=False).stats.remote())["prefix_cache"],
+                "max_waiting_requests": c.max_waiting_requests, **await self.llm.options(stream=False).info.remote(),
                 "adapters": await self._adapters()}
 
     @app.post("/")

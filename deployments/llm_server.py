@@ -21,7 +21,7 @@ from ray import serve
 from transformers import AutoConfig
 
 from deployments.metrics import ServingMetrics
-from engine import AsyncEngine, EngineConfig, EngineOverloadedError, SamplingParams
+from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
 from engine.model_files import resolve_model
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
 
@@ -110,13 +110,12 @@ class LLMServer:
                 "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
                 "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
                 "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats(),
-                "prefix_cache": {"queried_tokens": s.prefix_cache_queried_tokens,
-                                 "hit_tokens": s.prefix_cache_hit_tokens, "hit_rate": s.prefix_cache_hit_rate,
-                                 "cached_blocks": s.prefix_cache_blocks, "evictions": s.prefix_cache_evictions}}
+                "prefix_cache": _prefix_cache(s)}
 
-    def memory(self) -> dict:
-        """Weight bytes by dtype, KV bytes per token, blocks and token capacity, adapter slot bytes."""
-        return self.engine.engine.memory().to_dict()
+    def info(self) -> dict:
+        """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
+        adapter slot bytes) and prefix-cache counts, both of this one replica."""
+        return {"memory": self.engine.engine.memory().to_dict(), "prefix_cache": _prefix_cache(self.engine.stats())}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.autoscaling.EngineLoadPolicy."""
@@ -137,6 +136,12 @@ class LLMServer:
 
     def __del__(self):
         self._stop.set()
+
+
+def _prefix_cache(s: EngineStats) -> dict:
+    return {"queried_tokens": s.prefix_cache_queried_tokens, "hit_tokens": s.prefix_cache_hit_tokens,
+            "hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.prefix_cache_blocks,
+            "evictions": s.prefix_cache_evictions}
 
 
 def _leave_a_core(config: EngineConfig) -> EngineConfig:

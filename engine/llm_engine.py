@@ -211,10 +211,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm, prefix = self.block_manager, self.block_manager.prefix_stats
-        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), bm.num_used_blocks,
-                           bm.num_blocks, self.scheduler.total_preemptions, self.scheduler.num_waiting_for_adapter(),
-                           self.adapter_slots.resident() if self.adapter_slots else [], prefix.queried_tokens,
-                           prefix.hit_tokens, bm.num_cached_blocks, prefix.evictions)
+        return EngineStats(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+            preemptions=self.scheduler.total_preemptions,
+            waiting_for_adapter=self.scheduler.num_waiting_for_adapter(),
+            resident_adapters=self.adapter_slots.resident() if self.adapter_slots else [],
+            prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=prefix.evictions)
 
     def adapter_stats(self) -> dict[str, dict]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),

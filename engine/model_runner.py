@@ -130,7 +130,7 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             row = len(input_ids)
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_slice(start, end)
             positions += range(start, end)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             adapter_runs.append((-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
