@@ -1,11 +1,14 @@
-"""Shared helpers for the benchmarks: environment description, timing, number formatting, markdown tables."""
+"""Shared helpers for the benchmarks: environment description, timing, number formatting, markdown tables,
+writing a run's results."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -108,3 +111,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def save_results(folder: Path, name: str, raw: dict, plot, text: str) -> None:
+    """folder/name.json (the raw figures), name.png (plot(raw, path)) and name.md (text, also printed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(raw, indent=2) + "\n")
+    plot(raw, folder / f"{name}.png")
+    (folder / f"{name}.md").write_text(text)
+    print(text)

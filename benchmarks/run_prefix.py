@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -28,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, AsyncEngine, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -215,11 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     raw["system_tokens"] = len(AutoTokenizer.from_pretrained(path)(SYSTEM)["input_ids"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix.json").write_text(json.dumps(raw, indent=2) + "\n")
-    plot(raw, args.out / "prefix.png")
-    (args.out / "prefix.md").write_text(markdown(raw))
-    print(markdown(raw))
+    save_results(args.out, "prefix", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Writes benchmarks/results/quantization.md, quantization.json and quantization.pn
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks import course_quantize  # noqa: E402
-from benchmarks.common import environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -156,11 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"mode": "quick" if args.quick else "full", "environment": environment(), "rounds": rounds,
            "configs": configs, "reconstruction_layers": layers or "all 30",
            "reconstruction": reconstruction(path, layers)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantization.json").write_text(json.dumps(raw, indent=2) + "\n")
-    plot(raw, args.out / "quantization.png")
-    (args.out / "quantization.md").write_text(markdown(raw))
-    print(markdown(raw))
+    save_results(args.out, "quantization", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import socket
 import statistics
@@ -31,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -225,9 +224,6 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args.quick)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_load.json").write_text(json.dumps(raw, indent=2) + "\n")
-    plot(raw, args.out / "serve_load.png")
     note = (f"Method: {raw['requests']} requests x {raw['new_tokens']} new tokens (EOS ignored), a third for the "
             f"base model and the rest spread over {len(ADAPTERS)} rank-8 q,k,v,o adapters; SmolLM2 bf16, one "
             f"engine replica (1 torch thread: a replica leaves one core to the proxy and ingress; the offline row "
@@ -241,8 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{' --quick' if args.quick else ''}`  ", f"Date: {env['date']}  ",
                       f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "", note, "", table(raw), "",
                       "![serve load](serve_load.png)", ""])
-    (args.out / "serve_load.md").write_text(text)
-    print(text)
+    save_results(args.out, "serve_load", raw, plot, text)
 
 
 if __name__ == "__main__":

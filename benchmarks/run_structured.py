@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.grammar import JSON_LAYOUT  # noqa: E402
@@ -261,11 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"mode": "quick" if args.quick else "full", "environment": environment(), "rounds": rounds,
            "path_tokens": len(_path(tokenizer, json.dumps(DOCUMENT))),
            "libraries": lib, "engine": engine_mixes(llm, rounds, tokens)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "structured.json").write_text(json.dumps(raw, indent=2) + "\n")
-    plot(raw, args.out / "structured.png")
-    (args.out / "structured.md").write_text(markdown(raw))
-    print(markdown(raw))
+    save_results(args.out, "structured", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":
