@@ -72,7 +72,8 @@ def test_batched_lora_equals_per_token_reference(runs):
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("runs", [[(1, 3), (0, 3), (1, 3)], [(1, 3), (-1, 1), (0, 2)]], ids=["in order", "gathered"])
+@pytest.mark.parametrize("runs", [[(1, 3), (0, 3), (1, 3)], [(1, 3), (1, 3), (0, 3)], [(1, 3), (-1, 1), (0, 2)]],
+                         ids=["in order", "adjacent runs of a slot, cut back", "gathered"])
 def test_a_linear_with_one_sub_module(runs):
     layer, state, adapters = _layer(outs=(16,))
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(5))
@@ -114,6 +115,18 @@ def test_runs_of_one_slot_are_segments_until_their_weight_copies_cost_more_than_
     assert group.gather_index is None and group.slots.tolist() == [0, 1, 0]  # equal runs stay in batch order
     (group,) = build_lora_batch([(2, 1), (2, 1), (1, 2)], CPU).groups  # adjacent runs of a slot merge
     assert group.segments == 2 and group.slots == slice(1, 3)  # sorted: the weights are a view
+
+
+def test_unequal_runs_are_cut_to_one_length_when_a_weight_copy_costs_less_than_the_padding():
+    # Two adjacent requests of adapter 0 merge into one 16-token run; cut back to 8s, the batch is one in-order
+    # group (no gather, no scatter, no padding) at the price of one more weight copy.
+    batch = build_lora_batch([(0, 8), (0, 8), (1, 8)], CPU, allowance=1000)
+    assert batch.in_order_group is not None and batch.valid_positions is None
+    assert batch.in_order_group.slots.tolist() == [0, 0, 1] and batch.in_order_group.longest == 8
+    (group,) = build_lora_batch([(0, 2), (0, 2), (1, 3)], CPU, allowance=1000).groups  # 5 copies > 1 padded row
+    assert (group.segments, group.longest) == (2, 4) and group.gather_index is not None
+    (group,) = build_lora_batch([(0, 2), (1, 1), (2, 1)], CPU, allowance=1000).groups  # 1 copy = 8 rows > 2 padded
+    assert (group.segments, group.longest) == (3, 2)
 
 
 def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():

@@ -2,10 +2,10 @@
 
 Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its
 sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
-sub-module (scaling folded in), so that no zero block of a fused B is ever read; a slot's A and Bs
-are packed in one row, gathered by one copy per group. The
-step's tokens arrive grouped by adapter slot (lora_batch.py); per group the delta is batched
-matmuls over the segments' weights, and one index_add puts all deltas into the base output.
+sub-module (scaling folded in), so that no zero block of a fused B is ever read. The step's tokens
+arrive grouped by adapter slot (lora_batch.py); per group the delta is batched matmuls over the
+segments' weights, and one index_add puts all deltas into the base output (or, when one group holds
+every token in order, the expand matmul adds into the base output in place).
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
 """
 
@@ -38,23 +38,33 @@ class LoRALinear(nn.Module):
         self.row_flops = 2 * max_rank * len(subs) * in_features + 2 * max_rank * sum(s.out_size for s in subs)
         if device.type == "cpu":  # CPU bf16 batched matmuls of these small shapes are slow; fp32 ones are not
             dtype = torch.float32
-        # One row per slot packs A and every B, so a group gathers all of a slot's weights in one copy.
-        self.a_size = in_features * max_rank * len(subs)
-        self.b_spans: list[tuple[int, int]] = []
+        # One row per slot packs A and every B (one storage per linear); a_slots and b_slots are strided views
+        # of it, [slots, in, subs * R] and [slots, R, out] per sub-module, that a group gathers directly.
+        a_size = in_features * max_rank * len(subs)
+        row = a_size + max_rank * sum(s.out_size for s in subs)
+        self.register_buffer("packed", torch.zeros(max_loras, row, dtype=dtype, device=device))
+        self.a_slots = self.packed[:, :a_size].view(max_loras, in_features, -1)
+        self.b_slots: list[torch.Tensor] = []
+        start = a_size
         for sub in subs:
-            start = self.a_size if not self.b_spans else self.b_spans[-1][1]
-            self.b_spans.append((start, start + max_rank * sub.out_size))
-        self.register_buffer("packed", torch.zeros(max_loras, self.b_spans[-1][1], dtype=dtype, device=device))
+            end = start + max_rank * sub.out_size
+            self.b_slots.append(self.packed[:, start:end].view(max_loras, max_rank, -1))
+            start = end
+        self.expand_dtype = dtype if len(subs) == 1 else None
         self.slots_with_weights: set[int] = set()  # a linear no resident adapter targets skips the LoRA path
 
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "base":  # calling forward directly skips nn.Module.__call__: ~5 us a call, more than tiny math
+            self.base_forward = value.forward
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = self.base_forward(x)
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
-        if batch.token_rows is None and len(batch.groups) == 1 and len(self.subs) == 1 \
-                and y.dtype == x.dtype == self.packed.dtype:  # every token in one group, in order: expand in place
-            group = batch.groups[0]
+        if batch.in_order_group is not None and x.dtype == y.dtype == self.expand_dtype:  # expand in place
+            group = batch.in_order_group
             a, (b,) = self._weights(group.slots)
             out = y.view(group.segments, group.longest, -1)
             return out.baddbmm_(self._shrink(x, group, a), b).view(y.shape)
@@ -67,13 +77,11 @@ class LoRALinear(nn.Module):
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
     def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: views of one gather
-        (of none when the slots are a contiguous slice)."""
-        # index_select copies whole rows; advanced indexing was ~2x slower here
-        rows = self.packed[slots] if isinstance(slots, slice) else self.packed.index_select(0, slots)
-        n = rows.shape[0]
-        a = rows[:, :self.a_size].view(n, self.in_features, -1)
-        return a, [rows[:, start:end].view(n, self.max_rank, -1) for start, end in self.b_spans]
+        """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: gathered copies, or
+        views when the slots are a contiguous slice. (index_select: advanced indexing was ~2x slower here.)"""
+        if isinstance(slots, slice):
+            return self.a_slots[slots], [b[slots] for b in self.b_slots]
+        return self.a_slots.index_select(0, slots), [b.index_select(0, slots) for b in self.b_slots]
 
     def _shrink(self, x: torch.Tensor, group: LoRAGroup, a: torch.Tensor) -> torch.Tensor:
         grouped = x if group.gather_index is None else x.index_select(0, group.gather_index)

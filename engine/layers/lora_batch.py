@@ -13,6 +13,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 # An extra group costs about as much as this much padded LoRA math (its ~6 kernel launches, ~30 us on a CPU).
@@ -35,6 +37,14 @@ class LoRABatch:
     groups: list[LoRAGroup]
     valid_positions: torch.Tensor | None  # the real tokens' positions in the groups' concatenated grid; None: all
     token_rows: torch.Tensor | None  # the row of each real token, same order; None: every row, in order
+
+    @property
+    def in_order_group(self) -> LoRAGroup | None:
+        """The one group, when it holds every token of the step in order, unpadded: its delta is the
+        output's own layout."""
+        if self.token_rows is None and len(self.groups) == 1:
+            return self.groups[0]
+        return None
 
 
 class LoRAStepState:
@@ -96,11 +106,27 @@ def _segments(runs: list[tuple[int, int]], allowance: int) -> tuple[list[tuple[i
         total += count
     extra_copies = len(by_run) - len({slot for slot, _ in by_run})
     if extra_copies * WEIGHT_COPY_ROWS <= allowance:
-        return by_run, total
+        return _equal_lengths(by_run, allowance), total
     by_slot: dict[int, list[int]] = {}
     for slot, rows in by_run:
         by_slot.setdefault(slot, []).extend(rows)
     return list(by_slot.items()), total
+
+
+def _equal_lengths(segments: list[tuple[int, list[int]]], allowance: int) -> list[tuple[int, list[int]]]:
+    """Segments of unequal lengths cut into pieces of their greatest common length, when the extra weight
+    copies cost less than padding them to one length would (and than the allowance). Equal segments form
+    one unpadded group; covering the whole batch, it needs no gather and no scatter. (Two adjacent
+    requests of one adapter merge into one run of twice the length: cutting it back costs one copy.)"""
+    lengths = [len(rows) for _, rows in segments]
+    if len(set(lengths)) <= 1:
+        return segments
+    piece = math.gcd(*lengths)
+    extra_copies = sum(lengths) // piece - len(segments)
+    padding = max(lengths) * len(lengths) - sum(lengths)
+    if extra_copies * WEIGHT_COPY_ROWS > min(allowance, padding):
+        return segments
+    return [(slot, rows[i:i + piece]) for slot, rows in segments for i in range(0, len(rows), piece)]
 
 
 def _group_segments(segments: list[tuple[int, list[int]]], allowance: int):
