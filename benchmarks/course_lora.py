@@ -34,6 +34,7 @@ METHODS = ("loop (course)", "gathered (course)", "lora-serve")
 PREBUILT = "lora-serve, step batch prebuilt"  # the engine builds it once per step for all of its LoRA linears
 SHARED = "lora-serve, step batch shared by 120 calls"  # SmolLM2's LoRA linears per step: 30 layers x 4
 SHARED_CALLS = 120
+SHARED_SAMPLES_DIVISOR = 20  # ten samples of 120 calls each instead of 200 single calls
 DETOKENIZER = ["red", "orange", "yellow", "green", "blue", "indigo", "violet", "magenta", "marigold", "chartreuse"]
 CPU = torch.device("cpu")
 
@@ -155,7 +156,8 @@ def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) ->
     items = [(b, v) for _ in range(rounds) for b in batch_sizes for v in variants]
     for b, (kind, method) in tqdm(items, desc=f"course toy model, hidden {hidden}", unit="item"):
         seconds = []
-        for input_ids, lora_indices in [draw(b) for _ in range(samples + 1)]:  # the first one warms up
+        draws = samples // SHARED_SAMPLES_DIVISOR if method == SHARED else samples  # a SHARED sample is 120 calls
+        for input_ids, lora_indices in [draw(b) for _ in range(draws + 1)]:  # the first one warms up
             if kind == "layer":
                 seconds.append(time_layer(model, method, model.embedding(input_ids), lora_indices))
             else:
@@ -208,7 +210,8 @@ def section(course: dict) -> str:
              f"all of its LoRA linears (120 in SmolLM2): \"prebuilt\" times the first call after a build alone "
              f"(its caches are cold from the build); \"shared by {SHARED_CALLS} calls\" times the mean call of "
              f"{SHARED_CALLS} calls on fresh inputs after one build, as an engine step makes them. Each figure is "
-             f"the median of {first['samples']} samples, median of {first['rounds']} rounds with the variants "
+             f"the median of {first['samples']} samples ({first['samples'] // SHARED_SAMPLES_DIVISOR} of "
+             f"{SHARED_CALLS} calls each for \"shared\"), median of {first['rounds']} rounds with the variants "
              f"taking turns. Logits of the three versions agree to "
              f"{max(r['max_abs_difference'] for r in course.values()):.1e}."]
     header = [*(f"{m} ms" for m in LAYER_METHODS), "speed-up vs loop: lora-serve / prebuilt / shared",
@@ -223,10 +226,11 @@ def section(course: dict) -> str:
         parts += ["", f"**Hidden {hidden}** ({label}); times of `linear_lora`", "",
                   markdown_table(["batch", *header], rows)]
         if 32 in loop:
-            verdict = "met" if loop[32] / shared[32] >= 5 else "missed"
+            verdict = ("target at least 5x: " + ("met" if loop[32] / shared[32] >= 5 else "missed")
+                       if hidden == COURSE_HIDDEN else "the 5x target is for the course's size")
             parts += ["", f"At batch 32: lora-serve's layer is **{loop[32] / shared[32]:.2f}x** the loop's speed with "
-                          f"the step batch shared by {SHARED_CALLS} calls as in an engine step (target at least 5x: "
-                          f"{verdict}); {loop[32] / pre[32]:.2f}x for the first call after a build alone, "
+                          f"the step batch shared by {SHARED_CALLS} calls as in an engine step ({verdict}); "
+                          f"{loop[32] / pre[32]:.2f}x for the first call after a build alone, "
                           f"{loop[32] / ours[32]:.2f}x with the build in the call; "
                           f"{layer[METHODS[1]][32] / shared[32]:.2f}x the gathered version's."]
     return "\n".join(parts)
