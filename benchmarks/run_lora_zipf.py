@@ -104,7 +104,8 @@ def markdown(r: dict, quick: bool) -> str:
     return "\n".join([
         "# Multi-LoRA under Zipf popularity: SmolLM2-135M-Instruct on CPU (fp32, 2 threads)", "",
         "> quick smoke run: not comparable" if quick else "", "",
-        f"Method: {r['num_requests']} requests x {r['new_tokens']} new tokens (greedy, EOS ignored), submitted at once; "
+        f"Method: {r['num_requests']} requests x {r['new_tokens']} new tokens (greedy, EOS ignored), submitted at "
+        f"once; "
         f"each request's adapter drawn from {r['num_adapters']} registered rank-8 q,k,v,o adapters with Zipf "
         f"popularity (exponent 1.1); max_loras={r['max_loras']} device slots, max_num_seqs=32. The same requests "
         "without adapters give the base-only figure; the Zipf run's wall time includes reading every adapter once "

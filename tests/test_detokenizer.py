@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer
 
-TEXTS = ["Hello, world! Ünïcödé façade — naïve café.", "日本語のテキストと絵文字 🚀🔥👩‍👩‍👧", "  leading spaces\n\ttabs and\r\nlines  "]
+TEXTS = ["Hello, world! Ünïcödé façade — naïve café.",
+         "日本語のテキストと絵文字 🚀🔥👩‍👩‍👧",
+         "  leading spaces\n\ttabs and\r\nlines  "]
 
 
 def _stream(tokenizer, text, stop=(), prompt="Say:"):
