@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_protocol as oai
-from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest
+from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, tgi_token
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.model_files import resolve_model
@@ -194,7 +194,7 @@ class Ingress:
         while True:
             lines = []
             for i, token in enumerate(event["tokens"], start=1):
-                payload = {"token": {**token, "special": False}, "generated_text": None, "details": None}
+                payload = {"token": tgi_token(token, self.tokenizer), "generated_text": None, "details": None}
                 if event["finished"] and i == len(event["tokens"]):
                     payload["generated_text"] = self._full_text(request, event["generated_text"])
                     payload["details"] = {"finish_reason": TGI_FINISH_REASONS[event["finish_reason"]],
@@ -218,4 +218,4 @@ class Ingress:
         return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
                 "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
                 "seed": request.parameters.seed, "prefill": prefill,
-                "tokens": [{**token, "special": False} for token in last["tokens"]]}
+                "tokens": [tgi_token(token, self.tokenizer) for token in last["tokens"]]}

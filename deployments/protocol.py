@@ -89,3 +89,11 @@ class GenerateRequest(BaseModel):
 
 
 TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
+
+
+def tgi_token(token: dict, tokenizer) -> dict:
+    """A generated token as TGI shows it: special tokens (EOS above all) are marked, with their text, which the
+    generated text leaves out."""
+    if token["id"] not in tokenizer.all_special_ids:
+        return {**token, "special": False}
+    return {**token, "text": tokenizer.convert_ids_to_tokens(token["id"]), "special": True}
