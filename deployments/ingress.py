@@ -174,18 +174,25 @@ class Ingress:
         first = await self._first_event(events)
         cid = oai.completion_id(prefix)
         if request.stream:
-            return StreamingResponse(self._openai_sse(cid, request.model, first, events, chunk),
+            return StreamingResponse(self._openai_sse(request, cid, first, events, chunk),
                                      media_type="text/event-stream")
         last = first
         async for event in events:
             last = event
-        return body(cid, request.model, last["generated_text"], last)
+        logprobs = request.logprobs_object(last["tokens"], self.tokenizer, 0)
+        return body(cid, request.model, last["generated_text"], last, logprobs)
 
-    @staticmethod
-    async def _openai_sse(cid: str, model: str, first: dict, events, chunk) -> AsyncIterator[str]:
-        yield f"data: {json.dumps(chunk(cid, model, first, True))}\n\n"
-        async for event in events:
-            yield f"data: {json.dumps(chunk(cid, model, event, False))}\n\n"
+    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, first: dict, events,
+                          chunk) -> AsyncIterator[str]:
+        emitted = 0  # characters of generated text already sent: where this chunk's text offsets start
+        event, is_first = first, True
+        while True:
+            logprobs = request.logprobs_object(event["tokens"], self.tokenizer, emitted)
+            yield f"data: {json.dumps(chunk(cid, request.model, event, is_first, logprobs))}\n\n"
+            emitted += len(event["text"])
+            event, is_first = await anext(events, None), False
+            if event is None:
+                break
         yield "data: [DONE]\n\n"
 
     async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:

@@ -154,8 +154,11 @@ def _leave_a_core(config: EngineConfig) -> EngineConfig:
 
 
 def _token_entry(out) -> dict:
+    """One generated token: id, its text as released, its logprob, and its top alternatives (id -> logprob;
+    None unless the request asked for them)."""
     return {"id": out.new_token_ids[-1] if out.new_token_ids else None,
-            "logprob": out.logprobs[-1] if out.logprobs else None, "text": out.delta_text}
+            "logprob": out.logprobs[-1] if out.logprobs else None, "text": out.delta_text,
+            "top_logprobs": out.top_logprobs[-1] if out.top_logprobs else None}
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Literal
@@ -63,16 +64,38 @@ class OpenAISampling(BaseModel):
             raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
         return self
 
+    def logprobs_wanted(self) -> int | None:
+        """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
+        return None
+
+    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+        """The response's `logprobs` for these generated tokens (None when not asked for)."""
+        return None
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
-                              logprobs=0,
+                              logprobs=self.logprobs_wanted() or 0,
                               response_format=self.response_format.to_engine() if self.response_format else None)
 
 
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+        """The legacy completions shape; text_offset counts from `offset` characters into the generated text."""
+        if self.logprobs is None:
+            return None
+        starts = itertools.accumulate((len(t["text"]) for t in tokens[:-1]), initial=offset)
+        return {"tokens": [tokenizer.decode([t["id"]]) for t in tokens],
+                "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [{tokenizer.decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
+                "text_offset": list(starts) if tokens else []}
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -94,6 +117,35 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        return {"content": [{**_chat_token(t["id"], t["logprob"], tokenizer),
+                             "top_logprobs": [_chat_token(i, lp, tokenizer)
+                                              for i, lp in (t["top_logprobs"] or {}).items()]}
+                            for t in tokens]}
+
+
+def _with_chosen(token: dict) -> dict[int, float]:
+    """The alternatives and the chosen token (vLLM's completions include it, even when it is not among them)."""
+    return {**(token["top_logprobs"] or {}), token["id"]: token["logprob"]}
+
+
+def _chat_token(token_id: int, logprob: float, tokenizer) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def completion_id(prefix: str) -> str:
@@ -105,28 +157,28 @@ def usage(last: dict) -> dict:
             "total_tokens": last["prompt_tokens"] + last["generated_tokens"]}
 
 
-def completion_body(cid: str, model: str, text: str, last: dict) -> dict:
+def completion_body(cid: str, model: str, text: str, last: dict, logprobs: dict | None) -> dict:
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                          "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
             "usage": usage(last)}
 
 
-def chat_body(cid: str, model: str, text: str, last: dict) -> dict:
+def chat_body(cid: str, model: str, text: str, last: dict, logprobs: dict | None) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
             "usage": usage(last)}
 
 
-def completion_chunk(cid: str, model: str, event: dict, first: bool) -> dict:
+def completion_chunk(cid: str, model: str, event: dict, first: bool, logprobs: dict | None) -> dict:
     reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": event["text"], "logprobs": None, "finish_reason": reason}]}
+            "choices": [{"index": 0, "text": event["text"], "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_chunk(cid: str, model: str, event: dict, first: bool) -> dict:
+def chat_chunk(cid: str, model: str, event: dict, first: bool, logprobs: dict | None) -> dict:
     reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
     delta = {"role": "assistant", "content": event["text"]} if first else {"content": event["text"]}
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}

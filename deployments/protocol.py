@@ -94,6 +94,7 @@ TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequ
 def tgi_token(token: dict, tokenizer) -> dict:
     """A generated token as TGI shows it: special tokens (EOS above all) are marked, with their text, which the
     generated text leaves out."""
-    if token["id"] not in tokenizer.all_special_ids:
-        return {**token, "special": False}
-    return {**token, "text": tokenizer.convert_ids_to_tokens(token["id"]), "special": True}
+    shown = {"id": token["id"], "text": token["text"], "logprob": token["logprob"], "special": False}
+    if token["id"] in tokenizer.all_special_ids:
+        shown.update(text=tokenizer.convert_ids_to_tokens(token["id"]), special=True)
+    return shown

@@ -152,6 +152,47 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
         client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, n=2)
 
 
+def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = str(tiny_llama_path)
+    llm = LLM(model, log_stats=False)
+    expected = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0, logprobs=3), use_tqdm=False)[0]
+
+    done = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3)
+    got = done.choices[0].logprobs
+    assert got.tokens == [tokenizer.decode([t]) for t in expected.token_ids]
+    assert got.token_logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    for top, want, chosen in zip(got.top_logprobs, expected.top_logprobs, expected.token_ids):
+        named = {tokenizer.decode([i]): lp for i, lp in {**want, chosen: None}.items()}
+        assert set(top) == set(named) and 3 <= len(top) <= 4  # the 3 alternatives and the chosen token
+    starts = [len(tokenizer.decode(expected.token_ids[:i])) for i in range(len(expected.token_ids))]
+    assert got.text_offset == starts  # where each token's text starts in the generated text
+    streamed = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3,
+                                         stream=True)
+    chunks = [c.choices[0].logprobs for c in streamed]
+    assert [lp for c in chunks for lp in c.token_logprobs] == got.token_logprobs
+    assert [o for c in chunks for o in c.text_offset] == got.text_offset
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2), use_tqdm=False)[0]
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(want.logprobs, abs=1e-4)
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[tokenizer.decode([i]) for i in top]
+                                                                    for top in want.top_logprobs]
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, logprobs=21)
+
+
 def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapters_root):
     import asyncio
 
