@@ -52,16 +52,14 @@ class OpenAISampling(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
 
     @model_validator(mode="after")
     def _supported(self):
         if self.n != 1:
             raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
         return self
 
     def logprobs_wanted(self) -> int | None:
@@ -76,6 +74,7 @@ class OpenAISampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logprobs=self.logprobs_wanted() or 0,
                               response_format=self.response_format.to_engine() if self.response_format else None)
 

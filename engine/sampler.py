@@ -1,6 +1,7 @@
 """Sampler: logits -> one token per sequence, with its log-probability.
 
-Order of processing follows transformers: structured-output masks first, then repetition penalty,
+Order of processing follows transformers: structured-output masks first, then repetition penalty
+(then OpenAI's presence and frequency penalties, over the output only, as vLLM applies them),
 temperature, top-k, top-p. Greedy
 rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
@@ -35,6 +36,7 @@ class Sampler:
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
         logits = self._apply_repetition_penalty(logits, seqs)
+        logits = self._apply_output_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
@@ -82,6 +84,20 @@ class Sampler:
             seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
             scores = logits[i, seen]
             logits[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return logits
+
+    @staticmethod
+    def _apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logit -= frequency_penalty * (times the output holds the token) + presence_penalty * (it holds it)."""
+        penalised = [i for i, seq in enumerate(seqs) if seq.output_token_ids
+                     and (seq.params.presence_penalty or seq.params.frequency_penalty)]
+        if not penalised:
+            return logits
+        logits = logits.clone()
+        for i in penalised:
+            params = seqs[i].params
+            ids, counts = torch.tensor(seqs[i].output_token_ids, device=logits.device).unique(return_counts=True)
+            logits[i, ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
         return logits
 
     @staticmethod

@@ -61,6 +61,41 @@ def test_repetition_penalty_matches_hf(tiny_llama_path):
     assert [o.token_ids for o in outs] == reference
 
 
+class OutputPenalties:
+    """Reference OpenAI presence/frequency penalties for transformers' generate, over the generated tokens only."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for token in set(input_ids[0, self.prompt_len:].tolist()):
+            count = int((input_ids[0, self.prompt_len:] == token).sum())
+            scores[0, token] -= self.frequency * count + self.presence
+        return scores
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return LLM(str(smollm2_path), dtype="float32", log_stats=False)
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (-0.5, 1.2)])
+def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_path, tokenizer, presence, frequency):
+    # The real model repeats tokens (" the", ",") where a random one does not: the penalties change its text.
+    from transformers import LogitsProcessorList
+
+    prompts = ["The list of colours: red, green,", "1, 2, 3, 4,", "Repeat after me: hello hello hello"]
+    penalised = SamplingParams(max_tokens=20, temperature=0, presence_penalty=presence, frequency_penalty=frequency)
+    plain = SamplingParams(max_tokens=20, temperature=0)
+    outs = smollm2.generate(prompts + prompts, [penalised] * 3 + [plain] * 3, use_tqdm=False)  # mixed in a batch
+    for prompt, out in zip(prompts, outs):
+        processor = OutputPenalties(len(tokenizer(prompt).input_ids), presence, frequency)
+        (reference,) = hf_greedy(smollm2_path, [prompt], 20, logits_processor=LogitsProcessorList([processor]))
+        assert out.token_ids == reference
+    assert [o.token_ids for o in outs[3:]] == hf_greedy(smollm2_path, prompts, 20)
+    assert any(p.token_ids != q.token_ids for p, q in zip(outs[:3], outs[3:]))  # the penalties did act
+
+
 def test_logprobs_match_model_distribution(llm, tiny_llama_path, tokenizer):
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
@@ -97,7 +132,8 @@ def test_stop_string_cuts_text(llm):
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50)])
+                                 dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50),
+                                 dict(presence_penalty=2.5), dict(frequency_penalty=-3)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -151,6 +151,16 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
     with pytest.raises(openai.BadRequestError, match="n=1"):
         client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, n=2)
 
+    penalised = SamplingParams(max_tokens=16, temperature=0, presence_penalty=-2, frequency_penalty=-2)
+    expected = llm.generate([PROMPTS[3]], penalised, use_tqdm=False)[0]
+    assert expected.text != llm.generate([PROMPTS[3]], SamplingParams(max_tokens=16, temperature=0),
+                                         use_tqdm=False)[0].text  # the penalties change this text
+    done = client.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[3], max_tokens=16, temperature=0,
+                                     presence_penalty=-2, frequency_penalty=-2)
+    assert done.choices[0].text == expected.text
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, presence_penalty=2.5)
+
 
 def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer):
     import openai
