@@ -1,5 +1,6 @@
 """HTTP ingress (FastAPI through @serve.ingress): LoRAX / TGI and OpenAI-compatible routes, with SSE streaming."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -55,6 +56,20 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
         reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
         return _error_response(request, reasons)
     return await request_validation_exception_handler(request, exc)
+
+
+# Module helpers stand above the deployment class: Serve captures the class's globals when it is defined.
+async def _last(first: dict, events) -> dict:
+    last = first
+    async for event in events:
+        last = event
+    return last
+
+
+def _cancel(streams) -> None:
+    """Stop the engine requests behind these responses (a no-op for finished ones)."""
+    for events in streams:
+        events.cancel()
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -169,31 +184,54 @@ class Ingress:
 
     async def _openai(self, request: oai.OpenAISampling, prompt: str, default_max_tokens: int, prefix: str,
                       body, chunk):
+        """n choices are n requests for one prompt (the later ones find its KV blocks cached)."""
         adapter = None if request.model == self.model_name else request.model
-        events = self._stream(prompt, request.to_sampling_params(default_max_tokens), adapter, request.stream)
-        first = await self._first_event(events)
+        streams = [self._stream(prompt, request.to_sampling_params(default_max_tokens, choice), adapter,
+                                request.stream) for choice in range(request.n)]
+        try:
+            firsts = [await self._first_event(events) for events in streams]
+            if not request.stream:
+                lasts = await asyncio.gather(*(_last(first, events) for first, events in zip(firsts, streams)))
+        except BaseException:  # a refused or failed choice, or the client left: stop every choice
+            _cancel(streams)
+            raise
         cid = oai.completion_id(prefix)
         if request.stream:
-            return StreamingResponse(self._openai_sse(request, cid, first, events, chunk),
+            return StreamingResponse(self._openai_sse(request, cid, firsts, streams, chunk),
                                      media_type="text/event-stream")
-        last = first
-        async for event in events:
-            last = event
-        logprobs = request.logprobs_object(last["tokens"], self.tokenizer, 0)
-        return body(cid, request.model, last["generated_text"], last, logprobs)
+        finals = [(last, request.logprobs_object(last["tokens"], self.tokenizer, 0)) for last in lasts]
+        return body(cid, request.model, finals)
 
-    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, first: dict, events,
+    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[dict], streams,
                           chunk) -> AsyncIterator[str]:
-        emitted = 0  # characters of generated text already sent: where this chunk's text offsets start
-        event, is_first = first, True
-        while True:
-            logprobs = request.logprobs_object(event["tokens"], self.tokenizer, emitted)
-            yield f"data: {json.dumps(chunk(cid, request.model, event, is_first, logprobs))}\n\n"
-            emitted += len(event["text"])
-            event, is_first = await anext(events, None), False
-            if event is None:
-                break
-        yield "data: [DONE]\n\n"
+        """The choices' chunks as they come, each marked with its choice's index."""
+        lines: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def pump(index: int, event: dict | None, events) -> None:
+            emitted, first = 0, True  # emitted: characters sent, where the next chunk's text offsets start
+            try:
+                while event is not None:
+                    logprobs = request.logprobs_object(event["tokens"], self.tokenizer, emitted)
+                    data = chunk(cid, request.model, index, event, first, logprobs)
+                    lines.put_nowait(f"data: {json.dumps(data)}\n\n")
+                    emitted, first = emitted + len(event["text"]), False
+                    event = await anext(events, None)
+            finally:
+                lines.put_nowait(None)
+
+        pumps = [asyncio.create_task(pump(i, first, events))
+                 for i, (first, events) in enumerate(zip(firsts, streams))]
+        try:
+            for _ in pumps:
+                while (line := await lines.get()) is not None:
+                    yield line
+            for done in pumps:
+                done.result()  # a choice that failed fails the stream
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            _cancel(streams)
 
     async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:
         """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.sampling import ResponseFormat, SamplingParams
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
+MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 
 
 class JSONSchemaSpec(BaseModel):
@@ -48,19 +49,13 @@ class OpenAISampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        return self
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
@@ -70,10 +65,13 @@ class OpenAISampling(BaseModel):
         """The response's `logprobs` for these generated tokens (None when not asked for)."""
         return None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
+        and the choices differ)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        seed = None if self.seed is None else self.seed + choice
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
+                              temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logprobs=self.logprobs_wanted() or 0,
                               response_format=self.response_format.to_engine() if self.response_format else None)
@@ -151,33 +149,37 @@ def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(last: dict) -> dict:
-    return {"prompt_tokens": last["prompt_tokens"], "completion_tokens": last["generated_tokens"],
-            "total_tokens": last["prompt_tokens"] + last["generated_tokens"]}
+def usage(lasts: list[dict]) -> dict:
+    """Token counts of a request's choices: the prompt once, every choice's completion."""
+    prompt, completion = lasts[0]["prompt_tokens"], sum(last["generated_tokens"] for last in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(cid: str, model: str, text: str, last: dict, logprobs: dict | None) -> dict:
+def completion_body(cid: str, model: str, finals: list[tuple[dict, dict | None]]) -> dict:
+    """finals: per choice, its last event and its logprobs object."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
-            "usage": usage(last)}
+            "choices": [{"index": i, "text": last["generated_text"], "logprobs": logprobs,
+                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}
+                        for i, (last, logprobs) in enumerate(finals)],
+            "usage": usage([last for last, _ in finals])}
 
 
-def chat_body(cid: str, model: str, text: str, last: dict, logprobs: dict | None) -> dict:
+def chat_body(cid: str, model: str, finals: list[tuple[dict, dict | None]]) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}],
-            "usage": usage(last)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": last["generated_text"]},
+                         "logprobs": logprobs, "finish_reason": FINISH_REASONS[last["finish_reason"]]}
+                        for i, (last, logprobs) in enumerate(finals)],
+            "usage": usage([last for last, _ in finals])}
 
 
-def completion_chunk(cid: str, model: str, event: dict, first: bool, logprobs: dict | None) -> dict:
+def completion_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:
     reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": event["text"], "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "text": event["text"], "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_chunk(cid: str, model: str, event: dict, first: bool, logprobs: dict | None) -> dict:
+def chat_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:
     reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
     delta = {"role": "assistant", "content": event["text"]} if first else {"content": event["text"]}
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}

@@ -148,8 +148,8 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
     assert {str(tiny_llama_path), "alpha", "beta"} <= listed
     with pytest.raises(openai.BadRequestError, match="not found"):
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, n=17)
 
     penalised = SamplingParams(max_tokens=16, temperature=0, presence_penalty=-2, frequency_penalty=-2)
     expected = llm.generate([PROMPTS[3]], penalised, use_tqdm=False)[0]
@@ -201,6 +201,36 @@ def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, logprobs=21)
+
+
+def test_openai_n_choices(server, tiny_llama_path, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = str(tiny_llama_path)
+    llm = LLM(model, log_stats=False)
+    sampled = [SamplingParams(max_tokens=10, temperature=1.0, seed=7 + i) for i in range(3)]
+    outs = llm.generate([PROMPTS[4]] * 3, sampled, use_tqdm=False)
+    expected = [o.text for o in outs]
+    assert len(set(expected)) == 3  # seed + i per choice: three different, reproducible texts
+    done = client.completions.create(model=model, prompt=PROMPTS[4], max_tokens=10, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.text for c in done.choices] == expected
+    prompt_tokens = len(tokenizer(PROMPTS[4]).input_ids)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens,
+                                                                        sum(len(o.token_ids) for o in outs))
+
+    texts = ["", "", ""]
+    for c in client.completions.create(model=model, prompt=PROMPTS[4], max_tokens=10, temperature=1.0, seed=7, n=3,
+                                       stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == expected
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=2,
+                                          logprobs=True)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+    assert len(chat.choices[1].logprobs.content) == chat.usage.completion_tokens // 2
 
 
 def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapters_root):
@@ -335,6 +365,15 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
     stats = _poll(lambda: (s := handle.stats.remote().result())["running"] == 0 and s["waiting"] == 0 and s)
     assert stats["kv_blocks_used"] == 0
     assert beta_tokens() - before < 450  # cancelled mid-stream, not run to its end
+
+    before = beta_tokens()  # an OpenAI stream of 2 choices: leaving stops both
+    r = requests.post(f"{server}/v1/completions", json={"model": "beta", "prompt": PROMPTS[0], "max_tokens": 450,
+                                                         "n": 2, "stream": True}, stream=True, timeout=60)
+    assert next(line for line in r.iter_lines() if line).startswith(b"data:")
+    r.close()
+    stats = _poll(lambda: (s := handle.stats.remote().result())["running"] == 0 and s["waiting"] == 0 and s)
+    assert stats["kv_blocks_used"] == 0
+    assert beta_tokens() - before < 2 * 450
 
 
 def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
