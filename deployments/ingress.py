@@ -206,6 +206,7 @@ class Ingress:
                           chunk) -> AsyncIterator[str]:
         """The choices' chunks as they come, each marked with its choice's index."""
         lines: asyncio.Queue[str | None] = asyncio.Queue()
+        lasts: list[dict] = list(firsts)
 
         async def pump(index: int, event: dict | None, events) -> None:
             emitted, first = 0, True  # emitted: characters sent, where the next chunk's text offsets start
@@ -214,7 +215,7 @@ class Ingress:
                     logprobs = request.logprobs_object(event["tokens"], self.tokenizer, emitted)
                     data = chunk(cid, request.model, index, event, first, logprobs)
                     lines.put_nowait(f"data: {json.dumps(data)}\n\n")
-                    emitted, first = emitted + len(event["text"]), False
+                    emitted, first, lasts[index] = emitted + len(event["text"]), False, event
                     event = await anext(events, None)
             finally:
                 lines.put_nowait(None)
@@ -227,6 +228,9 @@ class Ingress:
                     yield line
             for done in pumps:
                 done.result()  # a choice that failed fails the stream
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = oai.usage_chunk(cid, request.model, request.chunk_object, lasts)
+                yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:

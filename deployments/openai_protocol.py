@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,8 +41,13 @@ class OpenAIResponseFormat(BaseModel):
         return ResponseFormat(self.json_schema.json_schema) if self.type == "json_schema" else ResponseFormat()
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk, with no choices, carries the usage
+
+
 class OpenAISampling(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    chunk_object: ClassVar[str]  # the "object" of this API's stream chunks
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -56,6 +61,13 @@ class OpenAISampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling parameters (openai clients send them in extra_body)
+    top_k: int = Field(0, ge=-1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
@@ -73,11 +85,15 @@ class OpenAISampling(BaseModel):
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+                              ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                              skip_special_tokens=self.skip_special_tokens,
                               logprobs=self.logprobs_wanted() or 0,
                               response_format=self.response_format.to_engine() if self.response_format else None)
 
 
 class CompletionRequest(OpenAISampling):
+    chunk_object: ClassVar[str] = "text_completion"
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -113,6 +129,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(OpenAISampling):
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -170,6 +187,12 @@ def chat_body(cid: str, model: str, finals: list[tuple[dict, dict | None]]) -> d
                          "logprobs": logprobs, "finish_reason": FINISH_REASONS[last["finish_reason"]]}
                         for i, (last, logprobs) in enumerate(finals)],
             "usage": usage([last for last, _ in finals])}
+
+
+def usage_chunk(cid: str, model: str, chunk_object: str, lasts: list[dict]) -> dict:
+    """stream_options.include_usage: the stream's last chunk."""
+    return {"id": cid, "object": chunk_object, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(lasts)}
 
 
 def completion_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:

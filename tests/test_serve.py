@@ -226,11 +226,38 @@ def test_openai_n_choices(server, tiny_llama_path, tokenizer):
         texts[c.choices[0].index] += c.choices[0].text
     assert texts == expected
 
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[4], max_tokens=10, temperature=1.0, seed=7,
+                                            n=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
     messages = [{"role": "user", "content": "Name a colour."}]
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=2,
                                           logprobs=True)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
     assert len(chat.choices[1].logprobs.content) == chat.usage.completion_tokens // 2
+
+
+def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = str(tiny_llama_path)
+    llm = LLM(model, log_stats=False)
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5),
+                          use_tqdm=False)[0]
+    done = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0,
+                                     extra_body={"top_k": 1, "repetition_penalty": 1.5})  # top_k 1: greedy
+    assert done.choices[0].text == greedy.text
+    stop_at = greedy.token_ids[2]
+    expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5,
+                                                         stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert len(expected.token_ids) == 3 and expected.finish_reason == "stop"
+    cut = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5, "stop_token_ids": [stop_at]})
+    assert (cut.choices[0].text, cut.choices[0].finish_reason, cut.usage.completion_tokens) == (expected.text,
+                                                                                                "stop", 3)
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"top_k": -5})
 
 
 def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapters_root):
