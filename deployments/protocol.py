@@ -44,14 +44,14 @@ class GenerateParameters(BaseModel):
     typical_p: float | None = None
     best_of: int | None = None
     watermark: bool = False
-    return_k_alternatives: int | None = None
+    return_k_alternatives: int | None = Field(None, ge=0, le=20)  # each token's k most likely alternatives
     response_format: JSONResponseFormat | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         unsupported = {"merged_adapters": self.merged_adapters, "truncate": self.truncate,
                        "typical_p": self.typical_p, "best_of": self.best_of if self.best_of != 1 else None,
-                       "watermark": self.watermark or None, "return_k_alternatives": self.return_k_alternatives}
+                       "watermark": self.watermark or None}
         named = [name for name, value in unsupported.items() if value is not None]
         if named:
             raise ValueError(f"not supported yet: {', '.join(named)}")
@@ -75,7 +75,7 @@ class GenerateParameters(BaseModel):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos_token,
-            logprobs=0,  # TGI reports each token's logprob
+            logprobs=self.return_k_alternatives or 0,  # TGI reports each token's logprob
             response_format=self.response_format.to_engine() if self.response_format else None,
         )
 
@@ -93,8 +93,11 @@ TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequ
 
 def tgi_token(token: dict, tokenizer) -> dict:
     """A generated token as TGI shows it: special tokens (EOS above all) are marked, with their text, which the
-    generated text leaves out."""
+    generated text leaves out; with return_k_alternatives, LoRAX's alternative_tokens."""
     shown = {"id": token["id"], "text": token["text"], "logprob": token["logprob"], "special": False}
     if token["id"] in tokenizer.all_special_ids:
         shown.update(text=tokenizer.convert_ids_to_tokens(token["id"]), special=True)
+    if token.get("top_logprobs"):  # LoRAX's return_k_alternatives
+        shown["alternative_tokens"] = [{"id": i, "text": tokenizer.decode([i]), "logprob": logprob}
+                                       for i, logprob in token["top_logprobs"].items()]
     return shown

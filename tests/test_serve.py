@@ -81,6 +81,7 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p"),
     ({"inputs": "hi", "parameters": {"bogus": 1}}, 422, "bogus"),
     ({"inputs": "hi", "parameters": {"best_of": 3, "watermark": True}}, 422, "not supported yet: best_of, watermark"),
+    ({"inputs": "hi", "parameters": {"return_k_alternatives": 50}}, 422, "return_k_alternatives"),
     ({"inputs": "word " * 600}, 400, "limit"),
 ])
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, status, words):
@@ -258,6 +259,24 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
                                                                                                 "stop", 3)
     with pytest.raises(openai.BadRequestError, match="top_k"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"top_k": -5})
+
+
+def test_lorax_return_k_alternatives(server, tiny_llama_path, tokenizer):
+    from lorax import Client
+
+    llm = LLM(str(tiny_llama_path), log_stats=False)
+    expected = llm.generate([PROMPTS[6]], SamplingParams(max_tokens=5, temperature=0, logprobs=3), use_tqdm=False)[0]
+    response = Client(server).generate(PROMPTS[6], max_new_tokens=5, return_k_alternatives=3)
+    for token, want in zip(response.details.tokens, expected.top_logprobs):
+        assert [(a.id, a.text) for a in token.alternative_tokens] == [(i, tokenizer.decode([i])) for i in want]
+        assert [a.logprob for a in token.alternative_tokens] == pytest.approx(list(want.values()), abs=1e-4)
+    r = requests.post(f"{server}/generate_stream", json={"inputs": PROMPTS[6], "parameters": {
+        "max_new_tokens": 5, "return_k_alternatives": 3}}, timeout=60)  # the client's stream lacks the parameter
+    streamed = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert [[a["id"] for a in e["token"]["alternative_tokens"]] for e in streamed] == [list(w)
+                                                                                    for w in expected.top_logprobs]
+    plain = Client(server).generate(PROMPTS[6], max_new_tokens=2)
+    assert all(t.alternative_tokens is None for t in plain.details.tokens)
 
 
 def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapters_root):
