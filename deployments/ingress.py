@@ -144,8 +144,11 @@ class Ingress:
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
                                  f"from {self.adapter_source!r}")
-        return self._stream(request.inputs, request.parameters.to_sampling_params(), request.parameters.adapter_id,
-                            stream)
+        try:
+            params = request.parameters.to_sampling_params()
+        except ValueError as exc:  # a combination the engine refuses
+            return self._refused(str(exc))
+        return self._stream(request.inputs, params, request.parameters.adapter_id, stream)
 
     def _stream(self, prompt: str, params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[dict]:
@@ -186,8 +189,11 @@ class Ingress:
                       body, chunk):
         """n choices are n requests for one prompt (the later ones find its KV blocks cached)."""
         adapter = None if request.model == self.model_name else request.model
-        streams = [self._stream(prompt, request.to_sampling_params(default_max_tokens, choice), adapter,
-                                request.stream) for choice in range(request.n)]
+        try:
+            params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
+        except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string
+            raise RequestRefused(str(exc), 400) from None
+        streams = [self._stream(prompt, p, adapter, request.stream) for p in params]
         try:
             firsts = [await self._first_event(events) for events in streams]
             if not request.stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -62,6 +62,8 @@ class OpenAISampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
     stream_options: StreamOptions | None = None
+    # token id (a JSON object key, so a string of digits) -> bias added to its logit
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM's extra sampling parameters (openai clients send them in extra_body)
     top_k: int = Field(0, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0)
@@ -86,6 +88,7 @@ class OpenAISampling(BaseModel):
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+                              logit_bias=self.logit_bias or {},
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               skip_special_tokens=self.skip_special_tokens,
                               logprobs=self.logprobs_wanted() or 0,

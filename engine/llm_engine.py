@@ -147,6 +147,9 @@ class LLMEngine:
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
         token_ids = self._tokenize(prompt)
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if adapter_id is not None:
             self._check_adapter(adapter_id)
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None,

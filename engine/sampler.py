@@ -1,7 +1,7 @@
 """Sampler: logits -> one token per sequence, with its log-probability.
 
-Order of processing follows transformers: structured-output masks first, then repetition penalty
-(then OpenAI's presence and frequency penalties, over the output only, as vLLM applies them),
+Order of processing follows transformers: structured-output masks first, then logit bias, repetition
+penalty (then OpenAI's presence and frequency penalties, over the output only, as vLLM applies them),
 temperature, top-k, top-p. Greedy
 rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
@@ -35,6 +35,7 @@ class Sampler:
         raw_logits = logits
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
+        logits = self._apply_logit_bias(logits, seqs)
         logits = self._apply_repetition_penalty(logits, seqs)
         logits = self._apply_output_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
@@ -84,6 +85,18 @@ class Sampler:
             seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
             scores = logits[i, seen]
             logits[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
+        if not biased:
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            bias = seqs[i].params.logit_bias
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
         return logits
 
     @staticmethod

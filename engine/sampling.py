@@ -20,6 +20,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI's: subtracted from every token the output already holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds the token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -48,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids (integers >= 0) to biases between -100 and 100")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")

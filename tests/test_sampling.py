@@ -96,6 +96,20 @@ def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_pat
     assert any(p.token_ids != q.token_ids for p, q in zip(outs[:3], outs[3:]))  # the penalties did act
 
 
+def test_logit_bias_forces_and_forbids_tokens(llm):
+    plain = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    forced = plain[0].token_ids[3]
+    params = [SamplingParams(max_tokens=6, temperature=0, logit_bias={forced: 100}),
+              SamplingParams(max_tokens=6, temperature=0, logit_bias={plain[1].token_ids[0]: -100})]
+    biased = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert biased[0].token_ids == [forced] * 6
+    assert biased[1].token_ids[0] != plain[1].token_ids[0]
+    sampled = llm.generate(PROMPTS[:1], _sampled(seed=3, logit_bias={forced: 100}), use_tqdm=False)[0]
+    assert set(sampled.token_ids) == {forced}
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}), use_tqdm=False)
+
+
 def test_logprobs_match_model_distribution(llm, tiny_llama_path, tokenizer):
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
@@ -133,7 +147,8 @@ def test_stop_string_cuts_text(llm):
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
                                  dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50),
-                                 dict(presence_penalty=2.5), dict(frequency_penalty=-3)])
+                                 dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+                                 dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0})])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -260,6 +260,18 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
     with pytest.raises(openai.BadRequestError, match="top_k"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"top_k": -5})
 
+    forced = greedy.token_ids[3]
+    biased = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(forced): 100})
+    assert biased.choices[0].text == llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=4, temperature=0, logit_bias={forced: 100}), use_tqdm=False)[0].text
+    for bias, words in (({"99999999": 1}, "outside the vocabulary"), ({"7": 150}, "logit_bias"),
+                        ({"x": 1}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(model=model, prompt="hi", max_tokens=2, logit_bias=bias)
+    with pytest.raises(openai.BadRequestError, match="stop strings must be non-empty"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, stop=[""])
+
 
 def test_lorax_return_k_alternatives(server, tiny_llama_path, tokenizer):
     from lorax import Client
