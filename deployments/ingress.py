@@ -150,7 +150,7 @@ class Ingress:
             return self._refused(str(exc))
         return self._stream(request.inputs, params, request.parameters.adapter_id, stream)
 
-    def _stream(self, prompt: str, params: SamplingParams, adapter: str | None,
+    def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[dict]:
         """Events of one or more tokens each (one event with every token when not streaming). The adapter
         travels as the multiplexed model id, so Serve routes to replicas that hold it."""
@@ -177,23 +177,24 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest):
-        return await self._openai(request, request.text, 16, "cmpl", oai.completion_body, oai.completion_chunk)
+        return await self._openai(request, request.prompts, 16, "cmpl", oai.completion_body, oai.completion_chunk)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest):
         messages = [m.model_dump() for m in request.messages]
         prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await self._openai(request, prompt, 256, "chatcmpl", oai.chat_body, oai.chat_chunk)
+        return await self._openai(request, [prompt], 256, "chatcmpl", oai.chat_body, oai.chat_chunk)
 
-    async def _openai(self, request: oai.OpenAISampling, prompt: str, default_max_tokens: int, prefix: str,
+    async def _openai(self, request: oai.OpenAISampling, prompts: list, default_max_tokens: int, prefix: str,
                       body, chunk):
-        """n choices are n requests for one prompt (the later ones find its KV blocks cached)."""
+        """n choices per prompt, each one engine request (a prompt's later choices find its KV blocks cached);
+        choice j of prompt i has index i * n + j, as in vLLM."""
         adapter = None if request.model == self.model_name else request.model
         try:
             params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
         except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string
             raise RequestRefused(str(exc), 400) from None
-        streams = [self._stream(prompt, p, adapter, request.stream) for p in params]
+        streams = [self._stream(prompt, p, adapter, request.stream) for prompt in prompts for p in params]
         try:
             firsts = [await self._first_event(events) for events in streams]
             if not request.stream:
@@ -206,7 +207,7 @@ class Ingress:
             return StreamingResponse(self._openai_sse(request, cid, firsts, streams, chunk),
                                      media_type="text/event-stream")
         finals = [(last, request.logprobs_object(last["tokens"], self.tokenizer, 0)) for last in lasts]
-        return body(cid, request.model, finals)
+        return body(cid, request.model, finals, oai.usage(lasts, request.n))
 
     async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[dict], streams,
                           chunk) -> AsyncIterator[str]:
@@ -235,7 +236,7 @@ class Ingress:
             for done in pumps:
                 done.result()  # a choice that failed fails the stream
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = oai.usage_chunk(cid, request.model, request.chunk_object, lasts)
+                usage = oai.usage_chunk(cid, request.model, request.chunk_object, oai.usage(lasts, request.n))
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

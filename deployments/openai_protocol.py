@@ -13,6 +13,7 @@ from engine.sampling import ResponseFormat, SamplingParams
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
+MAX_PROMPTS = 64  # prompts in one completions request
 
 
 class JSONSchemaSpec(BaseModel):
@@ -97,7 +98,7 @@ class OpenAISampling(BaseModel):
 
 class CompletionRequest(OpenAISampling):
     chunk_object: ClassVar[str] = "text_completion"
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, token ids, or a batch of either
     logprobs: int | None = Field(None, ge=0, le=20)
 
     def logprobs_wanted(self) -> int | None:
@@ -114,16 +115,18 @@ class CompletionRequest(OpenAISampling):
                 "text_offset": list(starts) if tokens else []}
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt must be a string or a list of exactly one string")
-        if not self.text:
+    def _prompts_given(self):
+        if not self.prompts or not all(self.prompts):
             raise ValueError("prompt must not be empty")
+        if len(self.prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompts)}")
         return self
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or all(isinstance(t, int) for t in self.prompt) and self.prompt:
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -169,33 +172,34 @@ def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(lasts: list[dict]) -> dict:
-    """Token counts of a request's choices: the prompt once, every choice's completion."""
-    prompt, completion = lasts[0]["prompt_tokens"], sum(last["generated_tokens"] for last in lasts)
+def usage(lasts: list[dict], n: int) -> dict:
+    """Token counts of a request's choices, n per prompt: each prompt once, every choice's completion."""
+    prompt = sum(last["prompt_tokens"] for last in lasts[::n])
+    completion = sum(last["generated_tokens"] for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(cid: str, model: str, finals: list[tuple[dict, dict | None]]) -> dict:
+def completion_body(cid: str, model: str, finals: list[tuple[dict, dict | None]], usage: dict) -> dict:
     """finals: per choice, its last event and its logprobs object."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": last["generated_text"], "logprobs": logprobs,
                          "finish_reason": FINISH_REASONS[last["finish_reason"]]}
                         for i, (last, logprobs) in enumerate(finals)],
-            "usage": usage([last for last, _ in finals])}
+            "usage": usage}
 
 
-def chat_body(cid: str, model: str, finals: list[tuple[dict, dict | None]]) -> dict:
+def chat_body(cid: str, model: str, finals: list[tuple[dict, dict | None]], usage: dict) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": last["generated_text"]},
                          "logprobs": logprobs, "finish_reason": FINISH_REASONS[last["finish_reason"]]}
                         for i, (last, logprobs) in enumerate(finals)],
-            "usage": usage([last for last, _ in finals])}
+            "usage": usage}
 
 
-def usage_chunk(cid: str, model: str, chunk_object: str, lasts: list[dict]) -> dict:
+def usage_chunk(cid: str, model: str, chunk_object: str, usage: dict) -> dict:
     """stream_options.include_usage: the stream's last chunk."""
     return {"id": cid, "object": chunk_object, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(lasts)}
+            "usage": usage}
 
 
 def completion_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:

@@ -231,6 +231,19 @@ def test_openai_n_choices(server, tiny_llama_path, tokenizer):
                                             n=3, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == done.usage.completion_tokens
 
+    greedy = [o.text for o in llm.generate(PROMPTS[4:6], SamplingParams(max_tokens=6, temperature=0),
+                                           use_tqdm=False)]
+    ids = tokenizer(PROMPTS[5]).input_ids
+    batch = client.completions.create(model=model, prompt=[PROMPTS[4], PROMPTS[5]], max_tokens=6, temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(0, greedy[0]), (1, greedy[0]), (2, greedy[1]),
+                                                          (3, greedy[1])]  # choice j of prompt i: i * n + j
+    assert batch.usage.prompt_tokens == len(tokenizer(PROMPTS[4]).input_ids) + len(ids)
+    by_ids = client.completions.create(model=model, prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [greedy[1], greedy[1]]
+    assert client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0).choices[0].text == greedy[1]
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=model, prompt=[], max_tokens=2)
+
     messages = [{"role": "user", "content": "Name a colour."}]
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=2,
                                           logprobs=True)
