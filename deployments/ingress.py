@@ -206,7 +206,8 @@ class Ingress:
         if request.stream:
             return StreamingResponse(self._openai_sse(request, cid, firsts, streams, chunk),
                                      media_type="text/event-stream")
-        finals = [(last, request.logprobs_object(last["tokens"], self.tokenizer, 0)) for last in lasts]
+        finals = [request.final(last, self.tokenizer, prompt)
+                  for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
         return body(cid, request.model, finals, oai.usage(lasts, request.n))
 
     async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[dict], streams,
@@ -270,7 +271,8 @@ class Ingress:
     def _details(self, request: GenerateRequest, last: dict) -> dict:
         prefill = []
         if request.parameters.decoder_input_details:
-            prefill = [{"id": t, "text": self.tokenizer.decode([t]), "logprob": None} for t in last["prompt_token_ids"]]
+            prefill = [{"id": t, "text": self.tokenizer.decode([t]), "logprob": logprob}
+                       for t, logprob in zip(last["prompt_token_ids"], last["prompt_logprobs"])]
         return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
                 "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
                 "seed": request.parameters.seed, "prefill": prefill,

@@ -93,6 +93,8 @@ class LLMServer:
                 "generated_tokens": len(last.token_ids),
                 "prompt_tokens": len(last.prompt_token_ids),
                 "prompt_token_ids": last.prompt_token_ids if last.finished else None,
+                "prompt_logprobs": last.prompt_logprobs if last.finished else None,  # [] unless asked for
+                "prompt_top_logprobs": last.prompt_top_logprobs if last.finished else None,
             }
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:

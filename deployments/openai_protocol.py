@@ -80,6 +80,13 @@ class OpenAISampling(BaseModel):
         """The response's `logprobs` for these generated tokens (None when not asked for)."""
         return None
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        return None
+
+    def final(self, last: dict, tokenizer, prompt) -> tuple[str, dict, dict | None]:
+        """A finished choice: (text, last event, logprobs object)."""
+        return last["generated_text"], last, self.logprobs_object(last["tokens"], tokenizer, 0)
+
     def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
         and the choices differ)."""
@@ -92,7 +99,7 @@ class OpenAISampling(BaseModel):
                               logit_bias=self.logit_bias or {},
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               skip_special_tokens=self.skip_special_tokens,
-                              logprobs=self.logprobs_wanted() or 0,
+                              logprobs=self.logprobs_wanted() or 0, prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=self.response_format.to_engine() if self.response_format else None)
 
 
@@ -100,9 +107,23 @@ class CompletionRequest(OpenAISampling):
     chunk_object: ClassVar[str] = "text_completion"
     prompt: str | list[str] | list[int] | list[list[int]]  # text, token ids, or a batch of either
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    def final(self, last: dict, tokenizer, prompt) -> tuple[str, dict, dict | None]:
+        if not self.echo:
+            return super().final(last, tokenizer, prompt)
+        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        prompt_tokens = [{"id": t, "text": tokenizer.decode([t]), "logprob": logprob, "top_logprobs": top}
+                         for t, logprob, top in zip(last["prompt_token_ids"], last["prompt_logprobs"] or [],
+                                                    last["prompt_top_logprobs"] or [])]
+        return (prompt_text + last["generated_text"], last,
+                self.logprobs_object(prompt_tokens + last["tokens"], tokenizer, 0))
 
     def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
         """The legacy completions shape; text_offset counts from `offset` characters into the generated text."""
@@ -111,13 +132,16 @@ class CompletionRequest(OpenAISampling):
         starts = itertools.accumulate((len(t["text"]) for t in tokens[:-1]), initial=offset)
         return {"tokens": [tokenizer.decode([t["id"]]) for t in tokens],
                 "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": [{tokenizer.decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
+                "top_logprobs": [None if t["logprob"] is None else  # the first prompt token, echoed
+                                 {tokenizer.decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
                 "text_offset": list(starts) if tokens else []}
 
     @model_validator(mode="after")
     def _prompts_given(self):
         if not self.prompts or not all(self.prompts):
             raise ValueError("prompt must not be empty")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
         if len(self.prompts) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompts)}")
         return self
@@ -179,20 +203,20 @@ def usage(lasts: list[dict], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(cid: str, model: str, finals: list[tuple[dict, dict | None]], usage: dict) -> dict:
-    """finals: per choice, its last event and its logprobs object."""
+def completion_body(cid: str, model: str, finals: list[tuple[str, dict, dict | None]], usage: dict) -> dict:
+    """finals: per choice, its text, its last event and its logprobs object."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": last["generated_text"], "logprobs": logprobs,
+            "choices": [{"index": i, "text": text, "logprobs": logprobs,
                          "finish_reason": FINISH_REASONS[last["finish_reason"]]}
-                        for i, (last, logprobs) in enumerate(finals)],
+                        for i, (text, last, logprobs) in enumerate(finals)],
             "usage": usage}
 
 
-def chat_body(cid: str, model: str, finals: list[tuple[dict, dict | None]], usage: dict) -> dict:
+def chat_body(cid: str, model: str, finals: list[tuple[str, dict, dict | None]], usage: dict) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": last["generated_text"]},
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs, "finish_reason": FINISH_REASONS[last["finish_reason"]]}
-                        for i, (last, logprobs) in enumerate(finals)],
+                        for i, (text, last, logprobs) in enumerate(finals)],
             "usage": usage}
 
 

@@ -37,7 +37,7 @@ class GenerateParameters(BaseModel):
     adapter_id: str | None = Field(None, min_length=1, description="LoRA adapter; none for the base model")
     adapter_source: Literal["local", "hub"] | None = None
     # LoRAX clients send these (usually null or false); set to anything else they are refused by name below.
-    decoder_input_details: bool = False  # prompt tokens (ids and text, no logprobs) in details.prefill
+    decoder_input_details: bool = False  # prompt tokens (ids, text, logprobs) in details.prefill
     api_token: str | None = None
     merged_adapters: dict | None = None
     truncate: int | None = None
@@ -76,6 +76,7 @@ class GenerateParameters(BaseModel):
             stop=self.stop,
             ignore_eos=self.ignore_eos_token,
             logprobs=self.return_k_alternatives or 0,  # TGI reports each token's logprob
+            prompt_logprobs=0 if self.decoder_input_details else None,
             response_format=self.response_format.to_engine() if self.response_format else None,
         )
 

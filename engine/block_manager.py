@@ -74,8 +74,8 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of `seq`'s tokens, at least its last token left out (it
         must be computed for its logits). Takes nothing yet."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return []
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         blocks, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(self._key(seq, i, parent))

@@ -44,6 +44,8 @@ class RequestOutput:
     finish_reason: str | None  # "length", "stop", "eos", "abort"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked; in the finished output
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     ttft: float | None = None  # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
     num_preemptions: int = 0
@@ -248,7 +250,9 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         masks = self._start_masks(plan.scheduled)
-        logits, sampling = self.runner.execute(plan.scheduled)
+        logits, sampling, prompt_scores = self.runner.execute(plan.scheduled)
+        for scores in prompt_scores:
+            _record_prompt_logprobs(scores)
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed_blocks(s.seq)
@@ -313,8 +317,26 @@ class LLMEngine:
         latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text,
                              detok.take_new_text(finished), list(seq.output_token_ids), new_tokens, finished,
-                             seq.finish_reason, list(seq.logprobs), list(seq.top_logprobs), ttft, latency,
-                             seq.num_preemptions)
+                             seq.finish_reason, list(seq.logprobs), list(seq.top_logprobs),
+                             *_prompt_logprobs(seq, finished), ttft, latency, seq.num_preemptions)
+
+
+def _prompt_logprobs(seq: Sequence, finished: bool) -> tuple[list, list]:
+    if not finished or seq.params.prompt_logprobs is None:
+        return [], []
+    return list(seq.prompt_logprobs) or [None], list(seq.prompt_top_logprobs) or [None]  # [None]: a 1-token prompt
+
+
+def _record_prompt_logprobs(scores) -> None:
+    """Append a step's prompt logprobs; the first prompt token has none. A preempted sequence recomputes its
+    prompt: the positions it already has are skipped."""
+    seq = scores.seq
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)
+        seq.prompt_top_logprobs.append(None)
+    skip = len(seq.prompt_logprobs) - scores.first_index
+    seq.prompt_logprobs += scores.logprobs[skip:]
+    seq.prompt_top_logprobs += scores.top_logprobs[skip:]
 
 
 class LLM:

@@ -2,7 +2,8 @@
 
 The flat batch holds every new token of the step, decodes first, then prompt chunks, with no
 padding: per token an id, a position and a cache slot. Logits are computed only for the last
-token of each sequence that completes its prompt (or decodes) in this step.
+token of each sequence that completes its prompt (or decodes) in this step, and, for requests that
+ask for prompt logprobs, for their prompt tokens (a slice of rows at a time).
 """
 
 from __future__ import annotations
@@ -18,7 +19,20 @@ from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model
+from engine.sampler import token_logprobs
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+SCORED_ROWS_PER_SLICE = 256  # prompt-scoring logits are [rows, vocab] float32: bounded, whatever the chunk size
+
+
+@dataclass
+class PromptScores:
+    """Log-probabilities of prompt tokens first_index, first_index + 1, ... of seq, computed in this step."""
+    seq: Sequence
+    first_index: int
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
 
 
 @dataclass
@@ -97,20 +111,35 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptScores]]:
+        """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now, and the prompt
+        logprobs of this step's prompt chunks that asked for them."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
-        input_ids, positions, meta, sample_rows, sampling, adapter_runs = self._prepare(ordered)
+        input_ids, positions, meta, sample_rows, sampling, adapter_runs, scoring = self._prepare(ordered)
         if self.lora_layers:
             self.lora_state.batch = build_lora_batch(adapter_runs, self.device, self.lora_padding)
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         finally:
             self.lora_state.batch = None
+        scores = [self._score_prompt(hidden, *spec) for spec in scoring]
         if not sample_rows:
-            return torch.empty(0, device=self.device), []
+            return torch.empty(0, device=self.device), [], scores
         rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float(), sampling
+        return self.model.compute_logits(hidden[rows]).float(), sampling, scores
+
+    def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, row: int, start: int,
+                      targets: list[int]) -> PromptScores:
+        """Rows row, row + 1, ... hold prompt positions start, start + 1, ...; each predicts the next token."""
+        logprobs: list[float] = []
+        tops: list[dict[int, float] | None] = []
+        for offset in range(0, len(targets), SCORED_ROWS_PER_SLICE):
+            part = targets[offset:offset + SCORED_ROWS_PER_SLICE]
+            logits = self.model.compute_logits(hidden[row + offset:row + offset + len(part)]).float()
+            picked, top = token_logprobs(logits, part, seq.params.prompt_logprobs)
+            logprobs += picked
+            tops += top
+        return PromptScores(seq, start + 1, logprobs, tops)
 
     @staticmethod
     def _is_decode(s: ScheduledSeq) -> bool:
@@ -126,6 +155,7 @@ class ModelRunner:
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
         prefills: list[PrefillSegment] = []
+        scoring: list[tuple[Sequence, int, int, list[int]]] = []  # (seq, first row, first position, targets)
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -139,11 +169,14 @@ class ModelRunner:
             else:
                 table = self._tensor(seq.block_table) if start > 0 else None
                 prefills.append(PrefillSegment(row, s.num_new_tokens, end, table))
+                scored_end = min(end, len(seq.prompt_token_ids) - 1)  # positions whose next token is the prompt's
+                if seq.params.prompt_logprobs is not None and scored_end > start:
+                    scoring.append((seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1]))
             if s.completes_prompt:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
         meta = AttentionMetadata(self._tensor(slots), len(decode), *self._decode_tables(decode), prefills)
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs, scoring
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not decode:

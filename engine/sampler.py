@@ -150,3 +150,15 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before > p[:, None], float("-inf"))  # keeps the top token
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int],
+                   k: int) -> tuple[list[float], list[dict[int, float] | None]]:
+    """Raw log-probabilities of `targets` under float32 `logits` [n, vocab], and each row's k most likely
+    tokens (None when k is 0): prompt scoring."""
+    logprobs = logits.log_softmax(dim=-1)
+    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
+    if not k:
+        return picked, [None] * len(targets)
+    values, ids = logprobs.topk(k, dim=-1)
+    return picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also its top-k alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token (given the tokens before it)
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
 
@@ -58,8 +59,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.response_format is not None and not isinstance(self.response_format.schema, dict):
             raise ValueError("response_format schema must be a JSON object")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be between 0 and 20, got {value}")
 
     @property
     def greedy(self) -> bool:

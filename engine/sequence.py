@@ -35,6 +35,8 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; the first has none
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

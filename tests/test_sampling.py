@@ -122,6 +122,32 @@ def test_logprobs_match_model_distribution(llm, tiny_llama_path, tokenizer):
     assert list(out.top_logprobs[0]) == top_ids
 
 
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16, "enable_prefix_caching": True}],
+                         ids=["one step", "chunked, prefix caching on"])
+def test_prompt_logprobs_match_the_model(tiny_llama_path, tokenizer, options):
+    llm = LLM(str(tiny_llama_path), log_stats=False, **options)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    llm.generate([PROMPTS[1] * 2], SamplingParams(max_tokens=1), use_tqdm=False)  # with caching: its blocks stay
+    prompts = [PROMPTS[1] * 2, PROMPTS[1] * 2, PROMPTS[7]]
+    params = [SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),
+              SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0), SamplingParams(max_tokens=2)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs[:2], params):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            want = model(ids).logits[0].log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == ids.shape[1]
+        got = torch.tensor(out.prompt_logprobs[1:])
+        torch.testing.assert_close(got, want[:-1].gather(1, ids[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+        if p.prompt_logprobs:
+            top = want[:-1].topk(2, dim=-1).indices.tolist()
+            assert [list(t) for t in out.prompt_top_logprobs[1:]] == top
+        else:
+            assert out.prompt_top_logprobs[1:] == [None] * (ids.shape[1] - 1)
+    assert outs[2].prompt_logprobs == []  # not asked for
+    assert outs[0].token_ids == outs[1].token_ids
+
+
 def test_max_tokens_eos_and_ignore_eos(llm, tokenizer):
     eos = tokenizer.eos_token_id
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),

@@ -51,14 +51,17 @@ def server(tiny_llama_path, adapters_root, tmp_path_factory):
 
 def test_generate_matches_offline_engine(server, tiny_llama_path):
     expected = LLM(str(tiny_llama_path), log_stats=False).generate(
-        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
     r = requests.post(f"{server}/generate", json={"inputs": PROMPTS[0], "parameters": {
         "max_new_tokens": 12, "details": True, "decoder_input_details": True}}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["generated_text"] == expected.text
     assert [t["id"] for t in body["details"]["tokens"]] == expected.token_ids
-    assert [t["id"] for t in body["details"]["prefill"]] == expected.prompt_token_ids
+    prefill = body["details"]["prefill"]
+    assert [t["id"] for t in prefill] == expected.prompt_token_ids
+    assert prefill[0]["logprob"] is None  # TGI: the first prompt token has no logprob
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(expected.prompt_logprobs[1:], abs=1e-4)
 
     root = requests.post(f"{server}/", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 12}}, timeout=60)
     assert root.json() == [{"generated_text": expected.text}]
@@ -198,6 +201,22 @@ def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer
     assert all(bytes(c.bytes).decode() == c.token for c in content)
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+    scored = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=3, temperature=0, logprobs=1, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    echoed = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=3, temperature=0, logprobs=1,
+                                       echo=True)
+    prompt_len = len(scored.prompt_token_ids)
+    assert echoed.choices[0].text == PROMPTS[2] + scored.text
+    got = echoed.choices[0].logprobs
+    assert got.tokens == [tokenizer.decode([t]) for t in scored.prompt_token_ids + scored.token_ids]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None  # the first prompt token
+    assert got.token_logprobs[1:] == pytest.approx(scored.prompt_logprobs[1:] + scored.logprobs, abs=1e-4)
+    assert [list(t) for t in got.top_logprobs[1:prompt_len]] == [
+        list(dict.fromkeys([tokenizer.decode([i]) for i in top] + [tokenizer.decode([t])]))
+        for top, t in zip(scored.prompt_top_logprobs[1:], scored.prompt_token_ids[1:])]
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
