@@ -71,6 +71,7 @@ class OpenAISampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0)
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
@@ -98,6 +99,7 @@ class OpenAISampling(BaseModel):
                               top_k=self.top_k, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias or {},
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                              min_tokens=self.min_tokens,
                               skip_special_tokens=self.skip_special_tokens,
                               logprobs=self.logprobs_wanted() or 0, prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=self.response_format.to_engine() if self.response_format else None)

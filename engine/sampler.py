@@ -1,6 +1,7 @@
 """Sampler: logits -> one token per sequence, with its log-probability.
 
-Order of processing follows transformers: structured-output masks first, then logit bias, repetition
+Order of processing follows transformers: structured-output masks first, then min_tokens' ban on
+EOS and stop tokens, logit bias, repetition
 penalty (then OpenAI's presence and frequency penalties, over the output only, as vLLM applies them),
 temperature, top-k, top-p. Greedy
 rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
@@ -17,6 +18,8 @@ import torch
 
 from engine.grammar import TokenMasks, mask_penalty
 from engine.sequence import Sequence
+
+BANNED_LOGIT = -1e30
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Sampler:
         raw_logits = logits
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
+        logits = self._ban_early_stops(logits, seqs)
         logits = self._apply_logit_bias(logits, seqs)
         logits = self._apply_repetition_penalty(logits, seqs)
         logits = self._apply_output_penalties(logits, seqs)
@@ -85,6 +89,20 @@ class Sampler:
             seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
             scores = logits[i, seen]
             logits[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return logits
+
+    @staticmethod
+    def _ban_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens: EOS and stop tokens get the masks' penalty (finite, so a fully masked row stays a
+        distribution) until the output is long enough."""
+        early = [i for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for i in early:
+            stops = torch.tensor(sorted(seqs[i].eos_token_ids | set(seqs[i].params.stop_token_ids)),
+                                 device=logits.device)
+            logits[i, stops] = BANNED_LOGIT
         return logits
 
     @staticmethod

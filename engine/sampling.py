@@ -14,6 +14,7 @@ class ResponseFormat:
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -42,6 +43,9 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -110,6 +110,18 @@ def test_logit_bias_forces_and_forbids_tokens(llm):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}), use_tqdm=False)
 
 
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(llm):
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    stop = plain.token_ids[1]
+    cut = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop]),
+                       use_tqdm=False)[0]
+    assert (len(cut.token_ids), cut.finish_reason) == (2, "stop")
+    held = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop], min_tokens=5),
+                        use_tqdm=False)[0]
+    assert len(held.token_ids) >= 5 and stop not in held.token_ids[:5]
+    assert held.token_ids[0] == plain.token_ids[0]  # only the banned choice changes
+
+
 def test_logprobs_match_model_distribution(llm, tiny_llama_path, tokenizer):
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
@@ -174,7 +186,8 @@ def test_stop_string_cuts_text(llm):
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
                                  dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50),
                                  dict(presence_penalty=2.5), dict(frequency_penalty=-3),
-                                 dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0})])
+                                 dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
+                                 dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

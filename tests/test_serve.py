@@ -291,6 +291,12 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
                                                                                                 "stop", 3)
     with pytest.raises(openai.BadRequestError, match="top_k"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"top_k": -5})
+    held = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                     extra_body={"repetition_penalty": 1.5, "stop_token_ids": [stop_at],
+                                                 "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"min_tokens": 3})
 
     forced = greedy.token_ids[3]
     biased = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
