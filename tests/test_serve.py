@@ -95,6 +95,28 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("path, body, words", [
+    ("completions", {"prompt": [[]]}, "prompt must not be empty"),
+    ("completions", {"prompt": [1, -5]}, "out of range"),
+    ("completions", {"prompt": [10 ** 9]}, "out of range"),
+    ("completions", {"prompt": ["a"] * 65}, "at most 64 prompts"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop strings must be non-empty"),
+    ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+])
+def test_bad_openai_requests_get_400_with_the_reason(server, tiny_llama_path, path, body, words):
+    r = requests.post(f"{server}/v1/{path}", json={"model": str(tiny_llama_path), "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    ok = requests.post(f"{server}/v1/completions", timeout=60,
+                       json={"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 def test_malformed_json_is_422(server):
     r = requests.post(f"{server}/generate", data="{not json", headers={"content-type": "application/json"},
                       timeout=60)
