@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -63,6 +65,9 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
     held = client.get("a")
     ray.kill(actor, no_restart=False)
     assert client.get("a") is held  # served from the replica's own copy while the actor restarts
+    deadline = time.monotonic() + 30  # the kill lands asynchronously: wait for the restarted, empty actor
+    while "a" in ray.get(actor.stats.remote())["load_counts"] and time.monotonic() < deadline:
+        time.sleep(0.1)
     fresh = client.get("b")  # the restarted actor loads on demand
     assert fresh.adapter_id == "b"
     assert ray.get(actor.stats.remote())["load_counts"] == {"b": 1}
