@@ -1,10 +1,9 @@
 """Sampler: logits -> one token per sequence, with its log-probability.
 
-Order of processing follows transformers: structured-output masks first, then min_tokens' ban on
-EOS and stop tokens, logit bias, repetition
-penalty (then OpenAI's presence and frequency penalties, over the output only, as vLLM applies them),
-temperature, top-k, top-p. Greedy
-rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
+Order of processing follows transformers: structured-output masks first, then the per-request row
+processors (min_tokens' ban on EOS and stop tokens, logit bias, repetition penalty, OpenAI's presence
+and frequency penalties over the output only, as vLLM applies them), temperature, top-k, top-p.
+Greedy rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
 Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
 as vLLM reports them.
@@ -12,6 +11,7 @@ as vLLM reports them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +38,7 @@ class Sampler:
         raw_logits = logits
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
-        logits = self._ban_early_stops(logits, seqs)
-        logits = self._apply_logit_bias(logits, seqs)
-        logits = self._apply_repetition_penalty(logits, seqs)
-        logits = self._apply_output_penalties(logits, seqs)
+        logits = _process_rows(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
@@ -52,23 +49,20 @@ class Sampler:
 
     def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor,
                   seqs: list[Sequence]) -> tuple[list[float | None], list[dict[int, float] | None]]:
-        """Only for rows that asked (params.logprobs not None): raw logprob = logit - logsumexp."""
+        """Only for rows that asked (params.logprobs not None): the raw distribution's."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         chosen: list[float | None] = [None] * len(seqs)
         top: list[dict[int, float] | None] = [None] * len(seqs)
         if not rows:
             return chosen, top
         index = torch.tensor(rows, device=raw_logits.device)
-        logits = raw_logits[index]
-        normalizer = logits.logsumexp(dim=-1)
-        picked = (logits.gather(1, tokens[index][:, None]).squeeze(1) - normalizer).tolist()
         k = max(seqs[i].params.logprobs for i in rows)
-        values, ids = logits.topk(k, dim=-1) if k else (None, None)
+        picked, tops = token_logprobs(raw_logits[index], tokens[index], k)
         for j, i in enumerate(rows):
             chosen[i] = picked[j]
             want = seqs[i].params.logprobs
             if want:
-                top[i] = dict(zip(ids[j, :want].tolist(), (values[j, :want] - normalizer[j]).tolist()))
+                top[i] = dict(itertools.islice(tops[j].items(), want))  # a row's top k' of the batch's top k
         return chosen, top
 
     @staticmethod
@@ -77,59 +71,6 @@ class Sampler:
         rows = torch.tensor([row_of[request_id] for request_id in masks.request_ids], device=logits.device)
         penalty = mask_penalty(masks.bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
         return logits.index_add(0, rows, penalty)
-
-    @staticmethod
-    def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        penalised = [i for i, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
-        if not penalised:
-            return logits
-        logits = logits.clone()
-        for i in penalised:
-            penalty = seqs[i].params.repetition_penalty
-            seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
-            scores = logits[i, seen]
-            logits[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
-        return logits
-
-    @staticmethod
-    def _ban_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """min_tokens: EOS and stop tokens get the masks' penalty (finite, so a fully masked row stays a
-        distribution) until the output is long enough."""
-        early = [i for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens]
-        if not early:
-            return logits
-        logits = logits.clone()
-        for i in early:
-            stops = torch.tensor(sorted(seqs[i].eos_token_ids | set(seqs[i].params.stop_token_ids)),
-                                 device=logits.device)
-            logits[i, stops] = BANNED_LOGIT
-        return logits
-
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
-        if not biased:
-            return logits
-        logits = logits.clone()
-        for i in biased:
-            bias = seqs[i].params.logit_bias
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
-        return logits
-
-    @staticmethod
-    def _apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logit -= frequency_penalty * (times the output holds the token) + presence_penalty * (it holds it)."""
-        penalised = [i for i, seq in enumerate(seqs) if seq.output_token_ids
-                     and (seq.params.presence_penalty or seq.params.frequency_penalty)]
-        if not penalised:
-            return logits
-        logits = logits.clone()
-        for i in penalised:
-            params = seqs[i].params
-            ids, counts = torch.tensor(seqs[i].output_token_ids, device=logits.device).unique(return_counts=True)
-            logits[i, ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
-        return logits
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -156,6 +97,57 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def _ban_early_stops(row: torch.Tensor, seq: Sequence) -> None:
+    """min_tokens: EOS and stop tokens get the masks' penalty (finite, so a fully masked row stays a
+    distribution) until the output is long enough."""
+    stops = sorted(seq.eos_token_ids | set(seq.params.stop_token_ids))
+    row[torch.tensor(stops, device=row.device)] = BANNED_LOGIT
+
+
+def _add_logit_bias(row: torch.Tensor, seq: Sequence) -> None:
+    bias = seq.params.logit_bias
+    row[torch.tensor(list(bias), device=row.device)] += torch.tensor(list(bias.values()), device=row.device,
+                                                                     dtype=row.dtype)
+
+
+def _penalise_repetition(row: torch.Tensor, seq: Sequence) -> None:
+    """transformers' rule over prompt and output: positive logits divided by the penalty, negative multiplied."""
+    penalty = seq.params.repetition_penalty
+    seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+    scores = row[seen]
+    row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def _penalise_output(row: torch.Tensor, seq: Sequence) -> None:
+    """logit -= frequency_penalty * (times the output holds the token) + presence_penalty * (it holds it)."""
+    params = seq.params
+    ids, counts = torch.tensor(seq.output_token_ids, device=row.device).unique(return_counts=True)
+    row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+
+
+# Per-request logit processors, in the order they apply: (does the request use it, edit its row in place).
+ROW_PROCESSORS = (
+    (lambda seq: len(seq.output_token_ids) < seq.params.min_tokens, _ban_early_stops),
+    (lambda seq: bool(seq.params.logit_bias), _add_logit_bias),
+    (lambda seq: seq.params.repetition_penalty != 1.0, _penalise_repetition),
+    (lambda seq: bool(seq.output_token_ids) and bool(seq.params.presence_penalty or seq.params.frequency_penalty),
+     _penalise_output),
+)
+
+
+def _process_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each request's processors on its own row; the logits are copied once, and only when some row needs it."""
+    edits = [(i, [edit for uses, edit in ROW_PROCESSORS if uses(seq)]) for i, seq in enumerate(seqs)]
+    edits = [(i, row_edits) for i, row_edits in edits if row_edits]
+    if not edits:
+        return logits
+    logits = logits.clone()
+    for i, row_edits in edits:
+        for edit in row_edits:
+            edit(logits[i], seqs[i])
+    return logits
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf (per-row k and p)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -170,13 +162,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def token_logprobs(logits: torch.Tensor, targets: list[int],
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int],
                    k: int) -> tuple[list[float], list[dict[int, float] | None]]:
     """Raw log-probabilities of `targets` under float32 `logits` [n, vocab], and each row's k most likely
-    tokens (None when k is 0): prompt scoring."""
+    tokens, best first (None when k is 0): sampled tokens and prompt scoring alike."""
     logprobs = logits.log_softmax(dim=-1)
-    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
+    picked = logprobs.gather(1, torch.as_tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
     if not k:
-        return picked, [None] * len(targets)
+        return picked, [None] * len(picked)
     values, ids = logprobs.topk(k, dim=-1)
     return picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
