@@ -271,8 +271,7 @@ class Ingress:
     def _details(self, request: GenerateRequest, last: dict) -> dict:
         prefill = []
         if request.parameters.decoder_input_details:
-            prefill = [{"id": t, "text": self.tokenizer.decode([t]), "logprob": logprob}
-                       for t, logprob in zip(last["prompt_token_ids"], last["prompt_logprobs"])]
+            prefill = [{key: t[key] for key in ("id", "text", "logprob")} for t in last["prompt_token_entries"]]
         return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
                 "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
                 "seed": request.parameters.seed, "prefill": prefill,

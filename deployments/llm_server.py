@@ -92,10 +92,16 @@ class LLMServer:
                 "generated_text": last.text if last.finished else None,
                 "generated_tokens": len(last.token_ids),
                 "prompt_tokens": len(last.prompt_token_ids),
-                "prompt_token_ids": last.prompt_token_ids if last.finished else None,
-                "prompt_logprobs": last.prompt_logprobs if last.finished else None,  # [] unless asked for
-                "prompt_top_logprobs": last.prompt_top_logprobs if last.finished else None,
+                "prompt_token_entries": self._prompt_entries(last),
             }
+
+    def _prompt_entries(self, out) -> list[dict] | None:
+        """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
+        if not out.prompt_logprobs:
+            return None
+        decode = self.engine.tokenizer.decode
+        return [{"id": t, "text": decode([t]), "logprob": logprob, "top_logprobs": top}
+                for t, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)]
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:
         if self.adapter_cache is None:

@@ -121,9 +121,7 @@ class CompletionRequest(OpenAISampling):
         if not self.echo:
             return super().final(last, tokenizer, prompt)
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        prompt_tokens = [{"id": t, "text": tokenizer.decode([t]), "logprob": logprob, "top_logprobs": top}
-                         for t, logprob, top in zip(last["prompt_token_ids"], last["prompt_logprobs"] or [],
-                                                    last["prompt_top_logprobs"] or [])]
+        prompt_tokens = last["prompt_token_entries"] or []  # scored only when logprobs were asked for
         return (prompt_text + last["generated_text"], last,
                 self.logprobs_object(prompt_tokens + last["tokens"], tokenizer, 0))
 

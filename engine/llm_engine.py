@@ -149,7 +149,7 @@ class LLMEngine:
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
         token_ids = self._tokenize(prompt)
-        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        outside = self._outside_vocabulary(params.logit_bias)
         if outside:
             raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if adapter_id is not None:
@@ -186,12 +186,15 @@ class LLMEngine:
             usage.requests += 1
             usage.prompt_tokens += len(seq.prompt_token_ids)
 
+    def _outside_vocabulary(self, token_ids) -> list[int]:
+        return [t for t in token_ids if not 0 <= t < self.vocab_size]
+
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             token_ids = self.tokenizer(prompt).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            bad = self._outside_vocabulary(token_ids)
             if bad:
                 raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         else:
