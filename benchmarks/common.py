@@ -1,8 +1,9 @@
 """Shared helpers for the benchmarks: environment description, timing, number formatting, markdown tables,
-writing a run's results."""
+the command line, writing a run's results."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+RESULTS = Path(__file__).parent / "results"
 
 
 def openmp_runtime() -> str:
@@ -113,10 +116,24 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def benchmark_args(doc: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line every benchmark takes: --quick (a smoke run) and --out (the results folder)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    return parser.parse_args(argv)
+
+
 def save_results(folder: Path, name: str, raw: dict, plot, text: str) -> None:
-    """folder/name.json (the raw figures), name.png (plot(raw, path)) and name.md (text, also printed)."""
+    """folder/name.json (the raw figures), name.png (the figure plot(raw) returns) and name.md (text, also
+    printed)."""
+    import matplotlib.pyplot as plt
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(raw, indent=2) + "\n")
-    plot(raw, folder / f"{name}.png")
+    fig = plot(raw)
+    fig.tight_layout()
+    fig.savefig(folder / f"{name}.png", dpi=110)
+    plt.close(fig)
     (folder / f"{name}.md").write_text(text)
     print(text)

@@ -13,7 +13,6 @@ Writes benchmarks/results/prefix.md, prefix.json and prefix.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import statistics
@@ -27,13 +26,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, AsyncEngine, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 SYSTEM = ("You are the support assistant of Northwind Outfitters, a shop for hiking, camping and climbing gear. "
           "Answer in a friendly, concise way. Policies: orders over 50 euros ship free within the EU; standard "
           "delivery takes three to five working days, express delivery one to two; returns are accepted within "
@@ -175,7 +173,7 @@ def markdown(raw: dict) -> str:
         "![prefix](prefix.png)", ""])
 
 
-def plot(raw: dict, path: Path) -> None:
+def plot(raw: dict):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     modes = ["burst", "poisson"]
     x = range(len(modes))
@@ -189,16 +187,11 @@ def plot(raw: dict, path: Path) -> None:
     right.bar(labels, [r["worst_gap_during_prefill_ms"] or 0 for r in raw["chunked"]], color="#a73")
     right.set_ylabel("streams' worst inter-token gap during the prefill (ms)")
     right.set_title(f"{raw['long_tokens']}-token prompt vs {raw['streams']} decoding streams", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="16 requests, 8 tokens, a 500-token long prompt")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "16 requests, 8 tokens, a 500-token long prompt", argv)
     torch.set_num_threads(2)
     path = resolve_model("smollm2-135m-instruct", default_cache_dir() / "models")
     n, tokens, rate, long_tokens, streams, stream_tokens = ((16, 8, 4.0, 500, 4, 24) if args.quick

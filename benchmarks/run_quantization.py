@@ -12,7 +12,6 @@ Writes benchmarks/results/quantization.md, quantization.json and quantization.pn
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -25,13 +24,12 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks import course_quantize  # noqa: E402
-from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 CONFIGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8 (bf16 compute)": ("bfloat16", "int8"),
            "nf4 (bf16 compute)": ("bfloat16", "nf4")}
 
@@ -119,7 +117,7 @@ def markdown(raw: dict) -> str:
         "![quantization](quantization.png)", ""])
 
 
-def plot(raw: dict, path: Path) -> None:
+def plot(raw: dict):
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = list(raw["configs"])
     short = [n.split(" ")[0] for n in names]
@@ -134,16 +132,11 @@ def plot(raw: dict, path: Path) -> None:
                 [raw["reconstruction"][s]["relative_rms"] for s in schemes], color="#a55")
     axes[2].set_ylabel("relative RMS error of the weights")
     fig.suptitle("SmolLM2-135M-Instruct: fp32, bf16, int8 and NF4 base weights", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one round, 4 agreement prompts, 2 layers")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "one round, 4 agreement prompts, 2 layers", argv)
     torch.set_num_threads(2)
     path = resolve_model("smollm2-135m-instruct", default_cache_dir() / "models")
     rounds, prompts, layers = (1, PROMPTS[:4], 2) if args.quick else (3, (PROMPTS * 2)[:20], None)

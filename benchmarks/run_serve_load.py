@@ -12,7 +12,6 @@ Writes benchmarks/results/serve_load.md, serve_load.json and serve_load.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import socket
@@ -30,14 +29,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m-instruct"
 ADAPTERS = [f"adapter-{i}" for i in range(8)]
 ENGINE = {"model": MODEL, "dtype": "bfloat16", "max_loras": 8, "max_lora_rank": 8,
@@ -192,7 +190,7 @@ def table(raw: dict) -> str:
     return markdown_table(header, rows)
 
 
-def plot(raw: dict, path: Path) -> None:
+def plot(raw: dict):
     http = [r for r in raw["scenarios"] if r["name"].startswith("HTTP")]
     names = [r["name"].replace("HTTP, ", "") for r in http]
     fig, (ax_tok, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -211,16 +209,11 @@ def plot(raw: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"lora-serve HTTP load: SmolLM2 bf16, 1 replica, {raw['requests']} requests x "
                  f"{raw['new_tokens']} tokens, base + {len(ADAPTERS)} adapters", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small workloads: a smoke test")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "small workloads: a smoke test", argv)
     transformers.logging.set_verbosity_error()
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args.quick)}

@@ -14,12 +14,10 @@ Writes benchmarks/results/structured.md, structured.json and structured.png.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import statistics
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -29,7 +27,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from benchmarks.common import environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.grammar import JSON_LAYOUT  # noqa: E402
@@ -37,7 +35,6 @@ from engine.model_files import resolve_model  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.sampling import ResponseFormat  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 BATCH = 32
 SCHEMA = {"type": "object", "required": ["name", "age", "tags", "address"], "properties": {
     "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -232,7 +229,7 @@ def markdown(raw: dict) -> str:
         "![structured](structured.png)", ""])
 
 
-def plot(raw: dict, path: Path) -> None:
+def plot(raw: dict):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(raw["engine"])
     left.bar(names, [raw["engine"][n]["tok_s"] for n in names], color=["#888", "#59a", "#27a"])
@@ -242,16 +239,11 @@ def plot(raw: dict, path: Path) -> None:
     right.bar(list(libs), [r["mask_us"] for r in libs.values()], color="#a73")
     right.set_ylabel("mask per request-step, median (us)")
     right.set_title("Grammar libraries, SmolLM2 vocabulary", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one round of 16 tokens: a smoke test")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "one round of 16 tokens: a smoke test", argv)
     torch.set_num_threads(2)
     path = resolve_model("smollm2-135m-instruct", default_cache_dir() / "models")
     tokenizer = AutoTokenizer.from_pretrained(path)
