@@ -56,7 +56,8 @@ class LLMServer:
         await asyncio.to_thread(self.adapter_cache.get, adapter_id)
         return adapter_id
 
-    async def generate(self, prompt: str, params: SamplingParams, stream: bool = True) -> AsyncIterator[dict]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       stream: bool = True) -> AsyncIterator[dict]:
         """Yield events of one or more new tokens each (every token ready when the ingress asks: a stream
         through Ray costs per item, not per token); the last one carries finish_reason and counts. With
         stream=False, one event with every token. A request the engine refuses yields one
