@@ -13,6 +13,7 @@ from engine.layers.quantized import QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 def default_cache_dir() -> Path:
@@ -29,7 +30,11 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"  # the compute dtype; with quantization, that of everything not quantized
     quantization: str = "none"  # "none", "int8" or "nf4" (bitsandbytes) for the decoder layers' linears
-    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    # "auto" picks CUDA when present, else CPU; $LORA_SERVE_DEVICE overrides the default (the test suite runs on
+    # CPU in CI and on CUDA on a GPU machine from the same files)
+    device: str = dataclasses.field(default_factory=lambda: os.environ.get("LORA_SERVE_DEVICE", "auto"))
+    load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory
@@ -74,6 +79,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:

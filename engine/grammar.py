@@ -12,15 +12,15 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from threading import Lock
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import torch
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 
 from engine.sampling import ResponseFormat
+
+if TYPE_CHECKING:  # imported when the first structured-output request makes a compiler: the engine runs without them
+    import llguidance
 
 # json.dumps' separators, no other whitespace: a small model given free whitespace may emit it forever.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -37,6 +37,9 @@ class TokenMasks:
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256):
+        import llguidance
+        import llguidance.hf
+
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids) or None)
@@ -61,6 +64,10 @@ class GrammarCompiler:
         return template.deep_copy()
 
     def _compile(self, schema: dict) -> llguidance.LLMatcher:
+        import llguidance
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
         try:
             Draft202012Validator.check_schema(schema)
         except SchemaError as e:

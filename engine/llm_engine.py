@@ -89,7 +89,7 @@ class LLMEngine:
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        path = resolve_model(config.model, config.model_cache_dir)
+        path = resolve_model(config.model, config.model_cache_dir, need_weights=config.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         model_len = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions

@@ -23,14 +23,15 @@ class ModelNotFoundError(FileNotFoundError):
     pass
 
 
-def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
-    """Return a local folder holding config.json, tokenizer files and *.safetensors weights."""
+def resolve_model(name_or_path: str, cache_dir: Path, need_weights: bool = True) -> Path:
+    """Return a local folder holding config.json, tokenizer files and *.safetensors weights (unless
+    need_weights is False: random weights of the config's shapes)."""
     key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if key in EMBEDDED_MODELS:
         return _embedded_model(key, cache_dir)
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
+        if need_weights and not any(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"model folder {path} has no *.safetensors weights")
         return path
     raise ModelNotFoundError(

@@ -40,15 +40,28 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str = "none") -> nn.Module:
+               quantization: str = "none", load_format: str = "safetensors") -> nn.Module:
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
-    _load_weights(model, path)
+    if load_format == "dummy":
+        _random_weights(model)
+    else:
+        _load_weights(model, path)
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacking_supported(device, dtype):
         prepack_linears(model)  # the linears left in the model dtype
     return model.eval()
+
+
+@torch.no_grad()
+def _random_weights(model: nn.Module, std: float = 0.02) -> None:
+    """load_format "dummy": matrices drawn from N(0, std), vectors (norm scales, biases) left as initialised; the
+    model's shapes and speed without a checkpoint (as vLLM's dummy format)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, std, generator=generator)
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:
