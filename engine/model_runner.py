@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.layers.attention import AttentionMetadata, PrefillSegment
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
@@ -33,6 +34,14 @@ class PromptScores:
     first_index: int
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class DecodeTables:
+    """The decode tokens' block tables [n, widest], additive mask (CPU) and context lengths [n]."""
+    block_tables: torch.Tensor | None
+    mask: torch.Tensor | None
+    context_lens: torch.Tensor | None
 
 
 @dataclass
@@ -58,7 +67,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
+                                config.load_format)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
         self.lora_state = LoRAStepState()
@@ -68,6 +78,18 @@ class ModelRunner:
                                                  config.max_lora_rank, self.dtype, self.device)
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
+        self.graphs = self._decode_graphs(config, max_model_len)
+
+    def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, captured now, unless eager is enforced (or the base is quantized:
+        bitsandbytes' kernels are not captured here)."""
+        if self.device.type != "cuda" or config.enforce_eager or config.quantization != "none":
+            return None
+        max_blocks = -(-max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.lora_state, config.max_num_seqs, max_blocks,
+                              self.layout.num_blocks, self.block_size, self.device)
+        graphs.capture()
+        return graphs
 
     def load_adapter(self, slot: int, adapter) -> None:
         """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer."""
@@ -105,8 +127,11 @@ class ModelRunner:
                             lay.block_size, sum(s.untyped_storage().nbytes() for s in slots))
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """On CUDA one block more than the block manager hands out: the scratch block that the padded rows of a
+        decode graph write to."""
         lay = self.layout
-        cache = torch.zeros(lay.num_layers, 2, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim,
+        blocks = lay.num_blocks + (self.device.type == "cuda")
+        cache = torch.zeros(lay.num_layers, 2, blocks, lay.block_size, lay.num_kv_heads, lay.head_dim,
                             dtype=self.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
@@ -115,6 +140,9 @@ class ModelRunner:
         """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now, and the prompt
         logprobs of this step's prompt chunks that asked for them."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
+        if self._fits_graph(ordered):
+            hidden = self.graphs.run(self._decode_inputs(ordered))
+            return self.model.compute_logits(hidden).float(), ordered, []
         input_ids, positions, meta, sample_rows, sampling, adapter_runs, scoring = self._prepare(ordered)
         if self.lora_layers:
             self.lora_state.batch = build_lora_batch(adapter_runs, self.device, self.lora_padding)
@@ -140,6 +168,22 @@ class ModelRunner:
             logprobs += picked
             tops += top
         return PromptScores(seq, start + 1, logprobs, tops)
+
+    def _fits_graph(self, ordered: list[ScheduledSeq]) -> bool:
+        return (self.graphs is not None and len(ordered) <= self.graphs.max_batch
+                and all(self._is_decode(s) for s in ordered))
+
+    def _decode_inputs(self, ordered: list[ScheduledSeq]) -> DecodeInputs:
+        bs = self.block_size
+        seqs = [s.seq for s in ordered]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        return DecodeInputs(
+            input_ids=[seq.token_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)],
+            positions=positions,
+            slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
+            block_tables=[seq.block_table for seq in seqs],
+            context_lens=[p + 1 for p in positions],
+            lora_slots=[-1 if seq.lora_slot is None else seq.lora_slot for seq in seqs])
 
     @staticmethod
     def _is_decode(s: ScheduledSeq) -> bool:
@@ -175,18 +219,22 @@ class ModelRunner:
             if s.completes_prompt:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
-        meta = AttentionMetadata(self._tensor(slots), len(decode), *self._decode_tables(decode), prefills)
+        tables = self._decode_tables(decode)
+        meta = AttentionMetadata(self._tensor(slots), len(decode), tables.block_tables, tables.mask, prefills,
+                                 tables.context_lens)
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs, scoring
 
-    def _decode_tables(self, decode: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_tables(self, decode: list[ScheduledSeq]) -> DecodeTables:
         if not decode:
-            return None, None
+            return DecodeTables(None, None, None)
         max_blocks = max(len(s.seq.block_table) for s in decode)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decode]
         context_lens = self._tensor([s.seq.num_computed_tokens + 1 for s in decode])
+        if self.device.type == "cuda":  # the paged kernel reads the lengths; it needs no mask
+            return DecodeTables(self._tensor(tables), None, context_lens)
         visible = torch.arange(max_blocks * self.block_size, device=self.device)[None, :] < context_lens[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return self._tensor(tables), mask[:, None, None, :]
+        return DecodeTables(self._tensor(tables), mask[:, None, None, :], context_lens)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels' tests run in its interpreter on CPU; it is read as triton is
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # imported, and transformers imports triton below
+
+
+def _interpreter_scalars_as_indices() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array), which NumPy
+    2.4 refuses: a loop bound read from memory (range(0, length, step)) then fails in the interpreter only."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalars_as_indices()
+
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 

@@ -2,8 +2,9 @@
 
 The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. New keys
 and values are written at their slots; decode tokens (one new token per sequence, placed first in
-the flat batch) attend in one batched call over their gathered blocks; prompt chunks attend one
-sequence at a time, causally, without any padding.
+the flat batch) attend in one batched call: on CUDA a Triton kernel reads their blocks in place
+(engine/kernels/paged_attention.py), on CPU the blocks are gathered for SDPA or grouped matmuls;
+prompt chunks attend one sequence at a time, causally, without any padding.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens]: cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], additive
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], additive (CPU path)
     prefills: list[PrefillSegment]
+    decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included (CUDA kernel)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -60,11 +62,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    if q.is_cuda:
+        from engine.kernels.paged_attention import paged_decode_attention  # Triton: imported on CUDA only
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     keys = _gather_blocks(k_cache, meta.decode_block_tables)  # [B, L, kv_heads, D]
     values = _gather_blocks(v_cache, meta.decode_block_tables)
-    if q.is_cuda or q.dtype == torch.float32:
+    if q.dtype == torch.float32:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=meta.decode_mask, enable_gqa=True)
         return out.squeeze(2)

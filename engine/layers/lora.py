@@ -2,10 +2,11 @@
 
 Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its
 sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
-sub-module (scaling folded in), so that no zero block of a fused B is ever read. The step's tokens
-arrive grouped by adapter slot (lora_batch.py); per group the delta is batched matmuls over the
-segments' weights, and one index_add puts all deltas into the base output (or, when one group holds
-every token in order, the expand matmul adds into the base output in place).
+sub-module (scaling folded in), so that no zero block of a fused B is ever read. In a decode CUDA
+graph each token instead reads its own slot's weights in place (Triton kernels, engine/kernels/lora.py).
+Eagerly, the step's tokens arrive grouped by adapter slot (lora_batch.py); per group the delta is
+batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
+(or, when one group holds every token in order, the expand matmul adds into it in place).
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
 """
 
@@ -60,6 +61,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
+        if self.state.token_slots is not None:  # captured in a decode CUDA graph: slots as a tensor
+            return self._indexed_delta(x, y, self.state.token_slots)
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
@@ -75,6 +78,12 @@ class LoRALinear(nn.Module):
         if batch.token_rows is None:
             return y.add_(delta)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
+
+    def _indexed_delta(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Every token reads its own slot's A and B in place (Triton, CUDA): static shapes, no weight copy."""
+        from engine.kernels.lora import lora_expand_, lora_shrink
+
+        return lora_expand_(y, lora_shrink(x, self.a_slots, slots), self.b_slots, slots, self.max_rank)
 
     def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: gathered copies, or

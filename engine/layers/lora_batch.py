@@ -48,10 +48,13 @@ class LoRABatch:
 
 
 class LoRAStepState:
-    """The runner sets `batch` before each forward pass; every LoRALinear reads it."""
+    """The runner sets `batch` before each eager forward pass; every LoRALinear reads it. A decode CUDA graph
+    is captured with `token_slots` set instead: each token's slot as a tensor (-1: base model), read by the
+    indexed LoRA kernels when the graph replays."""
 
     def __init__(self):
         self.batch: LoRABatch | None = None
+        self.token_slots: torch.Tensor | None = None
 
 
 def padding_allowance(row_flops: int) -> int:
