@@ -1,0 +1,494 @@
+"""lora-serve on a GPU: batch-1 decode against the weight-read bound, throughput against transformers, 32 LoRA
+adapters against base, time to first token, and decode steps eager against CUDA graphs, all in one run.
+
+Models are typed-in shapes with random weights (benchmarks/gpu_models.py): speed depends on shapes, not values.
+Every figure is a median after a warm-up, timed between device synchronisations. The weight-read bound of a
+batch-1 decode step is the bytes of weights it must read over the copy bandwidth measured in the same run.
+Prefix caching is off: the warm-ups and repeats reuse prompts, and a cache hit would time nothing.
+Each section runs on its own: one that fails is recorded with its traceback and the rest still run.
+
+    python -m benchmarks.run_gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 6 minutes
+    python -m benchmarks.run_gpu --device cpu --tiny                          # smoke run of every section
+
+Writes gpu.json, gpu.md and gpu.png (when matplotlib is present) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from benchmarks.common import RESULTS, environment, markdown_table
+from benchmarks.gpu_models import build_model_dir, decode_weight_bytes, kv_bytes_per_token, shape
+from benchmarks.gpu_timing import copy_bandwidth, device_name, free_device, timed
+from benchmarks.hf_baselines import NO_EOS
+from benchmarks.lora_adapters import write_random_adapter
+
+DEFAULT_TOKENIZERS = (Path(__file__).parent.parent / ".gpu/cache/models/smollm2-135m-instruct",
+                      Path.home() / ".cache/lora-serve/models/smollm2-135m-instruct")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every section; `full()` is the benchmark, `quick()` fewer tokens, `tiny()` a CPU smoke run."""
+    copy_bytes: int
+    decode_prompt: int  # batch-1 decode: prompt tokens and new tokens
+    decode_new: int
+    decode_repeats: int
+    batches: tuple[int, ...]  # throughput: concurrent sequences
+    prompt: int
+    new: int
+    adapters: int
+    adapter_rank: int
+    ttft_prompt: int
+    step_batches: tuple[int, ...]  # eager vs graphs: decode step time at these batch sizes
+    step_new: int
+
+    @staticmethod
+    def full() -> Plan:
+        return Plan(1 << 30, 128, 128, 3, (64, 256), 512, 256, 32, 16, 512, (1, 64), 64)
+
+    @staticmethod
+    def quick() -> Plan:
+        return Plan(1 << 30, 128, 64, 3, (64, 256), 128, 64, 32, 16, 512, (1, 64), 32)
+
+    @staticmethod
+    def tiny() -> Plan:
+        return Plan(1 << 24, 16, 8, 2, (4, 8), 16, 8, 4, 8, 16, (1, 4), 8)
+
+
+@dataclass
+class Bench:
+    """What every section needs: the device, the plan, the model folders and where adapters go."""
+    device: str
+    plan: Plan
+    tiny: bool
+    models: dict[str, Path]
+    work: Path
+    vocab_limit: dict[str, int]  # prompt ids stay below min(tokenizer length, model vocabulary)
+    bandwidth: float | None = None
+
+    def prompts(self, model: str, num: int, length: int, seed: int = 0) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(3, self.vocab_limit[model]) for _ in range(length)] for _ in range(num)]
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+
+
+def make_llm(bench: Bench, model: str, max_seqs: int, max_len: int, **overrides):
+    from engine import LLM
+
+    kv = int(1.3 * max_seqs * (max_len + 16) * kv_bytes_per_token(shape(model, bench.tiny))) + (64 << 20)
+    options = {"dtype": "bfloat16", "device": bench.device, "load_format": "dummy", "enforce_eager": False,
+               "max_num_seqs": max_seqs, "max_num_batched_tokens": max(8192, max_len), "kv_cache_bytes": kv,
+               "max_model_len": max_len, "log_stats": False, "enable_prefix_caching": False}
+    return LLM(str(bench.models[model]), **{**options, **overrides})
+
+
+def run_llm(llm, prompts: list[list[int]], new: int, adapters: list[str | None] | None = None):
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, adapters=adapters)
+    got = [len(o.token_ids) for o in outputs]
+    if got != [new] * len(prompts):
+        raise RuntimeError(f"lora-serve generated {got[:8]}... tokens, asked for {new}")
+    return outputs
+
+
+def decode_ms(outputs) -> float:
+    """Median over requests of (latency - time to first token) / (new tokens - 1), in ms."""
+    return statistics.median((o.latency - o.ttft) / (len(o.token_ids) - 1) * 1e3 for o in outputs)
+
+
+def llm_throughput(bench: Bench, llm, model: str, prompts, new: int, adapters=None) -> dict:
+    """Warm-up at the same batch size on other prompts (kernels compiled for these shapes, adapters loaded)."""
+    run_llm(llm, bench.prompts(model, len(prompts), len(prompts[0]), seed=99), 4, adapters)
+    outputs, seconds = timed(bench.device, run_llm, llm, prompts, new, adapters)
+    return {"tok_s": len(prompts) * new / seconds, "seconds": seconds,
+            "ttft_median_ms": statistics.median(o.ttft for o in outputs) * 1e3,
+            "decode_ms_per_token": decode_ms(outputs)}
+
+
+# ---------------------------------------------------------------------------------------------------- HF
+
+
+def hf_model(bench: Bench, model: str):
+    config = transformers.AutoConfig.from_pretrained(bench.models[model])
+    with torch.device(bench.device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return hf.eval()
+
+
+@torch.inference_mode()
+def hf_static(model, prompts: list[list[int]], new: int, device: str) -> int:
+    """`model.generate` on one batch of equal-length prompts (no padding needed); returns tokens generated."""
+    ids = torch.tensor(prompts, device=device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    generated = out.shape[1] - ids.shape[1]
+    if generated != new:
+        raise RuntimeError(f"HF generate produced {generated} tokens, asked for {new}")
+    return ids.shape[0] * new
+
+
+def hf_continuous(model, prompts: list[list[int]], new: int, page_size: int = 32) -> int:
+    """transformers' `generate_batch` (its continuous batching), KV cache sized for every request at once."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingConfig
+
+    pages = -(-(len(prompts[0]) + new) // page_size)
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=NO_EOS, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=int(1.25 * len(prompts) * pages) + 4,
+                                  max_batch_tokens=max(2048, len(prompts[0])), max_requests_per_batch=len(prompts))
+    results = list(model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb).values())
+    lengths = [len(r.generated_tokens) for r in results if r.error is None]
+    if lengths != [new] * len(prompts):
+        raise RuntimeError(f"generate_batch: {len(lengths)}/{len(prompts)} results of lengths {lengths[:4]}...")
+    return sum(lengths)
+
+
+def hf_throughput(bench: Bench, fn, hf, model: str, prompts, new: int) -> dict:
+    fn(hf, bench.prompts(model, len(prompts), len(prompts[0]), seed=99), 4)  # warm-up at the same shapes
+    tokens, seconds = timed(bench.device, fn, hf, prompts, new)
+    return {"tok_s": tokens / seconds, "seconds": seconds}
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+
+
+def section_bandwidth(bench: Bench) -> dict:
+    bench.bandwidth = copy_bandwidth(bench.device, bench.plan.copy_bytes)
+    return {"copy_bandwidth_gb_s": bench.bandwidth / 1e9, "copy_bytes": bench.plan.copy_bytes}
+
+
+def guarded(label: str, device: str, fn, *args) -> dict:
+    """fn(*args), or its error and traceback (printed): a part that fails leaves the rest of its section."""
+    try:
+        return fn(*args)
+    except Exception as error:  # noqa: BLE001 - recorded in the results instead of ending the run
+        tb = traceback.format_exc()
+        tqdm.write(f"{label} failed:\n{tb}")
+        free_device(device)
+        return {"error": _error(error), "traceback": tb}
+
+
+def decode_one(bench: Bench, model: str) -> dict:
+    plan = bench.plan
+    llm = make_llm(bench, model, max_seqs=4, max_len=plan.decode_prompt + plan.decode_new + 16)
+    prompt = bench.prompts(model, 1, plan.decode_prompt)
+    run_llm(llm, prompt, 8)  # warm-up
+    runs = [decode_ms(run_llm(llm, prompt, plan.decode_new)) for _ in range(plan.decode_repeats)]
+    del llm
+    free_device(bench.device)
+    weights = decode_weight_bytes(shape(model, bench.tiny))
+    ms = statistics.median(runs)
+    bound = weights / bench.bandwidth * 1e3 if bench.bandwidth else None
+    return {"ms_per_token": ms, "runs_ms": runs, "weight_bytes": weights, "bound_ms": bound,
+            "of_bound": bound / ms if bound else None}
+
+
+def section_decode(bench: Bench) -> dict:
+    """Batch-1 decode ms/token of the 1B and 8B shapes, against weight bytes / copy bandwidth."""
+    return {model: guarded(f"decode {model}", bench.device, decode_one, bench, model)
+            for model in ("llama-3.2-1b", "llama-3-8b")}
+
+
+def lora_serve_throughput(bench: Bench, model: str) -> dict:
+    plan = bench.plan
+    llm = make_llm(bench, model, max_seqs=max(plan.batches), max_len=plan.prompt + plan.new + 16)
+    rows = {f"lora-serve@{batch}": llm_throughput(bench, llm, model, bench.prompts(model, batch, plan.prompt),
+                                                  plan.new) for batch in plan.batches}
+    del llm
+    free_device(bench.device)
+    return rows
+
+
+def hf_baselines(bench: Bench, model: str) -> dict:
+    plan, rows = bench.plan, {}
+    hf = hf_model(bench, model)
+
+    def static(model_, prompts_, new_):
+        return hf_static(model_, prompts_, new_, bench.device)
+
+    for batch in plan.batches:
+        prompts = bench.prompts(model, batch, plan.prompt)
+        for name, fn in (("HF generate (static)", static), ("HF generate_batch", hf_continuous)):
+            rows[f"{name}@{batch}"] = guarded(f"{name} at {batch}", bench.device, hf_throughput, bench, fn, hf,
+                                              model, prompts, plan.new)
+            free_device(bench.device)
+    del hf
+    free_device(bench.device)
+    return rows
+
+
+def section_throughput(bench: Bench) -> dict:
+    """1B shape, `batches` concurrent sequences, lora-serve."""
+    return lora_serve_throughput(bench, "llama-3.2-1b")
+
+
+def section_hf(bench: Bench) -> dict:
+    """The same workloads through HF generate (static batch) and generate_batch; last, as the slowest section."""
+    return hf_baselines(bench, "llama-3.2-1b")
+
+
+def section_lora(bench: Bench) -> dict:
+    """Same workload at the largest batch: one distinct adapter per request (round-robin), against base only, on
+    the same engine."""
+    plan, model = bench.plan, "llama-3.2-1b"
+    root = bench.work / "adapters"
+    config = transformers.AutoConfig.from_pretrained(bench.models[model])
+    names = [f"a{i:02d}" for i in range(plan.adapters)]
+    for i, name in enumerate(tqdm(names, desc="adapters", leave=False)):
+        write_random_adapter(root / name, config, rank=plan.adapter_rank, seed=i)
+    batch = max(plan.batches)
+    llm = make_llm(bench, model, max_seqs=batch, max_len=plan.prompt + plan.new + 16, max_loras=plan.adapters,
+                   max_lora_rank=plan.adapter_rank, adapters_root=str(root))
+    prompts = bench.prompts(model, batch, plan.prompt)
+    base = llm_throughput(bench, llm, model, prompts, plan.new)
+    lora = llm_throughput(bench, llm, model, prompts, plan.new, [names[i % len(names)] for i in range(batch)])
+    del llm
+    free_device(bench.device)
+    return {"batch": batch, "adapters": plan.adapters, "rank": plan.adapter_rank, "base": base, "lora": lora,
+            "ratio": lora["tok_s"] / base["tok_s"]}
+
+
+def section_ttft_graphs(bench: Bench) -> dict:
+    """TTFT of one request alone, and decode step time at a few batch sizes, eager against CUDA graphs."""
+    plan, model, rows = bench.plan, "llama-3.2-1b", {}
+    for eager in (True, False):
+        mode = "eager" if eager else "graphs"
+        llm = make_llm(bench, model, max_seqs=max(plan.step_batches), max_len=plan.ttft_prompt + plan.step_new + 16,
+                       enforce_eager=eager)
+        alone = bench.prompts(model, 1, plan.ttft_prompt, seed=1)
+        run_llm(llm, alone, 2)
+        rows[f"ttft_alone_ms/{mode}"] = statistics.median(
+            run_llm(llm, alone, 1)[0].ttft * 1e3 for _ in range(plan.decode_repeats))
+        for batch in plan.step_batches:
+            prompts = bench.prompts(model, batch, 128 if not bench.tiny else 16, seed=2)
+            run_llm(llm, prompts, 4)
+            runs = [decode_ms(run_llm(llm, prompts, plan.step_new)) for _ in range(plan.decode_repeats)]
+            rows[f"step_ms@{batch}/{mode}"] = statistics.median(runs)
+        del llm
+        free_device(bench.device)
+    return rows
+
+
+SECTIONS = (("bandwidth", section_bandwidth), ("decode", section_decode), ("throughput", section_throughput),
+            ("lora", section_lora), ("ttft_graphs", section_ttft_graphs), ("hf_baselines", section_hf))
+
+
+def _error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
+def run_sections(bench: Bench, only: set[str] | None, checkpoint) -> dict:
+    """Every section in turn; checkpoint(results) after each, so a run cut short still leaves its figures."""
+    results = {}
+    bar = tqdm([s for s in SECTIONS if not only or s[0] in only], desc="sections", unit="section")
+    for name, fn in bar:
+        bar.set_postfix_str(name)
+        start = time.perf_counter()
+        try:
+            results[name] = {"ok": True, "figures": fn(bench)}
+        except Exception as error:  # noqa: BLE001 - record, print and go on: the run must yield every section it can
+            tb = traceback.format_exc()
+            tqdm.write(f"section {name} failed:\n{tb}")
+            results[name] = {"ok": False, "error": _error(error), "traceback": tb}
+            free_device(bench.device)
+        results[name]["seconds"] = time.perf_counter() - start
+        tqdm.write(f"section {name}: {'ok' if results[name]['ok'] else 'FAILED'} "
+                   f"in {results[name]['seconds']:.1f} s")
+        checkpoint(results)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def _f(value, digits=1, scale=1.0, suffix="") -> str:
+    return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
+
+
+def _figures(results: dict, name: str) -> dict:
+    return results.get(name, {}).get("figures") or {}
+
+
+def markdown(raw: dict) -> str:
+    results, plan = raw["sections"], raw["plan"]
+    lines = [f"# lora-serve on {raw['device_name']}", "",
+             (f"torch {raw['environment']['torch']}, transformers {raw['environment']['transformers']}, "
+              f"bf16, random weights of typed-in shapes, mode {raw['mode']}, {raw['date']}."), ""]
+    bw = _figures(results, "bandwidth").get("copy_bandwidth_gb_s")
+    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s.", "", "## Batch-1 decode", ""]
+    rows = [[m, _f(r.get("ms_per_token"), 2), _f(r.get("weight_bytes"), 2, 1e-9), _f(r.get("bound_ms"), 2),
+             _f(r.get("of_bound"), 0, 100, "%"), r.get("error", "")] for m, r in _figures(results, "decode").items()]
+    lines += [markdown_table(["shape", "ms / token", "weights read (GB)", "weight-read bound (ms)",
+                              "% of bound", "error"], rows), ""]
+    lines += [f"## Throughput, Llama-3.2-1B shape, {plan['prompt']}-token prompts, {plan['new']} new tokens", ""]
+    tp = {**_figures(results, "throughput"), **_figures(results, "hf_baselines")}
+    rows = []
+    for batch in plan["batches"]:
+        ls = tp.get(f"lora-serve@{batch}", {}).get("tok_s")
+        for system in ("lora-serve", "HF generate (static)", "HF generate_batch"):
+            r = tp.get(f"{system}@{batch}", {})
+            ratio = ls / r["tok_s"] if ls and r.get("tok_s") else None
+            rows.append([batch, system, _f(r.get("tok_s"), 0), _f(ratio, 2, suffix="x"),
+                         _f(r.get("ttft_median_ms"), 0), r.get("error", "")])
+    lines += [markdown_table(["sequences", "system", "output tok/s", "lora-serve / this", "median TTFT (ms)",
+                              "error"], rows), ""]
+    lo = _figures(results, "lora")
+    if lo:
+        lines += [f"## {lo['adapters']} distinct rank-{lo['rank']} adapters, {lo['batch']} sequences", "",
+                  markdown_table(["run", "output tok/s", "median TTFT (ms)"],
+                                 [["base only", _f(lo["base"]["tok_s"], 0), _f(lo["base"]["ttft_median_ms"], 0)],
+                                  [f"{lo['adapters']} adapters", _f(lo["lora"]["tok_s"], 0),
+                                   _f(lo["lora"]["ttft_median_ms"], 0)]]),
+                  "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput.", ""]
+    tg = _figures(results, "ttft_graphs")
+    if tg:
+        rows = [[f"TTFT alone, {plan['ttft_prompt']}-token prompt (ms)", _f(tg.get("ttft_alone_ms/eager"), 1),
+                 _f(tg.get("ttft_alone_ms/graphs"), 1), ""]]
+        for batch in plan["step_batches"]:
+            e, g = tg.get(f"step_ms@{batch}/eager"), tg.get(f"step_ms@{batch}/graphs")
+            rows.append([f"decode step, batch {batch} (ms)", _f(e, 2), _f(g, 2), _f(e / g if e and g else None, 2,
+                                                                                   suffix="x")])
+        lines += ["## TTFT and decode step time, eager against CUDA graphs (Llama-3.2-1B shape)", "",
+                  markdown_table(["figure", "eager", "CUDA graphs", "speed-up"], rows), ""]
+    lines += ["## Sections", "", markdown_table(
+        ["section", "status", "seconds"],
+        [[n, "ok" if r["ok"] else f"failed: {r['error']}", _f(r["seconds"], 1)] for n, r in results.items()]), ""]
+    return "\n".join(lines)
+
+
+def plot(raw: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, plan = raw["sections"], raw["plan"]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    dec = {n: r for n, r in _figures(results, "decode").items() if "error" not in r}
+    names = list(dec)
+    axes[0].bar([i - 0.2 for i in range(len(names))], [dec[n]["ms_per_token"] for n in names], 0.4, label="lora-serve")
+    axes[0].bar([i + 0.2 for i in range(len(names))], [dec[n]["bound_ms"] or 0 for n in names], 0.4,
+                label="weight-read bound", color="lightgray")
+    axes[0].set_xticks(range(len(names)), names)
+    axes[0].set(ylabel="ms / token", title="batch-1 decode")
+    axes[0].legend(fontsize=8)
+    tp = {**_figures(results, "throughput"), **_figures(results, "hf_baselines")}
+    systems = ("lora-serve", "HF generate (static)", "HF generate_batch")
+    for j, system in enumerate(systems):
+        values = [tp.get(f"{system}@{b}", {}).get("tok_s") or 0 for b in plan["batches"]]
+        axes[1].bar([i + (j - 1) * 0.27 for i in range(len(values))], values, 0.27, label=system)
+    axes[1].set_xticks(range(len(plan["batches"])), [f"{b} seqs" for b in plan["batches"]])
+    axes[1].set(ylabel="output tokens / s", title="throughput, 1B shape")
+    axes[1].legend(fontsize=8)
+    lo, tg = _figures(results, "lora"), _figures(results, "ttft_graphs")
+    if lo:
+        axes[2].bar(["base", f"{lo['adapters']} adapters"], [lo["base"]["tok_s"], lo["lora"]["tok_s"]],
+                    color=["tab:blue", "tab:orange"])
+    axes[2].set(ylabel="output tokens / s", title=f"multi-LoRA against base, {max(plan['batches'])} seqs")
+    for j, mode in enumerate(("eager", "graphs")):
+        values = [tg.get(f"step_ms@{b}/{mode}") or 0 for b in plan["step_batches"]]
+        axes[3].bar([i + (j - 0.5) * 0.4 for i in range(len(values))], values, 0.4, label=mode)
+    axes[3].set_xticks(range(len(plan["step_batches"])), [f"batch {b}" for b in plan["step_batches"]])
+    axes[3].set(ylabel="ms / decode step", title="decode step: eager vs CUDA graphs")
+    axes[3].legend(fontsize=8)
+    return fig
+
+
+def write_text_results(folder: Path, raw: dict, text: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gpu.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    (folder / "gpu.md").write_text(text)
+
+
+def save(folder: Path, raw: dict, text: str) -> None:
+    """gpu.json and gpu.md always; gpu.png through common.save_results when matplotlib is installed."""
+    write_text_results(folder, raw, text)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(text)
+        print("matplotlib is not installed: gpu.png skipped (gpu.json and gpu.md written)")
+        return
+    try:
+        from benchmarks.common import save_results
+
+        save_results(folder, "gpu", raw, plot, text)
+    except Exception:  # noqa: BLE001 - a plot must not cost the figures
+        print(text)
+        print(f"gpu.png failed:\n{traceback.format_exc()}")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer tokens per request (a shorter GPU run)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs and workloads: a smoke run (CPU)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="folder with SmolLM2's tokenizer files (default: the first of "
+                             + ", ".join(str(p) for p in DEFAULT_TOKENIZERS) + " that exists)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder (gpu.json, gpu.md, gpu.png)")
+    parser.add_argument("--work", type=Path, default=None, help="folder for model folders and adapters (temp)")
+    parser.add_argument("--sections", default="", help="comma-separated subset of: "
+                        + ", ".join(n for n, _ in SECTIONS))
+    return parser.parse_args(argv)
+
+
+def find_tokenizer(given: Path | None) -> Path:
+    for folder in ([given] if given else DEFAULT_TOKENIZERS):
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+            return folder
+    raise SystemExit(f"no tokenizer folder found ({given or DEFAULT_TOKENIZERS}); pass --tokenizer DIR")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny for a smoke run)")
+    tokenizer_dir = find_tokenizer(args.tokenizer)
+    work = args.work or Path(tempfile.mkdtemp(prefix="lora-serve-gpu-"))
+    plan = Plan.tiny() if args.tiny else Plan.quick() if args.quick else Plan.full()
+    names = ("llama-3.2-1b", "llama-3-8b", "smollm2-135m")
+    models = {n: build_model_dir(work / "models", n, tokenizer_dir, args.tiny) for n in names}
+    tokens = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    limits = {n: min(tokens, shape(n, args.tiny)["vocab_size"]) for n in names}
+    bench = Bench(args.device, plan, args.tiny, models, work, limits)
+    print(f"device {device_name(args.device)}, torch {torch.__version__}, work folder {work}")
+    raw = {"mode": "tiny" if args.tiny else "quick" if args.quick else "full", "device": args.device,
+           "device_name": device_name(args.device), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "environment": environment(), "plan": plan.__dict__, "tokenizer": str(tokenizer_dir), "sections": {}}
+
+    def checkpoint(sections: dict) -> None:
+        raw.update(sections=sections, total_seconds=time.perf_counter() - started)
+        write_text_results(args.out, raw, markdown(raw))
+
+    run_sections(bench, {s for s in args.sections.split(",") if s} or None, checkpoint)
+    raw["total_seconds"] = time.perf_counter() - started
+    save(args.out, raw, markdown(raw))
+    print(f"total {raw['total_seconds']:.0f} s; wrote {args.out / 'gpu.json'}, {args.out / 'gpu.md'}")
+
+
+if __name__ == "__main__":
+    main()
