@@ -20,6 +20,7 @@ import ray
 from ray import serve
 from transformers import AutoConfig
 
+from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
 from deployments.metrics import ServingMetrics
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
 from engine.model_files import resolve_model
@@ -57,11 +58,10 @@ class LLMServer:
         return adapter_id
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True) -> AsyncIterator[dict]:
-        """Yield events of one or more new tokens each (every token ready when the ingress asks: a stream
-        through Ray costs per item, not per token); the last one carries finish_reason and counts. With
-        stream=False, one event with every token. A request the engine refuses yields one
-        {"error": reason, "status": HTTP status} event instead."""
+                       stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """Yield TokenEvents of one or more new tokens each (every token ready when the ingress asks: a stream
+        through Ray costs per item, not per token); the last one carries the Final. With stream=False, one event
+        with every token. A request the engine refuses yields one Refusal instead."""
         adapter = serve.get_multiplexed_model_id() or None
         timer = self.metrics.start(adapter)
         try:
@@ -70,38 +70,31 @@ class LLMServer:
             chunks = self.engine.generate_chunks(uuid.uuid4().hex, prompt, params, adapter)
             first = await chunks.__anext__()
         except EngineOverloadedError as exc:
-            yield {"error": str(exc), "status": 429, "retry_after_s": exc.retry_after_s}
+            yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
             return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
-            yield {"error": str(exc), "status": 400}
+            yield Refusal(str(exc))
             return
-        held: list[dict] = []
+        held: TokenEvent | None = None
         async for chunk in _chain(first, chunks):
             timer.token()
-            tokens = [_token_entry(out) for out in chunk]
+            event = _token_event(chunk, params)
             last = chunk[-1]
             if last.finished:
                 self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
-            elif not stream:
-                held += tokens
-                continue
-            yield {
-                "tokens": held + tokens,
-                "text": "".join(t["text"] for t in held + tokens),
-                "finished": last.finished,
-                "finish_reason": last.finish_reason,
-                "generated_text": last.text if last.finished else None,
-                "generated_tokens": len(last.token_ids),
-                "prompt_tokens": len(last.prompt_token_ids),
-                "prompt_token_entries": self._prompt_entries(last),
-            }
+                event.final = Final(last.finish_reason, last.text, len(last.token_ids), len(last.prompt_token_ids),
+                                    self._prompt_entries(last))
+            held = event if held is None else held.extend(event)
+            if stream or last.finished:
+                yield held
+                held = None
 
-    def _prompt_entries(self, out) -> list[dict] | None:
+    def _prompt_entries(self, out) -> list[TokenEntry] | None:
         """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
         if not out.prompt_logprobs:
             return None
         decode = self.engine.tokenizer.decode
-        return [{"id": t, "text": decode([t]), "logprob": logprob, "top_logprobs": top}
+        return [TokenEntry(t, decode([t]), logprob, top)
                 for t, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)]
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:
@@ -162,12 +155,14 @@ def _leave_a_core(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 2) - 1))
 
 
-def _token_entry(out) -> dict:
-    """One generated token: id, its text as released, its logprob, and its top alternatives (id -> logprob;
-    None unless the request asked for them)."""
-    return {"id": out.new_token_ids[-1] if out.new_token_ids else None,
-            "logprob": out.logprobs[-1] if out.logprobs else None, "text": out.delta_text,
-            "top_logprobs": out.top_logprobs[-1] if out.top_logprobs else None}
+def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
+    """The new tokens of a chunk of outputs (one each; id None for an output without a new token), as columns;
+    logprobs only when the request asked for them."""
+    outs = chunk
+    logprobs = [out.logprobs[-1] if out.logprobs else None for out in outs] if params.logprobs is not None else None
+    top = [out.top_logprobs[-1] if out.top_logprobs else None for out in outs] if params.logprobs else None
+    return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
+                      [out.delta_text for out in outs], logprobs, top)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
