@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
 from deployments.metrics import ServingMetrics
+from deployments.openmp import intel_openmp_loaded
 from deployments.pacing import EventPacer
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
 from engine.model_files import resolve_model
@@ -33,7 +34,7 @@ REPORT_INTERVAL_S = 2.0
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
 class LLMServer:
     def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
-        config = _leave_a_core(EngineConfig.from_overrides(**(engine or {})))
+        config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
         self.engine = AsyncEngine(config, self.adapter_cache)
         self.metrics = ServingMetrics(top_adapters)
@@ -151,16 +152,16 @@ def _prefix_cache(s: EngineStats) -> dict:
             "evictions": s.prefix_cache_evictions}
 
 
-def _leave_a_core(config: EngineConfig) -> EngineConfig:
-    """On CPU, unless num_threads is set, torch gets all cores but one: the HTTP proxy, the ingress and Ray
-    need one, and torch threads that lose their core to them stall every parallel op. Measured on 2 cores with
-    paced events (`serve run`, streamed /v1/completions x 64 tokens), 2 threads against 1: 0.82x the tokens/s at
-    8 concurrent streams and 1.08x at 32, even with the replica's engine at niceness 0 above the proxy's 15;
-    with OMP_WAIT_POLICY=passive or without paced events, no better. Offline, where nothing else runs, 2 threads
-    give 1.57x."""
+def _engine_threads(config: EngineConfig) -> EngineConfig:
+    """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
+    (deployments/openmp.py), else all cores but one. On GNU OpenMP the engine's step thread, not the process's
+    first thread, gets throttled spin-waits, and torch threads that lose their core to the HTTP proxy and ingress
+    stall every parallel op: there, on 2 cores with paced events, 2 threads gave 0.82x the tokens/s of 1 at 8
+    concurrent streams and 1.08x at 32."""
     if config.num_threads is not None or config.torch_device.type != "cpu":
         return config
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 2) - 1))
+    cores = os.cpu_count() or 2
+    return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))
 
 
 def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
