@@ -116,11 +116,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def benchmark_args(doc: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
-    """The command line every benchmark takes: --quick (a smoke run) and --out (the results folder)."""
+def benchmark_args(doc: str, quick_help: str, argv: list[str] | None, add_arguments=None) -> argparse.Namespace:
+    """The command line every benchmark takes: --quick (a smoke run) and --out (the results folder), plus what
+    add_arguments(parser) adds for one benchmark."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    if add_arguments is not None:
+        add_arguments(parser)
     return parser.parse_args(argv)
 
 

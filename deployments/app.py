@@ -7,6 +7,7 @@ from ray.serve import Application
 
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from deployments.openmp import replica_env_vars
 from engine import EngineConfig
 
 
@@ -22,4 +23,12 @@ def build_app(args: dict | None = None) -> Application:
         EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
     except (ValidationError, TypeError, ValueError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
-    return Ingress.bind(LLMServer.bind(parsed.engine), parsed.engine)
+    engine_replica = LLMServer.options(ray_actor_options=_engine_actor_options())
+    return Ingress.bind(engine_replica.bind(parsed.engine), parsed.engine)
+
+
+def _engine_actor_options() -> dict:
+    """One CPU per engine replica, and its process started on Intel's OpenMP runtime (deployments/openmp.py). A
+    serve config's ray_actor_options for LLMServer replace these: keep the runtime_env there."""
+    env_vars = replica_env_vars()
+    return {"num_cpus": 1, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

@@ -15,6 +15,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_protocol as oai
+from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, tgi_token
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
@@ -59,7 +60,14 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 
 # Module helpers stand above the deployment class: Serve captures the class's globals when it is defined.
-async def _last(first: dict, events) -> dict:
+def _refused(refusal: Refusal) -> RequestRefused:
+    """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded."""
+    if refusal.kind is RefusalKind.OVERLOADED:
+        return RequestRefused(refusal.reason, 429, refusal.retry_after_s)
+    return RequestRefused(refusal.reason, 400)
+
+
+async def _last(first: TokenEvent, events) -> TokenEvent:
     last = first
     async for event in events:
         last = event
@@ -112,7 +120,7 @@ class Ingress:
     async def generate(self, request: GenerateRequest):
         events = self._events(request, stream=False)
         last = await self._first_event(events)  # the only event: it carries every token
-        body = {"generated_text": self._full_text(request, last["generated_text"])}
+        body = {"generated_text": self._full_text(request, last.final.generated_text)}
         if request.parameters.details:
             body["details"] = self._details(request, last)
         return body
@@ -124,22 +132,22 @@ class Ingress:
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
 
     @staticmethod
-    async def _first_event(events) -> dict:
+    async def _first_event(events) -> TokenEvent:
         """The first token event; a refusal arrives as the only event and becomes an HTTP error."""
         try:
             first = await events.__anext__()
         except BackPressureError as exc:  # the engine deployment's max_queued_requests is reached
             raise RequestRefused(f"the server is overloaded, retry later: {exc}", 503,
                                  OVERLOADED_RETRY_AFTER_S) from None
-        if "error" in first:
-            raise RequestRefused(first["error"], first.get("status", 400), first.get("retry_after_s"))
+        if isinstance(first, Refusal):
+            raise _refused(first)
         return first
 
     @staticmethod
-    async def _refused(reason: str) -> AsyncIterator[dict]:
-        yield {"error": reason}
+    async def _refused(reason: str) -> AsyncIterator[Refusal]:
+        yield Refusal(reason)
 
-    def _events(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[dict]:
+    def _events(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         source = request.parameters.adapter_source
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
@@ -151,7 +159,7 @@ class Ingress:
         return self._stream(request.inputs, params, request.parameters.adapter_id, stream)
 
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                stream: bool = True) -> AsyncIterator[dict]:
+                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         """Events of one or more tokens each (one event with every token when not streaming). The adapter
         travels as the multiplexed model id, so Serve routes to replicas that hold it."""
         return self.llm.options(multiplexed_model_id=adapter or "").generate.remote(prompt, params, stream)
@@ -210,20 +218,21 @@ class Ingress:
                   for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
         return body(cid, request.model, finals, oai.usage(lasts, request.n))
 
-    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[dict], streams,
+    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[TokenEvent], streams,
                           chunk) -> AsyncIterator[str]:
         """The choices' chunks as they come, each marked with its choice's index."""
         lines: asyncio.Queue[str | None] = asyncio.Queue()
-        lasts: list[dict] = list(firsts)
+        lasts: list[TokenEvent] = list(firsts)
 
-        async def pump(index: int, event: dict | None, events) -> None:
+        async def pump(index: int, event: TokenEvent | None, events) -> None:
             emitted, first = 0, True  # emitted: characters sent, where the next chunk's text offsets start
             try:
                 while event is not None:
-                    logprobs = request.logprobs_object(event["tokens"], self.tokenizer, emitted)
-                    data = chunk(cid, request.model, index, event, first, logprobs)
+                    text = event.text
+                    logprobs = request.logprobs_object(event.entries(), self.tokenizer, emitted)
+                    data = chunk(cid, request.model, index, event, text, first, logprobs)
                     lines.put_nowait(f"data: {json.dumps(data)}\n\n")
-                    emitted, first, lasts[index] = emitted + len(event["text"]), False, event
+                    emitted, first, lasts[index] = emitted + len(text), False, event
                     event = await anext(events, None)
             finally:
                 lines.put_nowait(None)
@@ -245,22 +254,24 @@ class Ingress:
                 task.cancel()
             _cancel(streams)
 
-    async def _sse(self, request: GenerateRequest, first: dict, events) -> AsyncIterator[str]:
+    async def _sse(self, request: GenerateRequest, first: TokenEvent, events) -> AsyncIterator[str]:
         """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""
         event = first
         while True:
             lines = []
-            for i, token in enumerate(event["tokens"], start=1):
+            tokens = event.entries()
+            for i, token in enumerate(tokens, start=1):
                 payload = {"token": tgi_token(token, self.tokenizer), "generated_text": None, "details": None}
-                if event["finished"] and i == len(event["tokens"]):
-                    payload["generated_text"] = self._full_text(request, event["generated_text"])
-                    payload["details"] = {"finish_reason": TGI_FINISH_REASONS[event["finish_reason"]],
-                                          "prompt_tokens": event["prompt_tokens"],
-                                          "generated_tokens": event["generated_tokens"],
+                if event.final is not None and i == len(tokens):
+                    final = event.final
+                    payload["generated_text"] = self._full_text(request, final.generated_text)
+                    payload["details"] = {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
+                                          "prompt_tokens": final.prompt_tokens,
+                                          "generated_tokens": final.generated_tokens,
                                           "seed": request.parameters.seed}
                 lines.append(f"data:{json.dumps(payload)}\n\n")
             yield "".join(lines)
-            if event["finished"]:
+            if event.finished:
                 return
             event = await events.__anext__()
 
@@ -268,11 +279,12 @@ class Ingress:
     def _full_text(request: GenerateRequest, generated: str) -> str:
         return request.inputs + generated if request.parameters.return_full_text else generated
 
-    def _details(self, request: GenerateRequest, last: dict) -> dict:
+    def _details(self, request: GenerateRequest, last: TokenEvent) -> dict:
+        final = last.final
         prefill = []
         if request.parameters.decoder_input_details:
-            prefill = [{key: t[key] for key in ("id", "text", "logprob")} for t in last["prompt_token_entries"]]
-        return {"finish_reason": TGI_FINISH_REASONS[last["finish_reason"]],
-                "generated_tokens": last["generated_tokens"], "prompt_tokens": last["prompt_tokens"],
+            prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in final.prompt_token_entries]
+        return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
+                "generated_tokens": final.generated_tokens, "prompt_tokens": final.prompt_tokens,
                 "seed": request.parameters.seed, "prefill": prefill,
-                "tokens": [tgi_token(token, self.tokenizer) for token in last["tokens"]]}
+                "tokens": [tgi_token(token, self.tokenizer) for token in last.entries()]}

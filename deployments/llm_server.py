@@ -20,7 +20,10 @@ import ray
 from ray import serve
 from transformers import AutoConfig
 
+from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
 from deployments.metrics import ServingMetrics
+from deployments.openmp import intel_openmp_loaded
+from deployments.pacing import EventPacer
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
 from engine.model_files import resolve_model
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
@@ -31,10 +34,11 @@ REPORT_INTERVAL_S = 2.0
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
 class LLMServer:
     def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
-        config = _leave_a_core(EngineConfig.from_overrides(**(engine or {})))
+        config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
         self.engine = AsyncEngine(config, self.adapter_cache)
         self.metrics = ServingMetrics(top_adapters)
+        self.pacer = EventPacer()
         self.metrics.memory(self.engine.engine.memory())
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica = f"{serve.get_replica_context().replica_tag}@node-{self.node_id[:8]}"
@@ -57,11 +61,11 @@ class LLMServer:
         return adapter_id
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True) -> AsyncIterator[dict]:
-        """Yield events of one or more new tokens each (every token ready when the ingress asks: a stream
-        through Ray costs per item, not per token); the last one carries finish_reason and counts. With
-        stream=False, one event with every token. A request the engine refuses yields one
-        {"error": reason, "status": HTTP status} event instead."""
+                       stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """Yield TokenEvents of one or more new tokens each (a stream through Ray costs per item, not per token:
+        the tokens ready when the ingress asks, held longer under load, see deployments/pacing.py); the last one
+        carries the Final. With stream=False, one event with every token. A request the engine refuses yields one
+        Refusal instead."""
         adapter = serve.get_multiplexed_model_id() or None
         timer = self.metrics.start(adapter)
         try:
@@ -70,38 +74,33 @@ class LLMServer:
             chunks = self.engine.generate_chunks(uuid.uuid4().hex, prompt, params, adapter)
             first = await chunks.__anext__()
         except EngineOverloadedError as exc:
-            yield {"error": str(exc), "status": 429, "retry_after_s": exc.retry_after_s}
+            yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
             return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
-            yield {"error": str(exc), "status": 400}
+            yield Refusal(str(exc))
             return
-        held: list[dict] = []
-        async for chunk in _chain(first, chunks):
-            timer.token()
-            tokens = [_token_entry(out) for out in chunk]
-            last = chunk[-1]
-            if last.finished:
-                self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
-            elif not stream:
-                held += tokens
-                continue
-            yield {
-                "tokens": held + tokens,
-                "text": "".join(t["text"] for t in held + tokens),
-                "finished": last.finished,
-                "finish_reason": last.finish_reason,
-                "generated_text": last.text if last.finished else None,
-                "generated_tokens": len(last.token_ids),
-                "prompt_tokens": len(last.prompt_token_ids),
-                "prompt_token_entries": self._prompt_entries(last),
-            }
+        held: TokenEvent | None = None
+        with self.pacer.stream() as pace:
+            async for chunk in _chain(first, chunks):
+                timer.token()
+                event = _token_event(chunk, params)
+                last = chunk[-1]
+                if last.finished:
+                    self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
+                    event.final = Final(last.finish_reason, last.text, len(last.token_ids),
+                                        len(last.prompt_token_ids), self._prompt_entries(last))
+                held = event if held is None else held.extend(event)
+                if last.finished or (stream and pace.due()):
+                    pace.sent(held)
+                    yield held
+                    held = None
 
-    def _prompt_entries(self, out) -> list[dict] | None:
+    def _prompt_entries(self, out) -> list[TokenEntry] | None:
         """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
         if not out.prompt_logprobs:
             return None
         decode = self.engine.tokenizer.decode
-        return [{"id": t, "text": decode([t]), "logprob": logprob, "top_logprobs": top}
+        return [TokenEntry(t, decode([t]), logprob, top)
                 for t, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)]
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:
@@ -153,21 +152,26 @@ def _prefix_cache(s: EngineStats) -> dict:
             "evictions": s.prefix_cache_evictions}
 
 
-def _leave_a_core(config: EngineConfig) -> EngineConfig:
-    """On CPU, unless num_threads is set, torch gets all cores but one: the HTTP proxy, the ingress and Ray
-    need one, and torch threads that lose their core to them stall every parallel op (measured on 2 cores:
-    1 thread served 1.65x the tokens/s of 2 at 8 concurrent streams)."""
+def _engine_threads(config: EngineConfig) -> EngineConfig:
+    """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
+    (deployments/openmp.py), else all cores but one. On GNU OpenMP the engine's step thread, not the process's
+    first thread, gets throttled spin-waits, and torch threads that lose their core to the HTTP proxy and ingress
+    stall every parallel op: there, on 2 cores with paced events, 2 threads gave 0.82x the tokens/s of 1 at 8
+    concurrent streams and 1.08x at 32."""
     if config.num_threads is not None or config.torch_device.type != "cpu":
         return config
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 2) - 1))
+    cores = os.cpu_count() or 2
+    return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))
 
 
-def _token_entry(out) -> dict:
-    """One generated token: id, its text as released, its logprob, and its top alternatives (id -> logprob;
-    None unless the request asked for them)."""
-    return {"id": out.new_token_ids[-1] if out.new_token_ids else None,
-            "logprob": out.logprobs[-1] if out.logprobs else None, "text": out.delta_text,
-            "top_logprobs": out.top_logprobs[-1] if out.top_logprobs else None}
+def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
+    """The new tokens of a chunk of outputs (one each; id None for an output without a new token), as columns;
+    logprobs only when the request asked for them."""
+    outs = chunk
+    logprobs = [out.logprobs[-1] if out.logprobs else None for out in outs] if params.logprobs is not None else None
+    top = [out.top_logprobs[-1] if out.top_logprobs else None for out in outs] if params.logprobs else None
+    return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
+                      [out.delta_text for out in outs], logprobs, top)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:

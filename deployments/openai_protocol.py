@@ -9,6 +9,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.events import TokenEntry, TokenEvent
 from engine.sampling import ResponseFormat, SamplingParams
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
@@ -77,16 +78,16 @@ class OpenAISampling(BaseModel):
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
         return None
 
-    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
         """The response's `logprobs` for these generated tokens (None when not asked for)."""
         return None
 
     def prompt_logprobs_wanted(self) -> int | None:
         return None
 
-    def final(self, last: dict, tokenizer, prompt) -> tuple[str, dict, dict | None]:
-        """A finished choice: (text, last event, logprobs object)."""
-        return last["generated_text"], last, self.logprobs_object(last["tokens"], tokenizer, 0)
+    def final(self, last: TokenEvent, tokenizer, prompt) -> tuple[str, TokenEvent, dict | None]:
+        """A finished choice (its one event, with every token): (text, that event, logprobs object)."""
+        return last.final.generated_text, last, self.logprobs_object(last.entries(), tokenizer, 0)
 
     def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
@@ -117,22 +118,22 @@ class CompletionRequest(OpenAISampling):
     def prompt_logprobs_wanted(self) -> int | None:
         return self.logprobs if self.echo else None
 
-    def final(self, last: dict, tokenizer, prompt) -> tuple[str, dict, dict | None]:
+    def final(self, last: TokenEvent, tokenizer, prompt) -> tuple[str, TokenEvent, dict | None]:
         if not self.echo:
             return super().final(last, tokenizer, prompt)
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        prompt_tokens = last["prompt_token_entries"] or []  # scored only when logprobs were asked for
-        return (prompt_text + last["generated_text"], last,
-                self.logprobs_object(prompt_tokens + last["tokens"], tokenizer, 0))
+        prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
+        return (prompt_text + last.final.generated_text, last,
+                self.logprobs_object(prompt_tokens + last.entries(), tokenizer, 0))
 
-    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
         """The legacy completions shape; text_offset counts from `offset` characters into the generated text."""
         if self.logprobs is None:
             return None
-        starts = itertools.accumulate((len(t["text"]) for t in tokens[:-1]), initial=offset)
-        return {"tokens": [tokenizer.decode([t["id"]]) for t in tokens],
-                "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": [None if t["logprob"] is None else  # the first prompt token, echoed
+        starts = itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=offset)
+        return {"tokens": [tokenizer.decode([t.id]) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.logprob is None else  # the first prompt token, echoed
                                  {tokenizer.decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
                 "text_offset": list(starts) if tokens else []}
 
@@ -173,18 +174,18 @@ class ChatRequest(OpenAISampling):
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def logprobs_object(self, tokens: list[dict], tokenizer, offset: int) -> dict | None:
+    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
         if not self.logprobs:
             return None
-        return {"content": [{**_chat_token(t["id"], t["logprob"], tokenizer),
+        return {"content": [{**_chat_token(t.id, t.logprob, tokenizer),
                              "top_logprobs": [_chat_token(i, lp, tokenizer)
-                                              for i, lp in (t["top_logprobs"] or {}).items()]}
+                                              for i, lp in (t.top_logprobs or {}).items()]}
                             for t in tokens]}
 
 
-def _with_chosen(token: dict) -> dict[int, float]:
+def _with_chosen(token: TokenEntry) -> dict[int, float]:
     """The alternatives and the chosen token (vLLM's completions include it, even when it is not among them)."""
-    return {**(token["top_logprobs"] or {}), token["id"]: token["logprob"]}
+    return {**(token.top_logprobs or {}), token.id: token.logprob}
 
 
 def _chat_token(token_id: int, logprob: float, tokenizer) -> dict:
@@ -196,26 +197,27 @@ def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(lasts: list[dict], n: int) -> dict:
-    """Token counts of a request's choices, n per prompt: each prompt once, every choice's completion."""
-    prompt = sum(last["prompt_tokens"] for last in lasts[::n])
-    completion = sum(last["generated_tokens"] for last in lasts)
+def usage(lasts: list[TokenEvent], n: int) -> dict:
+    """Token counts of a request's choices (their last events), n per prompt: each prompt once, every choice's
+    completion."""
+    prompt = sum(last.final.prompt_tokens for last in lasts[::n])
+    completion = sum(last.final.generated_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(cid: str, model: str, finals: list[tuple[str, dict, dict | None]], usage: dict) -> dict:
+def completion_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
     """finals: per choice, its text, its last event and its logprobs object."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS[last["finish_reason"]]}
+                         "finish_reason": FINISH_REASONS[last.final.finish_reason]}
                         for i, (text, last, logprobs) in enumerate(finals)],
             "usage": usage}
 
 
-def chat_body(cid: str, model: str, finals: list[tuple[str, dict, dict | None]], usage: dict) -> dict:
+def chat_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": FINISH_REASONS[last["finish_reason"]]}
+                         "logprobs": logprobs, "finish_reason": FINISH_REASONS[last.final.finish_reason]}
                         for i, (text, last, logprobs) in enumerate(finals)],
             "usage": usage}
 
@@ -226,14 +228,16 @@ def usage_chunk(cid: str, model: str, chunk_object: str, usage: dict) -> dict:
             "usage": usage}
 
 
-def completion_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:
-    reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
+def completion_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
+                     logprobs: dict | None) -> dict:
+    reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "text": event["text"], "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
 
 
-def chat_chunk(cid: str, model: str, index: int, event: dict, first: bool, logprobs: dict | None) -> dict:
-    reason = FINISH_REASONS[event["finish_reason"]] if event["finished"] else None
-    delta = {"role": "assistant", "content": event["text"]} if first else {"content": event["text"]}
+def chat_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
+               logprobs: dict | None) -> dict:
+    reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.events import TokenEntry
 from engine.sampling import ResponseFormat, SamplingParams
 
 
@@ -92,13 +93,13 @@ class GenerateRequest(BaseModel):
 TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
 
 
-def tgi_token(token: dict, tokenizer) -> dict:
+def tgi_token(token: TokenEntry, tokenizer) -> dict:
     """A generated token as TGI shows it: special tokens (EOS above all) are marked, with their text, which the
     generated text leaves out; with return_k_alternatives, LoRAX's alternative_tokens."""
-    shown = {"id": token["id"], "text": token["text"], "logprob": token["logprob"], "special": False}
-    if token["id"] in tokenizer.all_special_ids:
-        shown.update(text=tokenizer.convert_ids_to_tokens(token["id"]), special=True)
-    if token.get("top_logprobs"):  # LoRAX's return_k_alternatives
+    shown = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": False}
+    if token.id in tokenizer.all_special_ids:
+        shown.update(text=tokenizer.convert_ids_to_tokens(token.id), special=True)
+    if token.top_logprobs:  # LoRAX's return_k_alternatives
         shown["alternative_tokens"] = [{"id": i, "text": tokenizer.decode([i]), "logprob": logprob}
-                                       for i, logprob in token["top_logprobs"].items()]
+                                       for i, logprob in token.top_logprobs.items()]
     return shown

@@ -1,8 +1,8 @@
 """AsyncEngine: the engine's step loop on a background thread, with one async stream per request.
 
 torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
-New requests and aborts are handed to the loop thread and applied between steps; outputs go back
-to each request's asyncio queue with call_soon_threadsafe.
+New requests and aborts are handed to the loop thread and applied between steps; a step's outputs go back
+to their requests' asyncio queues with one call_soon_threadsafe per event loop.
 """
 
 from __future__ import annotations
@@ -141,8 +141,7 @@ class AsyncEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out)
+                self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - every waiting stream must learn of it
             self._error = exc
             with self._lock:
@@ -163,11 +162,22 @@ class AsyncEngine:
             if done is not None:
                 done.get_loop().call_soon_threadsafe(_resolve, done)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their streams with one wake-up per event loop, not one per output: each
+        wake-up of a loop takes the GIL from this thread, between the step's torch ops."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
-            stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(out)
+            for out in outs:
+                stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future) -> None:

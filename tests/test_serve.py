@@ -381,13 +381,14 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
 
 
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
+    from deployments.events import TokenEntry
     from deployments.protocol import tgi_token
 
     eos = {"id": tokenizer.eos_token_id, "text": "", "logprob": -0.5}  # the generated text leaves EOS out
-    assert tgi_token(eos, tokenizer) == {**eos, "text": tokenizer.eos_token, "special": True}
+    assert tgi_token(TokenEntry(**eos), tokenizer) == {**eos, "text": tokenizer.eos_token, "special": True}
     (word,) = tokenizer.encode(" Paris")
     plain = {"id": word, "text": " Paris", "logprob": -0.2}
-    assert tgi_token(plain, tokenizer) == {**plain, "special": False}
+    assert tgi_token(TokenEntry(**plain), tokenizer) == {**plain, "special": False}
 
 
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},

@@ -1,0 +1,160 @@
+"""The HTTP servers the load benchmark drives, each in its own process tree, and where their CPU time goes.
+
+lora-serve runs exactly as a user starts it, `serve run serve_config.yaml` (a copy with a free port), in a Ray
+of its own (its own RAY_TMPDIR). vLLM's OpenAI
+server runs from its own virtual environment as ../shared/peers/vllm-cpu.md prescribes (both cores bound, Intel
+OpenMP preloaded). Both stop with SIGTERM to the process that was started (Serve and its Ray shut down cleanly).
+
+CPU breakdown: every process of a server's tree is sampled (user + system seconds) before and after a scenario
+and named by its role (HTTP proxy, ingress replica, engine replica, Serve controller, Ray's own processes,
+vLLM's API server and engine core); cores = CPU seconds / wall seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = (("LLMServer", "engine replica"), ("Ingress", "ingress replica"), ("ProxyActor", "HTTP proxy"),
+         ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
+         ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),
+         ("serve run", "serve run (driver)"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def role(process: psutil.Process) -> str:
+    """The part a process plays, from its title (Ray and vLLM set theirs) or command line."""
+    try:
+        title = " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return "gone"
+    for marker, name in ROLES:
+        if marker in title:
+            return name
+    return "Ray (other)" if "ray" in title.lower() else "other"
+
+
+@dataclass
+class Server:
+    """One started server: its name in tables, base URL, model name for requests, and its root process."""
+    name: str
+    url: str
+    model: str
+    process: subprocess.Popen
+    log: Path
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def wait_healthy(self, timeout_s: float, path: str = "/health") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log}")
+            try:
+                if requests.get(f"{self.url}{path}", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        """SIGTERM to the started process (Serve and its Ray shut down cleanly), SIGKILL to what outlives it."""
+        survivors = self.tree()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        for p in survivors:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
+    """`serve run` on a copy of `config` with a free port."""
+    spec = yaml.safe_load(config.read_text())
+    port = free_port()
+    spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    folder = tmp / name.replace(" ", "-")
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "RAY_TMPDIR": str(folder / "ray"), "PYTHONPATH": str(ROOT)}
+    log = folder / "serve.log"
+    process = subprocess.Popen(["serve", "run", str(folder / "config.yaml")], cwd=ROOT, env=env,
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    model = spec["applications"][0]["args"]["engine"]["model"]
+    return Server(name, f"http://127.0.0.1:{port}", model, process, log)
+
+
+def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:
+    """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, bf16, as its peer notes prescribe."""
+    venv = python.parent.parent
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    log = tmp / "vllm.log"
+    process = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+         model, "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "1024", "--port", str(port)],
+        cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return Server("vLLM", f"http://127.0.0.1:{port}", model, process, log)
+
+
+@dataclass
+class CpuSample:
+    """CPU seconds per process at one moment, with each process's role, and the whole machine's busy seconds."""
+    at: float
+    machine: float
+    seconds: dict[int, float] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
+
+
+def sample(processes: list[psutil.Process]) -> CpuSample:
+    machine = psutil.cpu_times()
+    snap = CpuSample(time.perf_counter(), machine.user + machine.nice + machine.system + machine.irq + machine.softirq)
+    for p in processes:
+        try:
+            times = p.cpu_times()
+            snap.seconds[p.pid] = times.user + times.system
+            snap.roles[p.pid] = role(p)
+        except psutil.Error:
+            pass
+    return snap
+
+
+def cores_by_role(before: CpuSample, after: CpuSample) -> dict[str, float]:
+    """Cores used by each role between two samples (processes born in between count from zero); "outside" is
+    what the rest of the machine used (other users of this shared machine)."""
+    wall = after.at - before.at
+    cores: dict[str, float] = {}
+    for pid, seconds in after.seconds.items():
+        name = after.roles[pid]
+        cores[name] = cores.get(name, 0.0) + (seconds - before.seconds.get(pid, 0.0)) / wall
+    cores["outside"] = max(0.0, (after.machine - before.machine) / wall - sum(cores.values()))
+    return dict(sorted(cores.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,78 @@
+"""Typed events from an engine replica to the ingress: the items of one request's Ray stream.
+
+A request's stream is zero or more TokenEvents (one or more new tokens each: every token ready when the ingress
+asks), the last of which carries a Final; or a single Refusal when the engine will not take the request. The
+replica says why it refuses (RefusalKind); the ingress, the HTTP edge, chooses the status code.
+
+Events are columns (ids, texts, logprobs) rather than one record per token, with slots: a Ray stream pays per item
+and per pickled object, and under load each item carries several tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RefusalKind(enum.Enum):
+    BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
+    OVERLOADED = "overloaded"  # the engine's waiting queue is full: retry later
+
+
+@dataclass(slots=True)
+class Refusal:
+    reason: str
+    kind: RefusalKind = RefusalKind.BAD_REQUEST
+    retry_after_s: float | None = None
+
+
+@dataclass(slots=True)
+class TokenEntry:
+    """One token in the shape clients show it: id, its text as released, its logprob, and its top alternatives
+    (id -> logprob; None unless asked for)."""
+    id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class Final:
+    """What the last event of a request adds: why it finished, the whole text, and the counts."""
+    finish_reason: str
+    generated_text: str
+    generated_tokens: int
+    prompt_tokens: int
+    prompt_token_entries: list[TokenEntry] | None = None  # only when prompt logprobs were asked for
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of one request, as columns; logprobs and top_logprobs are None unless asked for."""
+    token_ids: list[int]
+    texts: list[str]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    final: Final | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def entries(self) -> list[TokenEntry]:
+        n = len(self.token_ids)
+        logprobs = self.logprobs or [None] * n
+        top = self.top_logprobs or [None] * n
+        return [TokenEntry(*fields) for fields in zip(self.token_ids, self.texts, logprobs, top)]
+
+    def extend(self, later: TokenEvent) -> TokenEvent:
+        """This event followed by `later` as one event (the later one's final, if any)."""
+        n, m = len(self.token_ids), len(later.token_ids)
+        join = lambda a, b: None if a is None and b is None else (a or [None] * n) + (b or [None] * m)  # noqa: E731
+        return TokenEvent(self.token_ids + later.token_ids, self.texts + later.texts,
+                          join(self.logprobs, later.logprobs), join(self.top_logprobs, later.top_logprobs),
+                          later.final)
