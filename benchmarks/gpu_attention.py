@@ -35,7 +35,7 @@ def copy_bandwidth() -> float:
 def _inputs(batch: int, context: int):
     blocks_per_seq = context // BLOCK
     num_blocks = batch * blocks_per_seq + 1
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, dtype=torch.bfloat16, device="cuda")  # head-major
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(num_blocks - 1, device="cuda")[:batch * blocks_per_seq].view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, device="cuda")
@@ -44,8 +44,8 @@ def _inputs(batch: int, context: int):
 
 
 def _gather_sdpa(q, k_cache, v_cache, tables, lens):
-    keys = _gather_blocks(k_cache, tables).transpose(1, 2)
-    values = _gather_blocks(v_cache, tables).transpose(1, 2)
+    keys = _gather_blocks(k_cache, tables).transpose(0, 1)  # [B, kv_heads, L, D]
+    values = _gather_blocks(v_cache, tables).transpose(0, 1)
     visible = torch.arange(keys.shape[2], device="cuda")[None, :] < lens[:, None]
     mask = torch.zeros(visible.shape, dtype=q.dtype, device="cuda").masked_fill_(~visible, float("-inf"))
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],

@@ -131,7 +131,7 @@ class ModelRunner:
         decode graph write to."""
         lay = self.layout
         blocks = lay.num_blocks + (self.device.type == "cuda")
-        cache = torch.zeros(lay.num_layers, 2, blocks, lay.block_size, lay.num_kv_heads, lay.head_dim,
+        cache = torch.zeros(lay.num_layers, 2, lay.num_kv_heads, blocks, lay.block_size, lay.head_dim,
                             dtype=self.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 

@@ -19,12 +19,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def _reference(q, k_cache, v_cache, tables, lens):
+    """Caches [kv_heads, blocks, block_size, D]: each sequence's blocks gathered token by token."""
     out = []
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    heads, kv_heads, block = q.shape[1], k_cache.shape[0], k_cache.shape[2]
     for i, length in enumerate(lens.tolist()):
-        blocks = tables[i, :(length + k_cache.shape[1] - 1) // k_cache.shape[1]]
-        keys = k_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(heads // kv_heads, dim=1)
-        values = v_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(heads // kv_heads, dim=1)
+        blocks = tables[i, :(length + block - 1) // block]
+        keys = k_cache[:, blocks].flatten(1, 2)[:, :length].transpose(0, 1)  # [length, kv_heads, D]
+        values = v_cache[:, blocks].flatten(1, 2)[:, :length].transpose(0, 1)
+        keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+        values = values.double().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].double(), keys) * q.shape[-1] ** -0.5
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
     return torch.stack(out)
@@ -37,8 +40,8 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim, block):
     lens = torch.tensor([1, 5, block, 3 * block + 1, 70, 130])  # one token, partial, full, and several tiles
     width = int((lens.max() + block - 1) // block) + 2  # wider than any sequence needs
     num_blocks = len(lens) * width + 3
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]  # a strided view
     move = dict(device=DEVICE)

@@ -72,16 +72,17 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q [B, heads, D]; caches [blocks, block_size, kv_heads, D]; block_tables [B, >= ceil(len / block_size)];
-    context_lens [B] (>= 1, the new token included, already written). Returns [B, heads, D]."""
+    """q [B, heads, D]; caches [kv_heads, blocks, block_size, D] (the engine's head-major layout; any strides with
+    a contiguous last dimension); block_tables [B, >= ceil(len / block_size)]; context_lens [B] (>= 1, the new token
+    included, already written). Returns [B, heads, D]."""
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    kv_heads, _, block_size, _ = k_cache.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, head_dim ** -0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), k_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), v_cache.stride(0), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
