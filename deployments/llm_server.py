@@ -168,8 +168,9 @@ def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
     """The new tokens of a chunk of outputs (one each; id None for an output without a new token), as columns;
     logprobs only when the request asked for them."""
     outs = chunk
-    logprobs = [out.logprobs[-1] if out.logprobs else None for out in outs] if params.logprobs is not None else None
-    top = [out.top_logprobs[-1] if out.top_logprobs else None for out in outs] if params.logprobs else None
+    logprobs = [out.new_logprobs[-1] if out.new_logprobs else None for out in outs] \
+        if params.logprobs is not None else None
+    top = [out.new_top_logprobs[-1] if out.new_top_logprobs else None for out in outs] if params.logprobs else None
     return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
                       [out.delta_text for out in outs], logprobs, top)
 

@@ -33,17 +33,22 @@ Prompt = str | list[int]
 
 @dataclass
 class RequestOutput:
+    """One request's state after a step. A step's output carries only what the step added (new_*, delta_text),
+    so streaming costs O(new tokens) per step; the whole-output lists (token_ids, logprobs, top_logprobs) are
+    filled once, in the finished output. Copying them at every step made a request O(length^2)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str  # all output text so far
+    text: str  # all output text so far (a reference, not a copy)
     delta_text: str  # text released by this step
-    token_ids: list[int]  # all output tokens so far
+    token_ids: list[int]  # all output tokens: filled when finished, empty before
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "length", "stop", "eos", "abort"
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # when finished: per output token, when asked
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # when finished
+    new_logprobs: list[float] = field(default_factory=list)  # this step's, when asked
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # this step's, when asked
     prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked; in the finished output
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     ttft: float | None = None  # seconds from arrival to first token
@@ -212,7 +217,7 @@ class LLMEngine:
             return None
         seq, detok = entry
         self.scheduler.finish(seq, "abort")
-        return self._output(seq, detok, [], [])
+        return self._output(seq, detok, [], [], [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -290,15 +295,15 @@ class LLMEngine:
             seq.grammar.consume_token(token)
         if seq.adapter_id is not None:
             self.adapter_usage[seq.adapter_id].generated_tokens += 1
-        if logprob is not None:
-            seq.logprobs.append(logprob)
+        new_logprobs = [] if logprob is None else [logprob]
+        seq.logprobs.extend(new_logprobs)
         seq.top_logprobs.extend(top)
         stop_string_hit = detok.add_token(token)
         reason = self._finish_reason(seq, token, stop_string_hit)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
-        return self._output(seq, detok, [token], top)
+        return self._output(seq, detok, [token], new_logprobs, top)
 
     def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool) -> str | None:
         params = seq.params
@@ -313,15 +318,20 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _output(seq: Sequence, detok: IncrementalDetokenizer, new_tokens: list[int],
-                top: list[dict[int, float]]) -> RequestOutput:
+    def _output(seq: Sequence, detok: IncrementalDetokenizer, new_tokens: list[int], new_logprobs: list[float],
+                new_top: list[dict[int, float]]) -> RequestOutput:
         finished = seq.is_finished
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text,
-                             detok.take_new_text(finished), list(seq.output_token_ids), new_tokens, finished,
-                             seq.finish_reason, list(seq.logprobs), list(seq.top_logprobs),
-                             *_prompt_logprobs(seq, finished), ttft, latency, seq.num_preemptions)
+        prompt_logprobs, prompt_top = _prompt_logprobs(seq, finished)
+        # A finished sequence is never appended to again: its lists are handed over, not copied.
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text, detok.take_new_text(finished),
+            token_ids=seq.output_token_ids if finished else [], new_token_ids=new_tokens, finished=finished,
+            finish_reason=seq.finish_reason, logprobs=seq.logprobs if finished else [],
+            top_logprobs=seq.top_logprobs if finished else [], prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top, ttft=ttft, latency=latency, num_preemptions=seq.num_preemptions,
+            new_logprobs=new_logprobs, new_top_logprobs=new_top)
 
 
 def _prompt_logprobs(seq: Sequence, finished: bool) -> tuple[list, list]:

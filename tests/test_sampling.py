@@ -201,3 +201,20 @@ def test_bad_prompts_are_rejected(llm):
     with pytest.raises(ValueError, match="limit"):
         llm.generate([[5] * 600], SamplingParams(), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_step_outputs_carry_only_the_new_tokens_and_the_final_one_all(llm):
+    """Streaming costs O(new tokens) per step: each step's output holds its own token and logprobs; the
+    whole lists arrive once, in the finished output, and equal the steps' pieces joined."""
+    engine = llm.engine
+    engine.add_request("stream", PROMPTS[3], SamplingParams(max_tokens=6, temperature=0, logprobs=2,
+                                                            ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        steps += engine.step()
+    final = steps[-1]
+    assert final.finished and all(not out.finished and out.token_ids == [] for out in steps[:-1])
+    assert final.token_ids == [t for out in steps for t in out.new_token_ids]
+    assert final.logprobs == [lp for out in steps for lp in out.new_logprobs]
+    assert final.top_logprobs == [top for out in steps for top in out.new_top_logprobs]
+    assert len(final.token_ids) == 6 and all(len(top) == 2 for top in final.top_logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,11 +24,15 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
     import ray
     from ray import serve
+    from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
     from deployments.ingress import Ingress
     from deployments.llm_server import LLMServer
 
+    # Cluster records its address under Ray's default temp folder, whatever temp_dir says: on a machine where
+    # no Ray ever ran, that folder does not exist yet.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
     nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1, f"node_{name}": 1}) for name in "ab"]

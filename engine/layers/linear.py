@@ -12,7 +12,11 @@ from torch import nn
 
 
 def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (such as some EPYC
+    machines) takes plain F.linear in bf16 instead of failing at load."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PrepackedLinear(nn.Module):
