@@ -120,7 +120,7 @@ class LLMEngine:
                              if config.torch_device.type == "cuda" else None)
         if config.log_stats:
             quantized = f", {config.quantization}" if config.quantization != "none" else ""
-            print(f"[lora-serve] {config.model} on {config.torch_device} ({config.dtype}{quantized}): "
+            print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}): "
                   f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
 
     def memory(self) -> MemoryReport:

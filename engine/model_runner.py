@@ -8,6 +8,7 @@ ask for prompt logprobs, for their prompt tokens (a slice of rows at a time).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,10 @@ class KVLayout:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
         self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.dtype = config.compute_dtype
+        if self.dtype != config.torch_dtype:
+            warnings.warn(f"{config.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
+                          f"AVX-NE-CONVERT): the model runs in float32", stacklevel=2)
         self.block_size = config.block_size
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config import cpu_has_native_bf16
+
 
 def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (such as some EPYC
     machines) takes plain F.linear in bf16 instead of failing at load."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
 class PrepackedLinear(nn.Module):
