@@ -24,6 +24,8 @@ import psutil
 import requests
 import yaml
 
+from benchmarks.vllm_env import vllm_env
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = (("LLMServer", "engine replica"), ("Ingress", "ingress replica"), ("ProxyActor", "HTTP proxy"),
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
@@ -112,12 +114,8 @@ def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
 
 def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:
     """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, bf16, as its peer notes prescribe."""
-    venv = python.parent.parent
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    iomp = venv / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
+    env = vllm_env(python, kv_cache_gib=4)
     log = tmp / "vllm.log"
     process = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",

@@ -11,15 +11,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import systems  # noqa: E402
 from benchmarks.common import Result  # noqa: E402
-from benchmarks.report import VLLM_REFERENCE  # noqa: E402
 
 
 def _bars(ax, results: list[Result], workload: str, title: str) -> None:
-    """Horizontal bars of tok/s per system; vLLM reference rows hatched, a range drawn as its midpoint +- half."""
+    """Horizontal bars of tok/s per system (vLLM is compared in its own plot, engine_vs_vllm.png)."""
     rows = [(r.system, r.tok_s or 0.0, 0.0, r.error is not None) for r in results if r.workload == workload]
-    for dtype, v in VLLM_REFERENCE[workload].items():
-        lo, hi = (v, v) if not isinstance(v, list) else v
-        rows.append((f"vLLM CPU 0.32 {dtype} (reference)", (lo + hi) / 2, (hi - lo) / 2, False))
     labels, values, spans, failed = zip(*rows)
     y = range(len(rows))
     bars = ax.barh(y, values, color="tab:blue")

@@ -8,16 +8,6 @@ from benchmarks import systems
 from benchmarks.common import Result, fmt, markdown_table, ratio
 from benchmarks.workloads import Plan
 
-VLLM_LABEL = "vLLM CPU 0.32 (reference, measured earlier on this machine)"
-# Fixed figures: tok/s for workloads (a) and (b), ms per token for (d); a [lo, hi] pair is a range over runs.
-VLLM_REFERENCE = {"a": {"fp32": [684, 829], "bf16": 1332}, "b": {"fp32": 427, "bf16": 628},
-                  "d": {"fp32": 17.8, "bf16": 14.3}}
-
-
-def _value(v):
-    return tuple(v) if isinstance(v, list) else v
-
-
 def _row_status(r: Result) -> str:
     return f"**error**: {r.error}" if r.error else r.note
 
@@ -28,8 +18,6 @@ def throughput_section(results: list[Result], workload: str) -> str:
     hf, ls = by_label.get(systems.HF_STATIC), by_label.get(systems.LS_FP32)
     entries = [(r.system, r.tok_s, fmt(None if r.error else r.tokens, 0), fmt(None if r.error else r.seconds, 2),
                 _row_status(r)) for r in rows]
-    entries += [(f"{VLLM_LABEL}, {dtype}", _value(v), "", "", "full workload")
-                for dtype, v in VLLM_REFERENCE[workload].items()]
     table = [[label, fmt(tok_s), tokens, secs, fmt(ratio(tok_s, hf), 2), fmt(ratio(tok_s, ls), 2), status]
              for label, tok_s, tokens, secs, status in entries]
     header = ["System", "tok/s", "tokens", "wall s", f"vs {systems.HF_STATIC}", f"vs {systems.LS_FP32}", "note"]
@@ -55,7 +43,6 @@ def decode_section(results: list[Result]) -> str:
     ms = {r.system: (None if r.error else r.extra["ms_per_token"]) for r in rows}
     hf, ls = ms.get("HF generate"), ms.get(systems.LS_FP32)
     entries = [(r.system, ms[r.system], _row_status(r)) for r in rows]
-    entries += [(f"{VLLM_LABEL}, {dtype}", v, "128 new tokens") for dtype, v in VLLM_REFERENCE["d"].items()]
     # Speed-up = reference ms / system ms, so > 1 means faster, like the throughput ratios.
     table = [[label, fmt(v, 2), fmt(ratio(1000, v)), fmt(ratio(hf, v), 2), fmt(ratio(ls, v), 2), status]
              for label, v, status in entries]
@@ -63,12 +50,11 @@ def decode_section(results: list[Result]) -> str:
     return markdown_table(header, table)
 
 
-def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path]) -> str:
+def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path], peer: str) -> str:
     command = "PYTHONPATH=. python -m benchmarks.run_engine" + (" --quick" if quick else "")
     parts = [
         "# lora-serve engine benchmark: SmolLM2-135M-Instruct on CPU",
-        "> **Quick smoke run** (`--quick`): tiny workloads, numbers only show the pipeline works; the vLLM rows "
-        "refer to the full workloads and are not comparable." if quick else "",
+        "> **Quick smoke run** (`--quick`): tiny workloads, numbers only show the pipeline works." if quick else "",
         f"Command: `{command}`  \nDate: {env['date']}  \nCPU: {env['cpu']} ({env['cpu_count']} cores visible); "
         f"torch {env['torch']} with {env['torch_threads']} threads; OpenMP: {env['openmp']}; "
         f"transformers {env['transformers']}; Python {env['python']}",
@@ -95,6 +81,7 @@ def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: 
         f"## (d) Single-stream decode, one request x {plan.stream_tokens} new tokens",
         "ms/token = (latency - time to first token) / (new tokens - 1).",
         decode_section(results),
+        peer,
         "## Plots",
         "\n".join(f"![{image.stem}]({image.name})" for image in images),
     ]

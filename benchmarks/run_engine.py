@@ -1,14 +1,18 @@
-"""Benchmark lora-serve against the course's baseline loops and Hugging Face transformers on SmolLM2-135M (CPU).
+"""Benchmark lora-serve against vLLM's CPU build, the course's baseline loops and Hugging Face transformers on
+SmolLM2-135M (CPU).
 
-    PYTHONPATH=. python -m benchmarks.run_engine            # full run (about 15 minutes on 2 cores)
-    PYTHONPATH=. python -m benchmarks.run_engine --quick    # smoke test (under 2 minutes)
+    PYTHONPATH=. python -m benchmarks.run_engine --vllm-python /work/vllm-venv/bin/python   # full run
+    PYTHONPATH=. python -m benchmarks.run_engine --quick    # smoke test
 
-Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
+vLLM runs when its virtual environment is given (--vllm-python or $VLLM_PYTHON; benchmarks/peers/install_vllm.sh
+makes one), on the same requests with rounds interleaved (benchmarks/peer_compare.py); without it the report
+says it was not measured. Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +21,9 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks import plots, report, systems
+from benchmarks import peer_compare, peer_report, plots, report, systems
 from benchmarks.common import Result, check_lengths, environment, timed
+from benchmarks.vllm_env import NOT_INSTALLED, describe_openmp, vllm_env, vllm_python
 from benchmarks.workloads import Plan, make_requests
 
 RESULTS = Path(__file__).parent / "results"
@@ -82,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test of the whole pipeline")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of vLLM's virtual environment (default $VLLM_PYTHON); without it, no vLLM")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds against vLLM (3; 1 if --quick)")
     args = parser.parse_args(argv)
+    peer_python = vllm_python(args.vllm_python)
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -94,14 +103,49 @@ def main(argv: list[str] | None = None) -> None:
     for job in bar:
         bar.set_postfix_str(f"{job.workload} | {job.label or job.system}")
         results.append(run_job(job, runners, decoders, warmed))
+    bar.close()
 
+    del runners, decoders  # the baseline engines' memory goes back before the peer comparison's
+    gc.collect()
     args.out.mkdir(parents=True, exist_ok=True)
+    peer_rows, peer_text, peer_images = [], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}", []
+    if peer_python is not None:
+        rounds = args.rounds or (1 if args.quick else 3)
+        peer_rows = peer_report.rows(compare_with_vllm(peer_python, args, rounds, env))
+        peer_text = peer_report.markdown(peer_rows, rounds, env)
+        peer_images = [peer_report.plot(peer_rows, args.out / "engine_vs_vllm.png")]
+    else:
+        print(NOT_INSTALLED)
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "plan": plan.__dict__,
-           "vllm_reference": report.VLLM_REFERENCE, "results": [r.to_dict() for r in results]}
+           "results": [r.to_dict() for r in results], "vs_vllm": [_row_dict(r) for r in peer_rows]}
     (args.out / "engine.json").write_text(json.dumps(raw, indent=2) + "\n")
-    images = plots.write_all(results, args.out)
-    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images))
+    images = plots.write_all(results, args.out) + peer_images
+    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images, peer_text))
+    print(peer_text)
     print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
+
+
+def compare_with_vllm(python: Path, args, rounds: int, env: dict) -> list[peer_compare.PeerResult]:
+    from engine.config import cpu_has_native_bf16, default_cache_dir
+    from engine.model_files import resolve_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model(systems.MODEL, default_cache_dir() / "models")
+    long_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    env["vllm"] = f"vLLM CPU build from {python}; " + describe_openmp(vllm_env(python, 2))
+    env["lora_serve"] = f"torch threads {args.threads}, {env['openmp']}; (e) in {long_dtype}"
+    sizes = peer_compare.Sizes.quick() if args.quick else peer_compare.Sizes()
+    adapters = peer_compare.adapters_folder(AutoConfig.from_pretrained(model_dir))
+    engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.out, long_dtype)
+    try:
+        return peer_compare.run(engines, AutoTokenizer.from_pretrained(model_dir), sizes, rounds, long_dtype)
+    finally:
+        engines.close()
+
+
+def _row_dict(row: peer_report.Row) -> dict:
+    return {"workload": row.workload, "dtype": row.dtype, "metric": row.metric.label, "lora_serve": row.lora_serve,
+            "vllm": row.vllm, "ratio": row.ratio, "error": row.error}
 
 
 if __name__ == "__main__":

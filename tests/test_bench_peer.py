@@ -1,0 +1,81 @@
+"""The engine benchmark's comparison with vLLM: its requests, its interleaved rounds and its figures (no vLLM
+and no model needed: the two sides are stand-ins that record what they are asked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import peer_compare, peer_report
+from benchmarks.peer_compare import PeerJob, Sizes
+from benchmarks.peer_timing import Batch, Timing
+
+SIZES = Sizes.quick()
+
+
+def test_every_run_gets_prompts_no_engine_has_seen(tokenizer):
+    for job in peer_compare.jobs("float32"):
+        first = peer_compare.batch_for(job, SIZES, "Round 0", tokenizer)
+        again = peer_compare.batch_for(job, SIZES, "Round 1", tokenizer)
+        assert not set(map(str, first.prompts)) & set(map(str, again.prompts)), job
+        assert len(set(map(str, first.prompts))) == len(first.prompts), job  # no shared prompt inside a run
+
+
+def test_workload_shapes(tokenizer):
+    batch = {f"{job.workload}/{job.dtype}": peer_compare.batch_for(job, SIZES, "n", tokenizer)
+             for job in peer_compare.jobs("float32")}
+    assert batch["b/bfloat16"].max_tokens[:4] == list(SIZES.mixed)
+    assert len(batch["d/float32"].prompts) == 1 and batch["d/float32"].max_tokens == [SIZES.stream_tokens]
+    lora = batch["lora/float32"].adapters
+    assert lora[:peer_compare.LORA_ADAPTERS] == [f"adapter-{i}" for i in range(peer_compare.LORA_ADAPTERS)]
+    long = batch["e/float32"]
+    assert all(len(p) == SIZES.long_prompt for p in long.prompts) and len(long.prompts) == SIZES.long_requests
+    assert long.adapters == [None] * SIZES.long_requests
+
+
+class Recorder:
+    """Both sides of the comparison, answering at once and keeping the order they were called in."""
+
+    def __init__(self, fail_vllm_on: str | None = None):
+        self.calls, self.fail_vllm_on = [], fail_vllm_on
+
+    def run_lora_serve(self, job: PeerJob, batch: Batch) -> Timing:
+        return self._answer("lora-serve", job, batch, 2.0)
+
+    def run_vllm(self, job: PeerJob, batch: Batch) -> Timing:
+        if job.workload == self.fail_vllm_on:
+            raise RuntimeError("worker exited")
+        return self._answer("vLLM", job, batch, 4.0)
+
+    def _answer(self, side: str, job: PeerJob, batch: Batch, seconds: float) -> Timing:
+        self.calls.append((side, job))
+        return Timing(seconds, batch.new_tokens, [seconds / 4] * len(batch.prompts))
+
+
+def test_rounds_alternate_which_side_goes_first_and_rotate_the_workloads(tokenizer, monkeypatch):
+    monkeypatch.setattr(peer_compare.time, "sleep", lambda s: None)
+    engines = Recorder()
+    results = peer_compare.run(engines, tokenizer, SIZES, 3, "float32")
+    jobs = peer_compare.jobs("float32")
+    per_round = len(jobs) * 2
+    rounds = [engines.calls[i:i + per_round] for i in range(0, len(engines.calls), per_round)]
+    assert [r[0][0] for r in rounds] == ["lora-serve", "vLLM", "lora-serve"]
+    assert [r[0][1] for r in rounds] == jobs[:3]
+    assert all(len(r.lora_serve) == len(r.vllm) == 3 and r.error is None for r in results)
+
+
+def test_ratios_read_as_speed_and_a_failing_side_is_a_row_not_a_crash(tokenizer, monkeypatch):
+    monkeypatch.setattr(peer_compare.time, "sleep", lambda s: None)
+    results = peer_compare.run(Recorder(fail_vllm_on="e"), tokenizer, SIZES, 1, "float32")
+    rows = {(r.workload, r.dtype, r.metric.label): r for r in peer_report.rows(results)}
+    assert rows[("a", "float32", "tok/s")].ratio == pytest.approx(2.0)  # half the time: twice the speed
+    assert rows[("d", "float32", "ms/token")].ratio == pytest.approx(2.0)  # lower is better, ratio still > 1
+    failed = rows[("e", "float32", "prefill s")]
+    assert failed.ratio is None and "worker exited" in failed.error
+    text = peer_report.markdown(list(rows.values()), 1, {"vllm": "v", "lora_serve": "l"})
+    assert "2.00" in text and "**error**: vLLM: RuntimeError: worker exited" in text
+
+
+def test_timing_splits_prefill_from_decode():
+    timing = Timing(seconds=10.0, tokens=16 * 128, first_token_s=sorted([1.0 + i * 0.25 for i in range(16)]))
+    assert timing.prefill_s == 4.75
+    assert timing.decode_tok_s == pytest.approx(16 * 127 / 5.25)
