@@ -14,7 +14,7 @@ from benchmarks.common import fmt, markdown_table  # noqa: E402
 from benchmarks.peer_compare import PeerResult, median_spread  # noqa: E402
 from benchmarks.peer_timing import Timing  # noqa: E402
 
-NAMES = {"a": "(a) {requests} x {tokens}", "b": "(b) mixed lengths", "d": "(d) single stream",
+NAMES = {"a": "(a) uniform (64 x 32 in the full run)", "b": "(b) mixed lengths", "d": "(d) single stream",
          "lora": "(a) with 8 rank-8 adapters", "e": "(e) long prompts (16 x 2,000 tokens in the full run)"}
 
 
@@ -74,8 +74,25 @@ def _cell(summary, digits: int) -> str:
     return f"{fmt(median, digits)} ({fmt(lo, digits)}-{fmt(hi, digits)})"
 
 
+def kept_with_adapters(table_rows: list[Row]) -> list[list[str]]:
+    """Per dtype and side: tok/s with 8 adapters / tok/s on the base model, on the same requests (medians)."""
+    tok_s = {(r.workload, r.dtype): r for r in table_rows if r.metric is TOK_S}
+    out = []
+    for (workload, dtype), lora in tok_s.items():
+        base = tok_s.get(("a", dtype))
+        if workload != "lora" or base is None:
+            continue
+        kept = [fmt(_share(getattr(lora, side), getattr(base, side)), 2) for side in ("lora_serve", "vllm")]
+        out.append([dtype, *kept])
+    return out
+
+
+def _share(part, whole) -> float | None:
+    return part[0] / whole[0] if part and whole else None
+
+
 def markdown(table_rows: list[Row], rounds: int, env: dict) -> str:
-    table = [[NAMES[r.workload].format(requests=64, tokens=32), r.dtype, r.metric.label,
+    table = [[NAMES[r.workload], r.dtype, r.metric.label,
               _cell(r.lora_serve, r.metric.digits), _cell(r.vllm, r.metric.digits), fmt(r.ratio, 2),
               f"**error**: {r.error}" if r.error else ""] for r in table_rows]
     header = ["workload", "dtype asked", "metric", "lora-serve median (min-max)", "vLLM median (min-max)",
@@ -86,12 +103,14 @@ def markdown(table_rows: list[Row], rounds: int, env: dict) -> str:
         "The ratio compares medians as a speed (> 1: lora-serve faster; for ms/token and prefill s it is "
         "vLLM's time / lora-serve's). Prefill = until the last request's first token; decode tok/s = the tokens "
         "after each request's first / the time after that.",
-        markdown_table(header, table)])
+        markdown_table(header, table),
+        "Share of base-model throughput kept with 8 adapters (medians, same run):",
+        markdown_table(["dtype asked", "lora-serve", "vLLM"], kept_with_adapters(table_rows))])
 
 
 def plot(table_rows: list[Row], path: Path) -> Path:
     shown = [r for r in table_rows if r.ratio is not None]
-    labels = [f"{NAMES[r.workload].format(requests=64, tokens=32)}, {r.dtype}, {r.metric.label}" for r in shown]
+    labels = [f"{NAMES[r.workload]}, {r.dtype}, {r.metric.label}" for r in shown]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(shown) + 1.5))
     bars = ax.barh(range(len(shown)), [r.ratio for r in shown], color="tab:orange")
     for bar, r in zip(bars, shown):
