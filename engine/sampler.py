@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar import TokenMasks, mask_penalty
+from engine.penalty_tokens import PenaltyTokens
 from engine.sequence import Sequence
 
 BANNED_LOGIT = -1e30
@@ -110,19 +111,21 @@ def _add_logit_bias(row: torch.Tensor, seq: Sequence) -> None:
                                                                      dtype=row.dtype)
 
 
+def _penalty_tokens(row: torch.Tensor, seq: Sequence) -> PenaltyTokens:
+    """The sequence's tallies, made on first use and brought up to date with its new outputs."""
+    if seq.penalty_tokens is None:
+        seq.penalty_tokens = PenaltyTokens.of_prompt(seq.prompt_token_ids, row.device)
+    seq.penalty_tokens.absorb(seq.output_token_ids)
+    return seq.penalty_tokens
+
+
 def _penalise_repetition(row: torch.Tensor, seq: Sequence) -> None:
-    """transformers' rule over prompt and output: positive logits divided by the penalty, negative multiplied."""
-    penalty = seq.params.repetition_penalty
-    seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
-    scores = row[seen]
-    row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    _penalty_tokens(row, seq).penalise_repetition(row, seq.params.repetition_penalty)
 
 
 def _penalise_output(row: torch.Tensor, seq: Sequence) -> None:
-    """logit -= frequency_penalty * (times the output holds the token) + presence_penalty * (it holds it)."""
     params = seq.params
-    ids, counts = torch.tensor(seq.output_token_ids, device=row.device).unique(return_counts=True)
-    row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+    _penalty_tokens(row, seq).penalise_output(row, params.presence_penalty, params.frequency_penalty)
 
 
 # Per-request logit processors, in the order they apply: (does the request use it, edit its row in place).

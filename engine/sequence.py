@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.penalty_tokens import PenaltyTokens
 from engine.sampling import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG, made by the sampler when a seed is given
+    penalty_tokens: PenaltyTokens | None = None  # made by the sampler when a penalty first applies
     grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
 
     @property

@@ -218,3 +218,33 @@ def test_step_outputs_carry_only_the_new_tokens_and_the_final_one_all(llm):
     assert final.logprobs == [lp for out in steps for lp in out.new_logprobs]
     assert final.top_logprobs == [top for out in steps for top in out.new_top_logprobs]
     assert len(final.token_ids) == 6 and all(len(top) == 2 for top in final.top_logprobs)
+
+
+def test_penalty_tallies_grow_step_by_step_to_what_a_rebuild_gives():
+    from engine.penalty_tokens import PenaltyTokens
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 50, (30,), generator=generator).tolist()
+    outputs = torch.randint(0, 60, (40,), generator=generator).tolist()
+    stepwise = PenaltyTokens.of_prompt(prompt, torch.device("cpu"))
+    for n in range(1, len(outputs) + 1):  # one new token per step, as the engine appends them
+        stepwise.absorb(outputs[:n])
+    rebuilt = PenaltyTokens.of_prompt(prompt, torch.device("cpu"))
+    rebuilt.absorb(outputs)
+    assert sorted(stepwise.seen_ids.tolist()) == sorted(set(prompt + outputs))
+    row = torch.randn(64, generator=generator)
+    rows = [row.clone() for _ in range(2)]
+    for tallies, r in zip((stepwise, rebuilt), rows):
+        tallies.penalise_repetition(r, 1.3)
+        tallies.penalise_output(r, 0.5, 0.25)
+    torch.testing.assert_close(rows[0], rows[1])
+    counted = row.clone()
+    for token in outputs:
+        counted[token] -= 0.25
+    for token in set(outputs):
+        counted[token] -= 0.5
+    expected = row.clone()
+    seen = sorted(set(prompt + outputs))
+    expected[seen] = torch.where(row[seen] < 0, row[seen] * 1.3, row[seen] / 1.3)
+    expected[sorted(set(outputs))] = (expected - (row - counted))[sorted(set(outputs))]
+    torch.testing.assert_close(rows[0], expected)
