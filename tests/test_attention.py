@@ -65,18 +65,12 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_bf16_prompts_beyond_the_explicit_score_limit_use_sdpa(monkeypatch):
-    from engine.layers import attention
-
-    monkeypatch.setattr(attention, "MAX_EXPLICIT_SCORES", 0)  # every prompt chunk takes SDPA's kernels
-    test_paged_attention_matches_reference(torch.bfloat16, 1)
-
-
-def test_fp32_prompts_in_tiles_of_two_queries(monkeypatch):
-    """Every fp32 prompt chunk, fresh or after cached tokens, split into tiles of 2 queries (odd lengths leave
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_in_tiles_of_two_queries(monkeypatch, dtype):
+    """Every prompt chunk, fresh or after cached tokens, split into tiles of 2 queries (odd lengths leave
     a short last tile), against the reference."""
     from engine.layers import attention
 
     monkeypatch.setattr(attention, "PROMPT_TILE", 2)
     monkeypatch.setattr(attention, "MIN_TILED", 1)
-    test_paged_attention_matches_reference(torch.float32, 16)
+    test_paged_attention_matches_reference(dtype, 16)
