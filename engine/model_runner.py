@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
-from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.attention import AttentionMetadata, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
 from engine.memory import MemoryReport, weight_bytes
@@ -39,10 +39,12 @@ class PromptScores:
 
 @dataclass
 class DecodeTables:
-    """The decode tokens' block tables [n, widest], additive mask (CPU) and context lengths [n]."""
+    """The decode tokens' block tables [n, widest], additive mask (CPU), context lengths [n] and the cache rows
+    their blocks are gathered from (CPU)."""
     block_tables: torch.Tensor | None
     mask: torch.Tensor | None
     context_lens: torch.Tensor | None
+    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -225,7 +227,7 @@ class ModelRunner:
                 sampling.append(s)
         tables = self._decode_tables(decode)
         meta = AttentionMetadata(self._tensor(slots), len(decode), tables.block_tables, tables.mask, prefills,
-                                 tables.context_lens)
+                                 tables.context_lens, tables.rows)
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs, scoring
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> DecodeTables:
@@ -238,7 +240,9 @@ class ModelRunner:
             return DecodeTables(self._tensor(tables), None, context_lens)
         visible = torch.arange(max_blocks * self.block_size, device=self.device)[None, :] < context_lens[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return DecodeTables(self._tensor(tables), mask[:, None, None, :], context_lens)
+        block_tables = self._tensor(tables)
+        rows = block_rows(block_tables, self.layout.num_kv_heads, self.layout.num_blocks)
+        return DecodeTables(block_tables, mask[:, None, None, :], context_lens, rows)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
