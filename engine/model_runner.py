@@ -218,7 +218,8 @@ class ModelRunner:
                 decode.append(s)
             else:
                 table = self._tensor(seq.block_table) if start > 0 else None
-                prefills.append(PrefillSegment(row, s.num_new_tokens, end, table))
+                rows = self._block_rows(table) if table is not None else None
+                prefills.append(PrefillSegment(row, s.num_new_tokens, end, table, rows))
                 scored_end = min(end, len(seq.prompt_token_ids) - 1)  # positions whose next token is the prompt's
                 if seq.params.prompt_logprobs is not None and scored_end > start:
                     scoring.append((seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1]))
@@ -241,8 +242,13 @@ class ModelRunner:
         visible = torch.arange(max_blocks * self.block_size, device=self.device)[None, :] < context_lens[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         block_tables = self._tensor(tables)
-        rows = block_rows(block_tables, self.layout.num_kv_heads, self.layout.num_blocks)
-        return DecodeTables(block_tables, mask[:, None, None, :], context_lens, rows)
+        return DecodeTables(block_tables, mask[:, None, None, :], context_lens, self._block_rows(block_tables))
+
+    def _block_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """The cache rows attention gathers these blocks from, computed once per step for all layers (the
+        blocks the cache holds: on CUDA one more than the block manager's, see _allocate_kv_cache)."""
+        k_cache = self.kv_caches[0][0]
+        return block_rows(block_tables, k_cache.shape[0], k_cache.shape[1])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -29,6 +29,7 @@ class PrefillSegment:
     length: int  # new tokens in this step
     context_len: int  # tokens in the cache once this step's are written
     block_table: torch.Tensor | None  # set only when earlier tokens of the sequence are already cached
+    rows: torch.Tensor | None = None  # block_rows() of block_table, once per step for every layer
 
 
 @dataclass
@@ -121,8 +122,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if seg.block_table is None:  # the whole context is this chunk: plain causal attention
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, C, D]
     else:
-        keys = _gather_blocks(k_cache, seg.block_table)[:, :seg.context_len]
-        values = _gather_blocks(v_cache, seg.block_table)[:, :seg.context_len]
+        keys = _gather_blocks(k_cache, seg.block_table, seg.rows)[:, :seg.context_len]
+        values = _gather_blocks(v_cache, seg.block_table, seg.rows)[:, :seg.context_len]
     if not q.is_cuda and (seg.block_table is not None or seg.length >= MIN_TILED):
         return _tiled_causal_attention(q, keys, values)
     if not q.is_cuda:  # a short fresh prompt: its scores are few
