@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
+from engine.kernels import cpu_attention
 from engine.layers.attention import AttentionMetadata, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
@@ -39,8 +40,8 @@ class PromptScores:
 
 @dataclass
 class DecodeTables:
-    """The decode tokens' block tables [n, widest], additive mask (CPU), context lengths [n] and the cache rows
-    their blocks are gathered from (CPU)."""
+    """The decode tokens' block tables [n, widest] and context lengths [n]; for the gather path (CPU without the
+    kernel) also the additive mask and the cache rows their blocks are gathered from."""
     block_tables: torch.Tensor | None
     mask: torch.Tensor | None
     context_lens: torch.Tensor | None
@@ -77,6 +78,7 @@ class ModelRunner:
                                 config.load_format)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
+        self.paged_decode = self._reads_cache_in_place(config)
         self.lora_state = LoRAStepState()
         self.lora_layers = []
         if config.max_loras:
@@ -85,6 +87,13 @@ class ModelRunner:
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         self.graphs = self._decode_graphs(config, max_model_len)
+
+    def _reads_cache_in_place(self, config: EngineConfig) -> bool:
+        """Whether decode attention reads the cache in place (CUDA: Triton; CPU: the C++ kernel, where it builds
+        and unless turned off) rather than gathering each sequence's blocks into a masked copy."""
+        if self.device.type == "cuda":
+            return True
+        return config.cpu_decode_kernel and cpu_attention.usable(self.block_size, self.layout.head_dim)
 
     def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, captured now, unless eager is enforced (or the base is quantized:
@@ -237,7 +246,7 @@ class ModelRunner:
         max_blocks = max(len(s.seq.block_table) for s in decode)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decode]
         context_lens = self._tensor([s.seq.num_computed_tokens + 1 for s in decode])
-        if self.device.type == "cuda":  # the paged kernel reads the lengths; it needs no mask
+        if self.paged_decode:  # the paged kernel reads the lengths; it needs no mask
             return DecodeTables(self._tensor(tables), None, context_lens)
         visible = torch.arange(max_blocks * self.block_size, device=self.device)[None, :] < context_lens[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))

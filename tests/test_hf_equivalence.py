@@ -26,8 +26,9 @@ def smollm2_reference(smollm2_path):
 
 
 @pytest.mark.slow
-def test_smollm2_queued_requests_match_hf(smollm2_path, smollm2_reference):
-    llm = LLM(str(smollm2_path), max_num_seqs=5, log_stats=False)
+@pytest.mark.parametrize("cpu_decode_kernel", [True, False], ids=["decode-kernel", "decode-gather"])
+def test_smollm2_queued_requests_match_hf(smollm2_path, smollm2_reference, cpu_decode_kernel):
+    llm = LLM(str(smollm2_path), max_num_seqs=5, log_stats=False, cpu_decode_kernel=cpu_decode_kernel)
     outputs = _check(llm, smollm2_reference)
     assert any(o.finish_reason == "length" for o in outputs)
 

@@ -2,8 +2,9 @@
 
 The cache of one layer is a pair of tensors [kv_heads, num_blocks, block_size, head_dim]. New keys
 and values are written at their slots; decode tokens (one new token per sequence, placed first in
-the flat batch) attend in one batched call: on CUDA a Triton kernel reads their blocks in place
-(engine/kernels/paged_attention.py), on CPU the blocks are gathered for SDPA or grouped matmuls;
+the flat batch) attend in one batched call to a kernel that reads their blocks in place (Triton on
+CUDA, C++ on CPU: engine/kernels/), or, on CPU without the kernel, to SDPA or grouped matmuls over
+gathered copies of the blocks;
 prompt chunks attend one sequence at a time, causally, without any padding (on CPU in tiles of queries
 that skip the keys a tile cannot see: _tiled_causal_attention).
 
@@ -75,10 +76,8 @@ def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    if q.is_cuda:
-        from engine.kernels.paged_attention import paged_decode_attention  # Triton: imported on CUDA only
-
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
+    if meta.decode_mask is None:  # the runner chose a kernel that reads the blocks in place
+        return _paged_decode_kernel(q.device)(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows)  # [kv_heads, B, L, D]
@@ -92,6 +91,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1).contiguous()
     out = _explicit_attention(grouped, keys.transpose(-1, -2), values, meta.decode_mask.transpose(0, 1))
     return out.transpose(0, 1).reshape(batch, heads, head_dim)
+
+
+def _paged_decode_kernel(device: torch.device):
+    """Triton on CUDA (imported there only), C++ on CPU: the same contract, see engine/kernels/."""
+    if device.type == "cuda":
+        from engine.kernels.paged_attention import paged_decode_attention
+    else:
+        from engine.kernels.cpu_attention import paged_decode_attention
+    return paged_decode_attention
 
 
 def block_rows(block_table: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
