@@ -41,9 +41,9 @@ class EngineConfig:
     device: str = dataclasses.field(default_factory=lambda: os.environ.get("LORA_SERVE_DEVICE", "auto"))
     load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
-    # CPU: decode attention reads the paged cache in place with the C++ kernel (engine/kernels/cpu_attention.py),
-    # compiled once per machine; False keeps the gather path (the kernel's reference in the tests)
-    cpu_decode_kernel: bool = True
+    # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
+    # paged cache in place, fused RMSNorm; False keeps the pure-PyTorch paths (their references in the tests)
+    cpu_kernels: bool = True
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory

@@ -16,12 +16,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import AttentionMetadata, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
 from engine.memory import MemoryReport, weight_bytes
-from engine.models import load_model
+from engine.models import load_model, use_cpu_ops
 from engine.sampler import token_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -78,7 +78,10 @@ class ModelRunner:
                                 config.load_format)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
-        self.paged_decode = self._reads_cache_in_place(config)
+        self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
+        if self.cpu_ops is not None:
+            use_cpu_ops(self.model, self.cpu_ops)
+        self.paged_decode = self._reads_cache_in_place()
         self.lora_state = LoRAStepState()
         self.lora_layers = []
         if config.max_loras:
@@ -88,12 +91,12 @@ class ModelRunner:
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         self.graphs = self._decode_graphs(config, max_model_len)
 
-    def _reads_cache_in_place(self, config: EngineConfig) -> bool:
+    def _reads_cache_in_place(self) -> bool:
         """Whether decode attention reads the cache in place (CUDA: Triton; CPU: the C++ kernel, where it builds
         and unless turned off) rather than gathering each sequence's blocks into a masked copy."""
         if self.device.type == "cuda":
             return True
-        return config.cpu_decode_kernel and cpu_attention.usable(self.block_size, self.layout.head_dim)
+        return self.cpu_ops is not None and cpu_attention.usable(self.block_size, self.layout.head_dim)
 
     def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, captured now, unless eager is enforced (or the base is quantized:

@@ -26,9 +26,9 @@ def smollm2_reference(smollm2_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cpu_decode_kernel", [True, False], ids=["decode-kernel", "decode-gather"])
-def test_smollm2_queued_requests_match_hf(smollm2_path, smollm2_reference, cpu_decode_kernel):
-    llm = LLM(str(smollm2_path), max_num_seqs=5, log_stats=False, cpu_decode_kernel=cpu_decode_kernel)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "pytorch-paths"])
+def test_smollm2_queued_requests_match_hf(smollm2_path, smollm2_reference, cpu_kernels):
+    llm = LLM(str(smollm2_path), max_num_seqs=5, log_stats=False, cpu_kernels=cpu_kernels)
     outputs = _check(llm, smollm2_reference)
     assert any(o.finish_reason == "length" for o in outputs)
 

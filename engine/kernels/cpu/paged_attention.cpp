@@ -7,6 +7,8 @@
 // of size context is ever materialised and no block is copied. bf16 rows are widened to float32 one
 // block at a time; products and sums are float32 in every dtype.
 
+#include "ops.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -194,9 +196,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); },
-        "floats per vector register: the block size must be a multiple of it");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention reading the paged KV cache in place (CPU)");
-}
+int64_t vector_width() { return static_cast<int64_t>(Vec::size()); }

@@ -1,0 +1,12 @@
+// Python bindings of the engine's C++ CPU operators (ops.h).
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention reading the paged KV cache in place (CPU)");
+  m.def("vector_width", &vector_width, "floats per vector register: the attention block size is a multiple of it");
+  m.def("rotary", &rotary, "rotary position embedding, transformers' rounding (CPU)");
+  m.def("rms_norm", &rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding (CPU)");
+}
