@@ -33,11 +33,6 @@ from benchmarks.workloads import make_requests  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 DTYPES = ("float32", "bfloat16")
 OFF = "LoRA disabled (max_loras=0)"  # key of the base-only run on an engine without LoRA layers
-# vLLM 0.32 CPU build, measured earlier on this machine: 64 requests x 32 new tokens, 8 distinct rank-8 q,k,v,o
-# adapters; a [lo, hi] pair is a range over runs.
-VLLM_LORA_REFERENCE = {"fp32": {"base_tok_s": [684, 829], "lora_tok_s": 295, "kept": [0.36, 0.43]},
-                       "bf16": {"base_tok_s": 1332, "lora_tok_s": 354, "kept": 0.27},
-                       "lora_enabled_no_adapter_cost": 0.40}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -83,7 +78,7 @@ def throughput(dtype: str, root: Path, ids: list[str], plan: LoraPlan) -> dict:
 
 def plot_engine(engine: dict, path: Path) -> Path:
     """Left: tok/s vs distinct adapters per dtype, base-only (same engine, no adapter) dashed. Right: the fraction
-    of base-only kept, with the 75% target and vLLM's reference (different workload: 64 x 32, 8 adapters)."""
+    of base-only kept, with the 75% target. (vLLM with adapters is measured in the same run by run_engine.)"""
     fig, (ax_tps, ax_kept) = plt.subplots(1, 2, figsize=(12, 4.5))
     for (dtype, result), color in zip(engine.items(), ("tab:blue", "tab:orange")):
         tok = result["tok_s"]
@@ -92,11 +87,6 @@ def plot_engine(engine: dict, path: Path) -> Path:
         ax_tps.axhline(tok[0], color=color, linestyle="--", label=f"{SHORT[dtype]} base only")
         ax_kept.plot(counts, [tok[k] / tok[0] for k in counts], marker="o", color=color, label=SHORT[dtype])
     ax_kept.axhline(0.75, color="green", linestyle=":", label="target 75%")
-    ref = VLLM_LORA_REFERENCE
-    ax_kept.errorbar([8], [sum(ref["fp32"]["kept"]) / 2], yerr=[(ref["fp32"]["kept"][1] - ref["fp32"]["kept"][0]) / 2],
-                     marker="x", color="gray", capsize=4, linestyle="none", label="vLLM CPU fp32 (reference)")
-    ax_kept.plot([8], [ref["bf16"]["kept"]], marker="+", markersize=10, color="gray", linestyle="none",
-                 label="vLLM CPU bf16 (reference)")
     ticks = sorted({k for r in engine.values() for k in r["tok_s"] if isinstance(k, int) and k > 0})
     for ax, ylabel in ((ax_tps, "generated tokens / s (median)"), (ax_kept, "fraction of base-only throughput")):
         ax.set_xscale("log", base=2)
@@ -108,7 +98,7 @@ def plot_engine(engine: dict, path: Path) -> Path:
         ax.legend(fontsize=8, loc="lower left")
     ax_kept.set_ylim(0, 1.1)
     ax_tps.set_title("lora-serve, SmolLM2-135M, rank-8 q,k,v,o adapters", fontsize=10)
-    ax_kept.set_title("throughput kept with adapters (vLLM: 64 x 32 tokens, 8 adapters)", fontsize=10)
+    ax_kept.set_title("throughput kept with adapters", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -137,11 +127,6 @@ def engine_section(engine: dict, plan: dict) -> str:
             changed = r["requests_changed_by_adapter"].get(key)
             rows.append([SHORT[dtype], label, fmt(tok_s), _span(r["tok_s_samples"][key]), fmt(tok_s / base, 2),
                          "" if changed is None else f"{changed}/{plan['requests']}"])
-    ref = VLLM_LORA_REFERENCE
-    rows.append(["fp32", "vLLM CPU 0.32, 8 adapters (reference, 64 x 32)", fmt(ref["fp32"]["lora_tok_s"]),
-                 "", fmt(tuple(ref["fp32"]["kept"]), 2), ""])
-    rows.append(["bf16", "vLLM CPU 0.32, 8 adapters (reference, 64 x 32)", fmt(ref["bf16"]["lora_tok_s"]),
-                 "", fmt(ref["bf16"]["kept"], 2), ""])
     note = (f"Method: {plan['requests']} requests x {plan['new_tokens']} new tokens (greedy, EOS ignored, prompts "
             f"cycled from `benchmarks/workloads.py`), rank-{RANK} q,k,v,o adapters assigned round-robin; one engine "
             f"with max_loras={max(plan['adapter_counts'])} (all adapters stay in slots after a warm-up that loads "
@@ -158,9 +143,8 @@ def engine_section(engine: dict, plan: dict) -> str:
     loads = ", ".join(f"{SHORT[d]} {r['slot_loads']} slot loads / {r['slot_evictions']} evictions"
                       for d, r in engine.items())
     lines.append(f"- Slot counters over the whole run (warm-up included): {loads}.")
-    lines.append(f"- vLLM's CPU build on this machine (reference): kept 36-43% of base in fp32 (295 tok/s) and 27% "
-                 f"in bf16 (354 of 1,332 tok/s) with 8 adapters on 64 x 32 tokens; enabling LoRA with no adapter "
-                 f"requested cost it {ref['lora_enabled_no_adapter_cost']:.0%}.")
+    lines.append("- vLLM with adapters: `benchmarks.run_engine --vllm-python ...` measures it in the same run as "
+                 "lora-serve (its \"(a) with 8 rank-8 adapters\" rows and the share of base kept).")
     return "\n".join(lines)
 
 
@@ -208,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "code": code, "plan": plan.__dict__,
-           "vllm_reference": VLLM_LORA_REFERENCE, "course": course, "engine": engine, "latency": lat}
+           "course": course, "engine": engine, "latency": lat}
     (args.out / "lora.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     images = plots(course, engine, args.out)
     (args.out / "lora.md").write_text(markdown(raw, images))
