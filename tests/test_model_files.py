@@ -34,3 +34,15 @@ def test_startup_prints_kv_figures(tiny_llama_path, capsys):
     LLM(str(tiny_llama_path), kv_cache_bytes=1 << 20)
     out = capsys.readouterr().out
     assert "KiB/token" in out and "tokens" in out
+
+
+def test_dummy_weights_load_and_generate(tiny_llama_path):
+    """load_format "dummy": random weights from the config alone, no checkpoint read; differ from the checkpoint's
+    and still serve a request to its length."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    dummy = LLM(str(tiny_llama_path), load_format="dummy", log_stats=False)
+    real = LLM(str(tiny_llama_path), log_stats=False)
+    dummy_out, real_out = dummy.generate(["Hello"], params)[0], real.generate(["Hello"], params)[0]
+    assert len(dummy_out.token_ids) == 5 and dummy_out.token_ids != real_out.token_ids

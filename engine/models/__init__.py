@@ -54,7 +54,6 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-@torch.no_grad()
 def use_cpu_ops(model: nn.Module, ops) -> None:
     """Hand the C++ CPU operators (engine/kernels/cpu_ops.py) to every module with a fused path (RMSNorm,
     rotary in attention)."""
@@ -63,6 +62,7 @@ def use_cpu_ops(model: nn.Module, ops) -> None:
             module.cpu_ops = ops
 
 
+@torch.no_grad()
 def _random_weights(model: nn.Module, std: float = 0.02) -> None:
     """load_format "dummy": matrices drawn from N(0, std), vectors (norm scales, biases) left as initialised; the
     model's shapes and speed without a checkpoint (as vLLM's dummy format)."""
