@@ -42,7 +42,7 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
-    # paged cache in place, fused RMSNorm; False keeps the pure-PyTorch paths (their references in the tests)
+    # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache

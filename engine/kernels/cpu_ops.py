@@ -1,7 +1,7 @@
 """The engine's C++ CPU operators (engine/kernels/cpu/): one extension module, compiled once per machine.
 
 torch's cpp_extension builds it with ninja and a C++ compiler the first time an engine starts on a machine
-(about 30 s) and keeps it in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
+(about 35 s) and keeps it in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
 ~/.cache/torch_extensions): a later process, or another replica on the node, loads it in well under a
 second. The build name carries a hash of the sources, of the CPU's instruction-set flags (it is compiled with
 -march=native) and of the torch version. Where it cannot be built, `load()` says why once and returns None:
@@ -23,6 +23,7 @@ HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as info:

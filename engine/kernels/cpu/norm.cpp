@@ -4,46 +4,30 @@
 // Rounding follows transformers' LlamaRMSNorm exactly: the row is normalised in float32, rounded to the model
 // dtype, then multiplied by the weight in float32 and rounded again (for fp32 both roundings are exact).
 
+#include "float_types.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
-#include <type_traits>
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-template <typename scalar_t>
-inline Vec load_float(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<scalar_t>(p, out);
-    return out;
-  }
-}
-
-template <typename scalar_t>
-inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
+using lora_serve::Vec;
 
 template <typename scalar_t>
 void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t d, float eps) {
   Vec squares(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= d; i += Vec::size()) {
-    const Vec v = load_float(x + i);
+    const Vec v = lora_serve::load_float(x + i);
     squares = at::vec::fmadd(v, v, squares);
   }
   float sum = squares.reduce_add();
   for (; i < d; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
   for (int64_t j = 0; j < d; ++j) {
-    const float normed = round_to<scalar_t>(static_cast<float>(x[j]) * inv);
+    const float normed = lora_serve::round_to<scalar_t>(static_cast<float>(x[j]) * inv);
     out[j] = static_cast<scalar_t>(static_cast<float>(w[j]) * normed);
   }
 }
@@ -68,11 +52,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto input = x.contiguous();
   const auto w = weight.contiguous();
   auto out = at::empty_like(input);
-  switch (input.scalar_type()) {
-    case at::kFloat: run<float>(input, w, out, eps); break;
-    case at::kBFloat16: run<at::BFloat16>(input, w, out, eps); break;
-    case at::kHalf: run<at::Half>(input, w, out, eps); break;
-    default: TORCH_CHECK(false, "rms_norm takes float32, bfloat16 or float16, not ", input.scalar_type());
-  }
+  lora_serve::dispatch_float_types(input.scalar_type(), "rms_norm", [&](auto type) {
+    run<decltype(type)>(input, w, out, eps);
+  });
   return out;
 }

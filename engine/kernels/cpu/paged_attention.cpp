@@ -7,18 +7,16 @@
 // of size context is ever materialised and no block is copied. bf16 rows are widened to float32 one
 // block at a time; products and sums are float32 in every dtype.
 
+#include "float_types.h"
 #include "ops.h"
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,7 +30,7 @@ struct Shape {
   float scale;
 };
 
-using Vec = at::vec::Vectorized<float>;
+using lora_serve::Vec;
 
 // Per-thread scratch: the group's scaled queries and accumulators, one block of K widened and transposed
 // ([head_dim, block_size]) and of V widened ([block_size, head_dim]), the group's scores for that block.
@@ -48,15 +46,7 @@ struct Scratch {
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      Vec::loadu(src + i).store(dst + i);
-    } else {
-      Vec wide;
-      at::vec::load_to_float<scalar_t>(src + i, wide);
-      wide.store(dst + i);
-    }
-  }
+  for (; i + Vec::size() <= n; i += Vec::size()) lora_serve::load_float(src + i).store(dst + i);
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -187,12 +177,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   Shape s{q.size(1) / kv_heads, head_dim, k_cache.size(2), k_cache.size(1), tables.size(1),
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))};
   auto out = at::empty_like(q);
-  switch (q.scalar_type()) {
-    case at::kFloat: run<float>(q, k_cache, v_cache, tables, lens, out, s); break;
-    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, tables, lens, out, s); break;
-    case at::kHalf: run<at::Half>(q, k_cache, v_cache, tables, lens, out, s); break;
-    default: TORCH_CHECK(false, "paged_decode_attention takes float32, bfloat16 or float16, not ", q.scalar_type());
-  }
+  lora_serve::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto type) {
+    run<decltype(type)>(q, k_cache, v_cache, tables, lens, out, s);
+  });
   return out;
 }
 

@@ -5,14 +5,12 @@
 // Rounding follows transformers' apply_rotary_pos_emb exactly: x * cos and rotate_half(x) * sin are each rounded
 // to the model dtype, then added and rounded again (for fp32 every step rounds as PyTorch does).
 
+#include "float_types.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
 namespace {
-
-template <typename scalar_t>
-inline float rounded(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
 
 template <typename scalar_t>
 void rotate_token(const scalar_t* x, int64_t head_stride, const scalar_t* cos, const scalar_t* sin,
@@ -23,8 +21,8 @@ void rotate_token(const scalar_t* x, int64_t head_stride, const scalar_t* cos, c
     scalar_t* o = out + h * d;
     for (int64_t i = 0; i < d; ++i) {
       const float rotated = i < half ? -static_cast<float>(in[i + half]) : static_cast<float>(in[i - half]);
-      const float a = rounded<scalar_t>(static_cast<float>(in[i]) * static_cast<float>(cos[i]));
-      const float b = rounded<scalar_t>(rotated * static_cast<float>(sin[i]));
+      const float a = lora_serve::round_to<scalar_t>(static_cast<float>(in[i]) * static_cast<float>(cos[i]));
+      const float b = lora_serve::round_to<scalar_t>(rotated * static_cast<float>(sin[i]));
       o[i] = static_cast<scalar_t>(a + b);
     }
   }
@@ -56,11 +54,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               "x, cos and sin must share a dtype");
   const auto c = cos.contiguous(), s = sin.contiguous();
   auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat: run<float>(x, c, s, out); break;
-    case at::kBFloat16: run<at::BFloat16>(x, c, s, out); break;
-    case at::kHalf: run<at::Half>(x, c, s, out); break;
-    default: TORCH_CHECK(false, "rotary takes float32, bfloat16 or float16, not ", x.scalar_type());
-  }
+  lora_serve::dispatch_float_types(x.scalar_type(), "rotary", [&](auto type) { run<decltype(type)>(x, c, s, out); });
   return out;
 }

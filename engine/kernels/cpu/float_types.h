@@ -1,0 +1,41 @@
+// What every C++ CPU operator shares: the dtypes it takes and loading them as float32 vectors.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
+
+namespace lora_serve {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Vec::size() values at p as float32 (bf16/fp16 widened, fp32 loaded as they are).
+template <typename scalar_t>
+inline Vec load_float(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<scalar_t>(p, out);
+    return out;
+  }
+}
+
+// x rounded to scalar_t and back: where transformers' ops round an intermediate to the model dtype.
+template <typename scalar_t>
+inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
+
+// Calls run(scalar_t{}) with the C++ type of `type`: float32, bfloat16 or float16; refuses any other by name.
+template <typename F>
+void dispatch_float_types(at::ScalarType type, const char* op, F&& run) {
+  switch (type) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, op, " takes float32, bfloat16 or float16, not ", type);
+  }
+}
+
+}  // namespace lora_serve
