@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,3 +52,13 @@ def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim):
     sin = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
     got = ops.rotary(x, cos, sin)
     assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
+
+
+def test_a_build_killed_half_way_does_not_block_later_starts():
+    """A replica stopped while it compiles leaves torch's lock file behind; the next start must not wait on it."""
+    assert cpu_ops.load() is not None, "the C++ CPU operators did not build"
+    folder = cpu_ops.build_directory(cpu_ops.build_name())
+    (folder / "lock").touch()  # what a killed build leaves
+    code = "from engine.kernels import cpu_ops; assert cpu_ops.load() is not None"
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, timeout=120, check=True)
+    assert not (folder / "lock").exists()

@@ -1,16 +1,22 @@
 """The engine's C++ CPU operators (engine/kernels/cpu/): one extension module, compiled once per machine.
 
 torch's cpp_extension builds it with ninja and a C++ compiler the first time an engine starts on a machine
-(about 35 s) and keeps it in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
-~/.cache/torch_extensions): a later process, or another replica on the node, loads it in well under a
-second. The build name carries a hash of the sources, of the CPU's instruction-set flags (it is compiled with
--march=native) and of the torch version. Where it cannot be built, `load()` says why once and returns None:
-the engine then keeps its pure-PyTorch paths, which are also the operators' references in the tests.
+(about 35 s) and keeps it under torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
+~/.cache/torch_extensions), in lora-serve/<name>: a later process, or another replica on the node, loads it in
+well under a second. Builds of one name take turns under an OS file lock, which dies with its process: torch's
+own lock is a file that a build killed half-way (a replica stopped while it started) leaves behind, and every
+later start would wait on it forever. The build name carries a hash of the sources, of the CPU's instruction-set
+flags (it is compiled with -march=native) and of the torch version. Where it cannot be built, `load()` says why
+once and returns None: the engine then keeps its pure-PyTorch paths, which are also the operators' references
+in the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import os
 import hashlib
 import logging
 import platform
@@ -54,6 +60,23 @@ def vector_flags() -> list[str]:
     return []
 
 
+def build_directory(name: str) -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "lora-serve" / name
+
+
+@contextlib.contextmanager
+def exclusive_build(folder: Path):
+    """Hold the folder's build lock (fcntl, released when the holder exits, however it exits). While we hold it
+    no build of ours runs, so a torch lock file found there is stale, and it goes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load():
     """The compiled extension module, or None (with one warning saying why) where it cannot be built."""
@@ -62,7 +85,11 @@ def load():
     try:
         # no contraction of a * b + c into one FMA: fp32 results then round as PyTorch's separate ops do
         flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *vector_flags()]
-        return load_extension(build_name(), [str(p) for p in SOURCES], extra_cflags=flags, verbose=False)
+        name = build_name()
+        folder = build_directory(name)
+        with exclusive_build(folder):
+            return load_extension(name, [str(p) for p in SOURCES], extra_cflags=flags, build_directory=str(folder),
+                                  verbose=False)
     except Exception as error:  # no compiler or ninja: the PyTorch paths still work, only slower
         log.warning("C++ CPU operators unavailable (%s: %s); the engine runs its PyTorch paths",
                     type(error).__name__, error)
