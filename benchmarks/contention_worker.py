@@ -1,0 +1,103 @@
+"""One cell of benchmarks/run_contention: the engine serving a closed loop in-process while another process
+takes a share of a core.
+
+    python -m benchmarks.contention_worker --threads 2 --duty 0.25     # prints one JSON line
+
+The engine is an AsyncEngine (its step loop on its own thread, as in a replica), with no Ray and no HTTP, so what
+it loses here comes only from the CPU that the other process takes. The other process is benchmarks/busy_loop.py.
+Run it with the replica's OpenMP runtime (run_contention preloads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from benchmarks.workloads import PROMPTS
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+@dataclass
+class Cell:
+    threads: int
+    duty: float
+    other_cores: float  # what the busy loop actually got
+    tok_s: float
+    tpot_ms_p50: float
+
+
+async def stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> float:
+    """TPOT of one request: (last - first token) / (tokens - 1), as the HTTP benchmark counts it."""
+    first = last = None
+    async for out in engine.generate(uuid.uuid4().hex, prompt, params):
+        last = time.perf_counter()
+        first = first or last
+    return (last - first) / max(1, len(out.token_ids) - 1)
+
+
+async def closed_loop(engine: AsyncEngine, prompts: list[str], params: SamplingParams,
+                      concurrency: int) -> tuple[float, list[float]]:
+    queue, tpots = list(prompts), []
+
+    async def worker():
+        while queue:
+            tpots.append(await stream(engine, queue.pop(), params))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start, tpots
+
+
+def _start_busy_loop(duty: float) -> subprocess.Popen:
+    other = subprocess.Popen([sys.executable, "-m", "benchmarks.busy_loop", str(duty)], stdout=subprocess.PIPE,
+                             text=True)
+    assert other.stdout.readline().strip() == "ready"
+    return other
+
+
+def _cpu_seconds(process: subprocess.Popen | None) -> float:
+    if process is None:
+        return 0.0
+    times = psutil.Process(process.pid).cpu_times()
+    return times.user + times.system
+
+
+def run(args) -> Cell:
+    engine = AsyncEngine(EngineConfig.from_overrides(model=args.model, dtype="bfloat16", max_num_seqs=64,
+                                                     num_threads=args.threads, log_stats=False))
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    nonce = uuid.uuid4().hex[:8]  # no prefix-cache hits from an earlier cell
+    prompts = [f"{nonce}-{i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(args.requests)]
+    asyncio.run(closed_loop(engine, prompts[:8], SamplingParams(max_tokens=4), 8))  # warm-up
+    other = _start_busy_loop(args.duty) if args.duty > 0 else None
+    before = _cpu_seconds(other)
+    seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
+    other_cores = (_cpu_seconds(other) - before) / seconds
+    if other is not None:
+        other.kill()
+    engine.shutdown()
+    return Cell(args.threads, args.duty, other_cores, args.requests * args.tokens / seconds,
+                statistics.median(tpots) * 1000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--duty", type=float, default=0.0)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    print(json.dumps(asdict(run(parser.parse_args()))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""What another process's CPU costs the engine: the in-process engine at 32 streams beside a busy loop.
+
+    PYTHONPATH=. python -m benchmarks.run_contention            # about 7 minutes
+    PYTHONPATH=. python -m benchmarks.run_contention --quick
+
+Each cell (benchmarks/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
+tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime, while a busy loop in another
+process (benchmarks/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
+and Ray processes do.
+On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op and the other one
+waits for it at the op's end: the engine loses about twice the CPU the other process takes. With 1 engine thread
+the other core absorbs the bursts. Rounds are interleaved. Writes benchmarks/results/contention.md, .json, .png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.http_servers import ROOT  # noqa: E402
+from deployments.openmp import replica_env_vars  # noqa: E402
+
+DUTIES = (0.0, 0.1, 0.2, 0.3)
+THREADS = (2, 1)
+
+
+def cell(threads: int, duty: float, requests: int) -> dict:
+    env = {**os.environ, **replica_env_vars(), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "benchmarks.contention_worker", "--threads", str(threads), "--duty", str(duty),
+               "--requests", str(requests)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> dict:
+    requests = 32 if args.quick else 96
+    plan = [(r, t, d) for r in range(args.rounds) for t in THREADS for d in DUTIES]
+    cells = []
+    for rnd, threads, duty in tqdm(plan, desc="contention", unit="cell"):
+        cells.append({"round": rnd, **cell(threads, duty, requests)})
+        tqdm.write(f"round {rnd} threads={threads} duty={duty}: {cells[-1]['tok_s']:.1f} tok/s")
+    return {"requests": requests, "rounds": args.rounds, "cells": cells}
+
+
+def _cells(raw: dict, threads: int, duty: float) -> list[dict]:
+    return [c for c in raw["cells"] if c["threads"] == threads and c["duty"] == duty]
+
+
+def _median(cells: list[dict], key: str) -> float:
+    return statistics.median(c[key] for c in cells)
+
+
+def table(raw: dict) -> str:
+    """Per engine threads and busy-loop share: tok/s, TPOT, and engine throughput lost per core taken."""
+    rows = []
+    for threads in THREADS:
+        alone = _median(_cells(raw, threads, 0.0), "tok_s")
+        for duty in DUTIES:
+            cells = _cells(raw, threads, duty)
+            taken, tok_s = _median(cells, "other_cores"), _median(cells, "tok_s")
+            lost = (1 - tok_s / alone) * 2  # in cores of this 2-core machine's engine throughput
+            rows.append([threads, fmt(taken, 2), fmt(tok_s, 1), f"{tok_s / alone:.0%}",
+                         fmt(_median(cells, "tpot_ms_p50"), 1), fmt(lost / taken, 1) if taken else "-"])
+    return markdown_table(["engine threads", "busy loop (cores)", "tok/s", "of alone", "TPOT p50 ms",
+                           "engine cores lost per core taken"], rows)
+
+
+def plot(raw: dict):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for threads in THREADS:
+        xs = [_median(_cells(raw, threads, d), "other_cores") for d in DUTIES]
+        ys = [_median(_cells(raw, threads, d), "tok_s") for d in DUTIES]
+        ax.plot(xs, ys, marker="o", label=f"{threads} engine thread{'s' if threads > 1 else ''}")
+    ax.set_xlabel("CPU taken by another process (cores)")
+    ax.set_ylabel("generated tokens / s (32 streams)")
+    ax.set_title(f"Engine beside a busy loop: SmolLM2 bf16, 2 cores, median of {raw['rounds']} rounds",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--rounds", type=int, default=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = benchmark_args(__doc__, "32 requests per cell", argv, add_arguments)
+    env = environment()
+    raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args)}
+    text = "\n".join([f"# Engine beside another process's CPU ({raw['mode']})", "",
+                      "Command: `PYTHONPATH=. python -m benchmarks.run_contention`  ", f"Date: {env['date']}  ",
+                      f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "",
+                      f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, "
+                      f"{raw['requests']} closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another "
+                      f"process spins for a share of every 10 ms; {raw['rounds']} interleaved rounds, medians.", "",
+                      table(raw), "", "![contention](contention.png)", ""])
+    save_results(args.out, "contention", raw, plot, text)
+
+
+if __name__ == "__main__":
+    main()
