@@ -25,6 +25,7 @@ import psutil
 from benchmarks.workloads import PROMPTS
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
+
 @dataclass
 class Cell:
     threads: int
@@ -78,12 +79,14 @@ def run(args) -> Cell:
     prompts = [f"{nonce}-{i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(args.requests)]
     asyncio.run(closed_loop(engine, prompts[:8], SamplingParams(max_tokens=4), 8))  # warm-up
     other = _start_busy_loop(args.duty) if args.duty > 0 else None
-    before = _cpu_seconds(other)
-    seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
-    other_cores = (_cpu_seconds(other) - before) / seconds
-    if other is not None:
-        other.kill()
-    engine.shutdown()
+    try:
+        before = _cpu_seconds(other)
+        seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
+        other_cores = (_cpu_seconds(other) - before) / seconds
+    finally:  # a busy loop left running would skew every later measurement on the machine
+        if other is not None:
+            other.kill()
+        engine.shutdown()
     return Cell(args.threads, args.duty, other_cores, args.requests * args.tokens / seconds,
                 statistics.median(tpots) * 1000)
 

@@ -62,13 +62,13 @@ def _median(cells: list[dict], key: str) -> float:
 
 def table(raw: dict) -> str:
     """Per engine threads and busy-loop share: tok/s, TPOT, and engine throughput lost per core taken."""
-    rows = []
+    cores, rows = raw["environment"]["cpu_count"], []
     for threads in THREADS:
         alone = _median(_cells(raw, threads, 0.0), "tok_s")
         for duty in DUTIES:
             cells = _cells(raw, threads, duty)
             taken, tok_s = _median(cells, "other_cores"), _median(cells, "tok_s")
-            lost = (1 - tok_s / alone) * 2  # in cores of this 2-core machine's engine throughput
+            lost = (1 - tok_s / alone) * cores  # the engine's throughput lost, in cores of this machine
             rows.append([threads, fmt(taken, 2), fmt(tok_s, 1), f"{tok_s / alone:.0%}",
                          fmt(_median(cells, "tpot_ms_p50"), 1), fmt(lost / taken, 1) if taken else "-"])
     return markdown_table(["engine threads", "busy loop (cores)", "tok/s", "of alone", "TPOT p50 ms",

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import os
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 
