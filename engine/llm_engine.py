@@ -128,8 +128,7 @@ class LLMEngine:
 
     @staticmethod
     def _adapter_cache(config: EngineConfig, hf_config) -> LocalAdapterCache:
-        source = make_source(config.adapter_source, adapters_root=config.adapters_root, hub_cache=config.hub_cache)
-        return LocalAdapterCache(source, hf_config, config.max_adapter_bytes)
+        return LocalAdapterCache(make_source(config.adapter_sources()), hf_config, config.max_adapter_bytes)
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]

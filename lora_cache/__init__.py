@@ -1,4 +1,5 @@
-"""Adapter cache: just-in-time LoRA loading, CPU tier in the Ray object store, device slots (issue 3)."""
+"""Adapter cache: just-in-time LoRA loading from local folders, the Hugging Face Hub and S3; tiers: device slots,
+the CPU copy (in serving, the Ray object store), the disk tier of downloads, the source."""
 
 from lora_cache.adapter import AdapterError, LoRAAdapter, LoRAWeights, load_adapter, target_module_shapes
 from lora_cache.sources import make_source, validate_adapter_id

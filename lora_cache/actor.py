@@ -10,6 +10,7 @@ demand; replicas keep serving the adapters they already hold.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import ray
 from transformers import AutoConfig
 
 from lora_cache.adapter import LoRAAdapter, load_adapter
-from lora_cache.sources import make_source, validate_adapter_id
+from lora_cache.sources import SourceConfig, make_source, validate_adapter_id
 
 ACTOR_NAME = "lora-serve-adapter-cache"
 RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
@@ -32,13 +33,12 @@ class _Entry:
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
-    def __init__(self, base_config: dict, adapter_source: str = "local", adapters_root: str | None = None,
-                 hub_cache: str | None = None, capacity_bytes: int = 4 << 30, max_adapter_bytes: int = 1 << 30):
+    def __init__(self, base_config: dict, sources: SourceConfig, capacity_bytes: int = 4 << 30):
         # The base model's config as a dict: the actor may live on a node without the model's files.
         self.hf_config = AutoConfig.for_model(**base_config)
-        self.source = make_source(adapter_source, adapters_root=adapters_root, hub_cache=hub_cache)
+        self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.capacity_bytes = capacity_bytes
-        self.max_adapter_bytes = max_adapter_bytes
+        self.max_adapter_bytes = sources.max_adapter_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}
         self.load_counts: dict[str, int] = {}
@@ -80,9 +80,12 @@ class LoRACacheActor:
         while len(self.entries) > 1 and sum(e.nbytes for e in self.entries.values()) > self.capacity_bytes:
             self.entries.popitem(last=False)  # the object store frees it once no replica holds the ref
 
-    def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> None:
-        """A replica tells which adapters it holds in device slots and in its CPU copy."""
+    def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> list[str]:
+        """A replica tells which adapters it holds in device slots and in its CPU copy; the answer is the adapters
+        that the other live replicas hold (a replica forwards their requests there)."""
         self.residence[replica] = (time.monotonic(), device, cpu)
+        others = [v for r, v in self._replicas().items() if r != replica]
+        return sorted({a for v in others for a in v["device"] + v["cpu"]})
 
     def _replicas(self) -> dict[str, dict]:
         now = time.monotonic()
@@ -108,9 +111,10 @@ def adapter_residence(stats: dict) -> dict[str, dict]:
                 "source_loads": stats["load_counts"].get(a, 0)} for a in sorted(known)}
 
 
-def get_or_create_cache_actor(base_config: dict, name: str = ACTOR_NAME, **options) -> ray.actor.ActorHandle:
+def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
+                              name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
     """The one named, detached cache actor of this Ray cluster (created by the first replica that asks)."""
-    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(base_config, **options)
+    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(base_config, sources)
 
 
 class RayAdapterCache:
@@ -126,18 +130,21 @@ class RayAdapterCache:
         self.load_counts: dict[str, int] = {}
         self.load_seconds: dict[str, float] = {}
         self.max_local = 64
+        self._lock = threading.Lock()  # the engine's step thread fetches, the replica's report thread lists
 
     def get(self, adapter_id: str) -> LoRAAdapter:
         adapter = self.adapters.get(adapter_id)
         if adapter is None:
             start = time.perf_counter()
             adapter = self._fetch(adapter_id)
-            self.adapters[adapter_id] = adapter
-            self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
-            self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
-            while len(self.adapters) > self.max_local:
-                self.adapters.popitem(last=False)
-        self.adapters.move_to_end(adapter_id)
+            with self._lock:
+                self.adapters[adapter_id] = adapter
+                self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
+                self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
+                while len(self.adapters) > self.max_local:
+                    self.adapters.popitem(last=False)
+        with self._lock:
+            self.adapters.move_to_end(adapter_id)
         return adapter
 
     def _fetch(self, adapter_id: str) -> LoRAAdapter:
@@ -151,6 +158,16 @@ class RayAdapterCache:
                 if attempt:
                     raise
         raise AssertionError("unreachable")
+
+    def report_residence(self, replica: str, device: list[str]) -> frozenset[str]:
+        """Tell the cache actor which adapters this replica holds (device slots, and its CPU copy); return the ones
+        other replicas hold. Blocks for one actor call: the replica's report thread calls it."""
+        with self._lock:
+            cpu = list(self.adapters)
+        try:
+            return frozenset(ray.get(self.actor.report_residence.remote(replica, device, cpu)))
+        except ray.exceptions.RayError:  # the actor is restarting: serve every adapter here until it answers
+            return frozenset()
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self.adapters

@@ -1,16 +1,17 @@
 """Where adapters come from: an adapter id -> a local folder holding adapter_config.json and
 adapter_model.safetensors.
 
-A source only locates files; `load_adapter` validates them. Every source works offline here: the local
-source reads a folder tree and the hub source reads an existing Hugging Face cache without downloading.
-A remote source (S3, HTTP) is a small new class with the same `name` and `locate`: download the two adapter
-files into a local staging folder (after `validate_adapter_id`) and return that folder.
+A source only locates files; `load_adapter` validates them. `local` reads a folder tree; `hub` downloads from the
+Hugging Face Hub (lora_cache/hub_source.py), or with HF_HUB_OFFLINE reads an existing Hugging Face cache
+(`HubCacheSource`); `s3` reads S3-compatible object storage (lora_cache/s3_source.py). The remote sources download
+into the disk tier (lora_cache/disk_tier.py) and return its folder.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -20,8 +21,15 @@ MAX_ID_LENGTH = 256
 _ID_PART = re.compile(r"[A-Za-z0-9._-]+")
 
 
+def split_revision(adapter_id: str) -> tuple[str, str | None]:
+    """ "org/name@rev" -> ("org/name", "rev"); "org/name" -> ("org/name", None). Both parts validated."""
+    name, at, revision = validate_adapter_id(adapter_id).partition("@")
+    return name, (revision if at else None)
+
+
 def validate_adapter_id(adapter_id: str) -> str:
-    """Return `adapter_id` if it is "name" or "org/name" of [A-Za-z0-9._-], else raise AdapterError.
+    """Return `adapter_id` if it is "name" or "org/name" of [A-Za-z0-9._-], with an optional "@revision" of the
+    same characters, else raise AdapterError.
 
     Ids become paths under a source's root, so anything that could leave that root is refused."""
     if not isinstance(adapter_id, str) or not adapter_id:
@@ -34,7 +42,11 @@ def validate_adapter_id(adapter_id: str) -> str:
         raise AdapterError(adapter_id, "adapter id contains a backslash")
     if adapter_id.startswith(("/", "~")) or os.path.isabs(adapter_id):
         raise AdapterError(adapter_id, "adapter id must be a name, not an absolute or home path")
-    parts = adapter_id.split("/")
+    name, at, revision = adapter_id.partition("@")
+    if at and (not _ID_PART.fullmatch(revision) or revision in (".", "..")):
+        raise AdapterError(adapter_id, "adapter id revision (after '@') must be made of letters, digits, '.', "
+                                       "'_' and '-'")
+    parts = name.split("/")
     if any(part in (".", "..") for part in parts):
         raise AdapterError(adapter_id, "adapter id must not contain '.' or '..' path parts")
     if len(parts) > 2 or not all(_ID_PART.fullmatch(part) for part in parts):
@@ -75,7 +87,10 @@ class LocalSource:
             raise ValueError(f"adapters root {self.root} is not a directory")
 
     def locate(self, adapter_id: str) -> Path:
-        folder = self.root / validate_adapter_id(adapter_id)
+        name, revision = split_revision(adapter_id)
+        if revision is not None:
+            raise AdapterError(adapter_id, "a local adapter has no revisions ('@'); revisions are for the hub source")
+        folder = self.root / name
         if not _inside(folder, self.root):
             raise AdapterError(adapter_id, f"{folder} resolves outside the adapters root {self.root}")
         if not folder.is_dir():
@@ -93,9 +108,10 @@ def default_hub_cache() -> Path:
 
 
 class HubCacheSource:
-    """Adapters already in a Hugging Face cache: "org/name" -> models--org--name/snapshots/<refs/main>.
+    """Adapters already in a Hugging Face cache: "org/name[@rev]" -> models--org--name/snapshots/<refs/rev>, where
+    rev is a branch or tag under refs/ (main by default) or a commit hash with a snapshot.
 
-    Offline only: it reads the cache layout and never downloads."""
+    Offline: it reads the cache layout and never downloads."""
 
     name = "hub"
 
@@ -103,15 +119,20 @@ class HubCacheSource:
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_hub_cache()
 
     def locate(self, adapter_id: str) -> Path:
-        repo = self.cache_dir / ("models--" + validate_adapter_id(adapter_id).replace("/", "--"))
-        snapshot = self._snapshot(adapter_id, repo)
+        name, revision = split_revision(adapter_id)
+        repo = self.cache_dir / ("models--" + name.replace("/", "--"))
+        snapshot = self._snapshot(adapter_id, repo, revision)
         if snapshot is None or not snapshot.is_dir():
             raise AdapterError(adapter_id, f"not found in the Hugging Face cache {self.cache_dir}")
         return _check_contained(adapter_id, snapshot, repo)  # snapshot files link into repo/blobs
 
     @staticmethod
-    def _snapshot(adapter_id: str, repo: Path) -> Path | None:
-        ref = repo / "refs" / "main"
+    def _snapshot(adapter_id: str, repo: Path, revision: str | None) -> Path | None:
+        if revision is not None and (repo / "snapshots" / revision).is_dir():
+            return repo / "snapshots" / revision  # a commit hash
+        ref = repo / "refs" / (revision or "main")
+        if revision is not None and not ref.is_file():
+            return None
         if ref.is_file():
             commit = ref.read_text(encoding="utf-8").strip()
             if not _ID_PART.fullmatch(commit) or commit in (".", ".."):
@@ -123,15 +144,40 @@ class HubCacheSource:
         return snapshots[0] if snapshots else None
 
 
-SOURCES = {"local": LocalSource, "hub": HubCacheSource}
+SOURCES = ("hub", "local", "s3")
 
 
-def make_source(kind: str, adapters_root: str | Path | None = None,
-                hub_cache: str | Path | None = None) -> AdapterSource:
-    if kind == "local":
-        if adapters_root is None:
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where a cache reads adapters from, and how it downloads them (the engine's adapter_* options)."""
+    kind: str = "local"  # "local", "hub" or "s3"
+    adapters_root: str | None = None  # local: a folder; s3: s3://bucket/prefix
+    hub_cache: str | None = None  # hub offline (HF_HUB_OFFLINE) or unreachable: this Hugging Face cache
+    disk_cache: str | None = None  # the disk tier of downloaded adapters
+    disk_cache_bytes: int = 8 << 30
+    max_adapter_bytes: int = 1 << 30
+    download_timeout_s: float = 30.0
+    download_retries: int = 3
+
+
+def make_source(config: SourceConfig) -> AdapterSource:
+    if config.kind == "local":
+        if config.adapters_root is None:
             raise ValueError("the local adapter source needs an adapters root folder")
-        return LocalSource(adapters_root)
-    if kind == "hub":
-        return HubCacheSource(hub_cache)
-    raise ValueError(f"unknown adapter source {kind!r}; known: {', '.join(sorted(SOURCES))}")
+        return LocalSource(config.adapters_root)
+    if config.kind not in SOURCES:
+        raise ValueError(f"unknown adapter source {config.kind!r}; known: {', '.join(SOURCES)}")
+    from lora_cache.disk_tier import DiskTier  # the remote sources' libraries load only when one is used
+
+    if config.disk_cache is None:
+        raise ValueError(f"the {config.kind} adapter source needs a disk cache folder (adapter_disk_cache)")
+    tier = DiskTier(config.disk_cache, config.disk_cache_bytes, config.max_adapter_bytes)
+    if config.kind == "hub":
+        from lora_cache.hub_source import HubSource
+
+        return HubSource(tier, config.hub_cache, config.download_timeout_s, config.download_retries)
+    from lora_cache.s3_source import S3Source
+
+    if config.adapters_root is None:
+        raise ValueError("the s3 adapter source needs adapters_root: s3://bucket/prefix")
+    return S3Source(tier, config.adapters_root, config.download_timeout_s, config.download_retries)

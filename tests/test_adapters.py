@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from lora_cache import AdapterError, load_adapter, make_source, target_module_shapes, validate_adapter_id
+from lora_cache.sources import HubCacheSource, SourceConfig
 
 
 def _llama_config(**overrides) -> LlamaConfig:
@@ -233,21 +234,24 @@ def _adapter_files(folder: Path, src: Path) -> Path:
 def test_local_source_finds_names_and_org_names(llama_adapter, tmp_path):
     _adapter_files(tmp_path / "plain", llama_adapter[1])
     _adapter_files(tmp_path / "acme" / "sql", llama_adapter[1])
-    source = make_source("local", adapters_root=tmp_path)
+    source = make_source(SourceConfig("local", str(tmp_path)))
     assert source.name == "local"
     assert source.locate("plain") == tmp_path / "plain"
     folder = source.locate("acme/sql")
     assert load_adapter("acme/sql", folder, LLAMA).rank == 8
     with pytest.raises(AdapterError, match="'acme/other': not found in"):
         source.locate("acme/other")
+    with pytest.raises(AdapterError, match="a local adapter has no revisions"):
+        source.locate("acme/sql@v2")
 
 
-@pytest.mark.parametrize("bad_id", ["..", "/abs", "a/../b", "a\\b", "", "~root", "a/b/c", "a\0b", "x" * 300, "./a"])
+@pytest.mark.parametrize("bad_id", ["..", "/abs", "a/../b", "a\\b", "", "~root", "a/b/c", "a\0b", "x" * 300, "./a",
+                                    "a@", "a@b/c", "a@..", "a@b@c"])
 def test_adapter_ids_that_could_escape_are_refused(bad_id, tmp_path):
     with pytest.raises(AdapterError, match="adapter id"):
         validate_adapter_id(bad_id)
     with pytest.raises(AdapterError):
-        make_source("local", adapters_root=tmp_path).locate(bad_id)
+        make_source(SourceConfig("local", str(tmp_path))).locate(bad_id)
 
 
 def test_local_source_refuses_symlinks_out_of_the_root(llama_adapter, tmp_path):
@@ -257,7 +261,7 @@ def test_local_source_refuses_symlinks_out_of_the_root(llama_adapter, tmp_path):
     sneaky = _adapter_files(root / "sneaky", llama_adapter[1])
     (sneaky / "adapter_config.json").unlink()
     (sneaky / "adapter_config.json").symlink_to(outside / "adapter_config.json")
-    source = make_source("local", adapters_root=root)
+    source = make_source(SourceConfig("local", str(root)))
     with pytest.raises(AdapterError, match="'evil'.*outside"):
         source.locate("evil")
     with pytest.raises(AdapterError, match="'sneaky'.*outside"):
@@ -281,7 +285,7 @@ def _hub_repo(cache: Path, repo_id: str, src: Path, commit: str, with_ref: bool)
 def test_hub_cache_source(llama_adapter, tmp_path):
     _hub_repo(tmp_path, "acme/with-ref", llama_adapter[1], "a" * 40, with_ref=True)
     _hub_repo(tmp_path, "acme/single", llama_adapter[1], "b" * 40, with_ref=False)
-    source = make_source("hub", hub_cache=tmp_path)
+    source = HubCacheSource(tmp_path)
     assert source.name == "hub"
     folder = source.locate("acme/with-ref")
     assert folder == tmp_path / "models--acme--with-ref" / "snapshots" / ("a" * 40)
@@ -294,13 +298,15 @@ def test_hub_cache_source(llama_adapter, tmp_path):
 def test_hub_cache_default_location(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    assert make_source("hub").cache_dir == tmp_path / "hub"
+    assert HubCacheSource().cache_dir == tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
-    assert make_source("hub").cache_dir == tmp_path / "elsewhere"
+    assert HubCacheSource().cache_dir == tmp_path / "elsewhere"
 
 
 def test_make_source_errors():
-    with pytest.raises(ValueError, match="unknown adapter source 's3'; known: hub, local"):
-        make_source("s3")
+    with pytest.raises(ValueError, match="unknown adapter source 'ftp'; known: hub, local, s3"):
+        make_source(SourceConfig("ftp"))
     with pytest.raises(ValueError, match="needs an adapters root"):
-        make_source("local")
+        make_source(SourceConfig("local"))
+    with pytest.raises(ValueError, match="looks like s3://bucket/prefix"):
+        make_source(SourceConfig("s3", "bucket/prefix", disk_cache="/tmp"))

@@ -10,6 +10,7 @@ import ray
 from engine import LLM, SamplingParams
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter import AdapterError
+from lora_cache.sources import SourceConfig
 from tests.conftest import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
@@ -31,11 +32,11 @@ def ray_cluster(tmp_path_factory):
     ray.shutdown()
 
 
-def _actor(tiny_llama_path, adapters_root, **options):
+def _actor(tiny_llama_path, adapters_root, capacity_bytes: int = 4 << 30):
     from transformers import AutoConfig
 
     base_config = AutoConfig.from_pretrained(tiny_llama_path).to_dict()
-    return LoRACacheActor.remote(base_config, adapters_root=str(adapters_root), **options)
+    return LoRACacheActor.remote(base_config, SourceConfig(adapters_root=str(adapters_root)), capacity_bytes)
 
 
 def test_concurrent_requests_cause_one_load(ray_cluster, tiny_llama_path, adapters_root):

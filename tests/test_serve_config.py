@@ -1,9 +1,11 @@
-"""serve_config.yaml, as `serve run` reads it: valid for Ray Serve, and every lora-serve option in it known."""
+"""serve_config.yaml and the multi-node example, as `serve run` reads them: valid for Ray Serve, and every
+lora-serve option in them known."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
@@ -11,13 +13,27 @@ from deployments.app import AppArgs
 from deployments.autoscaling import EngineLoadPolicy
 from engine import EngineConfig
 
-CONFIG = Path(__file__).parent.parent / "serve_config.yaml"
+ROOT = Path(__file__).parent.parent
+CONFIGS = [ROOT / "serve_config.yaml", ROOT / "configs" / "multi_node_gpu.yaml"]
 
 
-def test_serve_config_is_valid_and_names_only_known_options():
-    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+def _validated(path: Path) -> ServeDeploySchema:
+    """A serve config as Ray Serve reads it, whose engine args and autoscaling policy lora-serve accepts. Its one
+    deployment is the engine replica, which serves the HTTP routes too."""
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     app = config.applications[0]
     EngineConfig.from_overrides(**AppArgs(**app.args).engine)
-    engine = next(d for d in app.deployments if d.name == "LLMServer")
+    [engine] = app.deployments
+    assert engine.name == "LLMServer"
     EngineLoadPolicy(**engine.autoscaling_config["policy"]["policy_kwargs"])
+    return config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_serve_configs_are_valid_and_name_only_known_options(path):
+    _validated(path)
+
+
+def test_serve_config_slows_the_serve_controller_loop():
+    config = _validated(CONFIGS[0])
     assert float(config.controller_options.runtime_env["env_vars"]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]) > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,11 +14,12 @@ from tests.conftest import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
+ROUTED = "epsilon"  # requested by the routing test alone
 
 
 @pytest.fixture(scope="module")
 def adapters_root(tiny_llama_path, tmp_path_factory):
-    return write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("multinode-adapters"), ADAPTERS)
+    return write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("multinode-adapters"), ADAPTERS + (ROUTED,))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,6 @@ def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
-    from deployments.ingress import Ingress
     from deployments.llm_server import LLMServer
 
     # Cluster records its address under Ray's default temp folder, whatever temp_dir says: on a machine where
@@ -43,7 +44,7 @@ def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 4,
               "adapters_root": str(adapters_root)}
     llm = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5, "resources": {"llm_node": 1}})
-    serve.run(Ingress.bind(llm.bind(engine), engine), name="lora-serve", route_prefix="/")
+    serve.run(llm.bind(engine), name="lora-serve", route_prefix="/")
     yield f"http://127.0.0.1:{port}", {node.node_id for node in nodes}
     serve.shutdown()
     ray.shutdown()
@@ -83,3 +84,32 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_se
     assert set().union(*holders.values()) == llm_nodes  # both nodes served adapters
     cache = ray.get(ray.get_actor("lora-serve-adapter-cache").stats.remote())
     assert cache["load_counts"] == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
+
+
+def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_server):
+    """The proxy picks replicas by load alone; a replica that gets a request for an adapter only the other one
+    holds forwards it there."""
+    import ray
+    from ray import serve
+
+    from deployments.llm_server import REPORT_INTERVAL_S
+    from lora_cache.actor import ACTOR_NAME, adapter_residence
+
+    url, _ = cluster_server
+    body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 4, "adapter_id": ROUTED}}
+    assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
+    actor = ray.get_actor(ACTOR_NAME)
+    deadline = time.monotonic() + 30
+    while not adapter_residence(ray.get(actor.stats.remote())).get(ROUTED, {}).get("cpu_replicas"):
+        assert time.monotonic() < deadline, "the replica that fetched the adapter never reported it"
+        time.sleep(0.5)
+    time.sleep(2.5 * REPORT_INTERVAL_S)  # the other replica hears of it at its next report
+    for _ in range(12):
+        assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    served = {}  # replica -> requests it ran for the adapter
+    for _ in range(30):
+        stats = handle.stats.remote().result()
+        served[stats["replica"]] = stats["adapters"].get(ROUTED, {}).get("requests", 0)
+    assert len(served) == 2 and sorted(served.values()) == [0, 13], served

@@ -34,7 +34,6 @@ def server(tiny_llama_path, tmp_path_factory):
     import ray
     from ray import serve
 
-    from deployments.ingress import Ingress
     from deployments.llm_server import LLMServer
 
     port = free_port()
@@ -47,7 +46,7 @@ def server(tiny_llama_path, tmp_path_factory):
                               "policy_kwargs": {"target_running_per_replica": 2}}}
     llm = LLMServer.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 1},
                             health_check_period_s=1, health_check_timeout_s=10)
-    serve.run(Ingress.bind(llm.bind(engine), engine), name=APP, route_prefix="/")
+    serve.run(llm.bind(engine), name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

@@ -1,0 +1,80 @@
+"""Adapters in S3-compatible object storage: adapters_root "s3://bucket/prefix", adapter "org/name" ->
+s3://bucket/prefix/org/name/{adapter_config.json, adapter_model.safetensors}, downloaded into the disk tier.
+
+boto3 does the talking: the endpoint comes from AWS_ENDPOINT_URL (so MinIO, Ceph, R2 and GCS's S3 endpoint work
+as well as AWS), credentials from its usual chain, timeouts and bounded retries from botocore's Config. A HEAD of
+both objects gives their ETags and sizes; the disk-tier entry is keyed by the ETags, so an object rewritten under
+the same key is a new download and a cached one is never fetched again. The GETs are conditional on those ETags
+(an object replaced between HEAD and GET fails the download instead of mixing versions) and stream through the
+disk tier's bounded files.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from lora_cache.disk_tier import DiskTier, check_announced, entry_name
+from lora_cache.sources import split_revision
+
+FILES = (CONFIG_FILE, WEIGHTS_FILE)
+CHUNK_BYTES = 1 << 20
+_MISSING = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
+
+
+def parse_s3_root(root: str) -> tuple[str, str]:
+    """ "s3://bucket/some/prefix" -> ("bucket", "some/prefix")."""
+    url = urlparse(root)
+    if url.scheme != "s3" or not url.netloc:
+        raise ValueError(f"an s3 adapters_root looks like s3://bucket/prefix, got {root!r}")
+    return url.netloc, url.path.strip("/")
+
+
+class S3Source:
+    name = "s3"
+
+    def __init__(self, tier: DiskTier, root: str, timeout_s: float = 30.0, retries: int = 3):
+        self.tier = tier
+        self.bucket, self.prefix = parse_s3_root(root)
+        config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                        retries={"max_attempts": retries, "mode": "standard"})
+        self.client = boto3.client("s3", config=config)
+
+    def locate(self, adapter_id: str):
+        name, revision = split_revision(adapter_id)
+        if revision is not None:
+            raise AdapterError(adapter_id, "an S3 adapter has no revisions ('@'): its version is its objects' ETags")
+        keys = {file: "/".join(p for p in (self.prefix, name, file) if p) for file in FILES}
+        heads = {file: self._head(adapter_id, key) for file, key in keys.items()}
+        check_announced(adapter_id, [h["ContentLength"] for h in heads.values()], self.tier.max_adapter_bytes)
+        version = "+".join(heads[file]["ETag"].strip('"') for file in FILES)
+        entry = entry_name(self.name, f"{self.bucket}/{keys[CONFIG_FILE].rsplit('/', 1)[0]}", version)
+        return self.tier.lookup(entry) or self.tier.fill(
+            adapter_id, entry, lambda open_file: self._download(adapter_id, keys, heads, open_file))
+
+    def _head(self, adapter_id: str, key: str) -> dict:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _MISSING:
+                raise AdapterError(adapter_id, f"not found: s3://{self.bucket}/{key}") from None
+            raise AdapterError(adapter_id, f"S3 refused s3://{self.bucket}/{key}: {exc}") from None
+        except BotoCoreError as exc:
+            raise AdapterError(adapter_id, f"S3 did not answer for s3://{self.bucket}/{key}: {exc}") from None
+
+    def _download(self, adapter_id: str, keys: dict, heads: dict, open_file) -> None:
+        for file in FILES:
+            with open_file(file) as out:
+                try:
+                    body = self.client.get_object(Bucket=self.bucket, Key=keys[file],
+                                                  IfMatch=heads[file]["ETag"])["Body"]
+                    for chunk in body.iter_chunks(CHUNK_BYTES):
+                        out.write(chunk)
+                except (ClientError, BotoCoreError) as exc:
+                    raise AdapterError(adapter_id, f"download of s3://{self.bucket}/{keys[file]} failed: {exc}") \
+                        from None
+                out.finish(heads[file]["ContentLength"])
