@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 class RefusalKind(enum.Enum):
     BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
+    NOT_FOUND = "not_found"  # no such adapter
     OVERLOADED = "overloaded"  # the engine's waiting queue is full: retry later
 
 
@@ -44,6 +45,7 @@ class Final:
     generated_tokens: int
     prompt_tokens: int
     prompt_token_entries: list[TokenEntry] | None = None  # only when prompt logprobs were asked for
+    adapter_version: str | None = None  # the content id of the adapter's weights that answered
 
 
 @dataclass(slots=True)

@@ -25,12 +25,15 @@ from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, tgi_token
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from lora_cache.actor import ACTOR_NAME, adapter_residence
+from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.registry import Registration
 
 app = FastAPI(title="lora-serve")
 
 
 class RequestRefused(Exception):
-    """The engine refused the request: 400 for a bad prompt or adapter, 429 or 503 when it is overloaded."""
+    """The engine refused the request: 400 for a bad prompt or adapter, 404 for an unknown adapter, 429 or 503
+    when it is overloaded."""
 
     def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None):
         super().__init__(message)
@@ -40,9 +43,9 @@ class RequestRefused(Exception):
 
 def _error_response(request: Request, message: str, status: int = 400, retry_after_s: float | None = None):
     """A 4xx/5xx in the error shape each API's clients parse; overload answers carry Retry-After."""
-    kind = "validation" if status == 400 else "overloaded"
+    kind = {400: "validation", 404: "not_found"}.get(status, "overloaded")
     if request.url.path.startswith("/v1/"):
-        error_type = "invalid_request_error" if status == 400 else "rate_limit_error"
+        error_type = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "rate_limit_error")
         body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
     else:
         body = {"error": message, "error_type": kind}
@@ -68,7 +71,17 @@ def _refused(refusal: Refusal) -> RequestRefused:
     """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded."""
     if refusal.kind is RefusalKind.OVERLOADED:
         return RequestRefused(refusal.reason, 429, refusal.retry_after_s)
-    return RequestRefused(refusal.reason, 400)
+    return RequestRefused(refusal.reason, 404 if refusal.kind is RefusalKind.NOT_FOUND else 400)
+
+
+async def _lifecycle(change) -> None:
+    """Await a load or unload in the cache actor; its AdapterError becomes a 404 or a 400 with the reason."""
+    try:
+        return await change
+    except AdapterNotFoundError as exc:
+        raise RequestRefused(str(exc), 404) from None
+    except ValueError as exc:  # AdapterError and a server without LoRA
+        raise RequestRefused(str(exc), 400) from None
 
 
 async def _last(first: TokenEvent, events) -> TokenEvent:
@@ -102,6 +115,12 @@ class HttpRoutes:
         raise NotImplementedError
 
     def _replica_info(self) -> dict:
+        raise NotImplementedError
+
+    async def _register(self, name: str, lora_path: str) -> Registration:
+        raise NotImplementedError
+
+    async def _unregister(self, name: str) -> None:
         raise NotImplementedError
 
     @app.get("/health")
@@ -172,10 +191,26 @@ class HttpRoutes:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        """The base model and the adapters the cache actor knows: each with the content id of its weights (once
+        loaded), its lora_path when it was loaded at run time, and where it resides."""
         base = {"id": self.model_name, "object": "model", "owned_by": "lora-serve", "parent": None}
         adapters = [{"id": a, "object": "model", "owned_by": "lora-serve", "parent": self.model_name,
+                     "content_id": where.pop("content_id"), "lora_path": where.pop("lora_path"),
                      "residence": where} for a, where in (await self._adapters()).items()]
         return {"object": "list", "data": [base] + adapters}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: oai.LoadLoRAAdapterRequest) -> dict:
+        """vLLM's route: serve `lora_name` from `lora_path`; loading a name again replaces its weights (requests
+        already running finish on the old ones). Answers once every live replica serves the new weights."""
+        done = await _lifecycle(self._register(request.lora_name, request.lora_path))
+        return {"lora_name": done.name, "content_id": done.content_id,
+                "message": f"LoRA adapter {done.name!r} loaded from {request.lora_path}"}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: oai.UnloadLoRAAdapterRequest) -> dict:
+        await _lifecycle(self._unregister(request.lora_name))
+        return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
 
     async def _adapters(self) -> dict[str, dict]:
         """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads)."""
@@ -272,7 +307,8 @@ class HttpRoutes:
                     payload["details"] = {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
                                           "prompt_tokens": final.prompt_tokens,
                                           "generated_tokens": final.generated_tokens,
-                                          "seed": request.parameters.seed}
+                                          "seed": request.parameters.seed,
+                                          "adapter_version": final.adapter_version}
                 lines.append(f"data:{json.dumps(payload)}\n\n")
             yield "".join(lines)
             if event.finished:
@@ -290,5 +326,5 @@ class HttpRoutes:
             prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in final.prompt_token_entries]
         return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
                 "generated_tokens": final.generated_tokens, "prompt_tokens": final.prompt_tokens,
-                "seed": request.parameters.seed, "prefill": prefill,
+                "seed": request.parameters.seed, "adapter_version": final.adapter_version, "prefill": prefill,
                 "tokens": [tgi_token(token, self.tokenizer) for token in last.entries()]}

@@ -33,6 +33,8 @@ from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.model_files import resolve_model
 from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
+from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.registry import Registration, key_name
 
 REPORT_INTERVAL_S = 2.0
 
@@ -63,26 +65,25 @@ class _LocalEvents:
 class LLMServer(HttpRoutes):
     def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
         config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
+        self.node_id = ray.get_runtime_context().get_node_id()
+        context = serve.get_replica_context()
+        self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
+        self._deployment = (context.deployment, context.app_name)
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
         self.engine = AsyncEngine(config, self.adapter_cache)
         self._init_routes(config, self.engine.tokenizer)
         self.metrics = ServingMetrics(top_adapters)
         self.pacer = EventPacer()
         self.metrics.memory(self.engine.engine.memory())
-        self.node_id = ray.get_runtime_context().get_node_id()
-        context = serve.get_replica_context()
-        self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
-        self._deployment = (context.deployment, context.app_name)
         self._peers = None  # a handle to this deployment, for adapters that other replicas hold
         self._held_elsewhere: frozenset[str] = frozenset()  # adapters other replicas hold, from the cache actor
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
-    @staticmethod
-    def _adapter_provider(config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
+    def _adapter_provider(self, config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
         base_config = AutoConfig.from_pretrained(resolve_model(config.model, config.model_cache_dir)).to_dict()
         actor = get_or_create_cache_actor(base_config, config.adapter_sources(), cache_actor_name or ACTOR_NAME)
-        return RayAdapterCache(actor)
+        return RayAdapterCache(actor, self.replica)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _adapter(self, adapter_id: str) -> str:
@@ -93,21 +94,34 @@ class LLMServer(HttpRoutes):
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         """Served here, unless only other replicas hold the adapter: then forwarded to them through Serve's
-        router (a forwarded request is always served where it lands)."""
-        if adapter is not None and adapter in self._held_elsewhere and adapter not in self.adapter_cache:
+        router (a forwarded request is always served where it lands). The adapter travels as its current key
+        (lora_cache/registry.py): the name, or a new key once it was loaded at run time."""
+        key = self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
+        if key is not None and key in self._held_elsewhere and key not in self.adapter_cache:
             if self._peers is None:
                 self._peers = serve.get_deployment_handle(*self._deployment).options(stream=True)
-            return self._peers.options(multiplexed_model_id=adapter).forwarded.remote(prompt, params, stream)
+            return self._peers.options(multiplexed_model_id=key).forwarded.remote(prompt, params, stream)
         request_id = uuid.uuid4().hex
-        return _LocalEvents(self._generate(request_id, prompt, params, adapter, stream),
+        return _LocalEvents(self._generate(request_id, prompt, params, key, stream),
                             lambda: self.engine.abort(request_id))
 
     async def forwarded(self, prompt: str | list[int], params: SamplingParams,
                         stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        """A request forwarded by another replica, its adapter as the multiplexed model id."""
-        adapter = serve.get_multiplexed_model_id() or None
-        async for event in self._generate(uuid.uuid4().hex, prompt, params, adapter, stream):
+        """A request forwarded by another replica, its adapter's key as the multiplexed model id."""
+        key = serve.get_multiplexed_model_id() or None
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, key, stream):
             yield event
+
+    async def _register(self, name: str, lora_path: str) -> Registration:
+        return await self._lora_cache().register(name, lora_path)
+
+    async def _unregister(self, name: str) -> None:
+        await self._lora_cache().unregister(name)
+
+    def _lora_cache(self) -> RayAdapterCache:
+        if self.adapter_cache is None:
+            raise ValueError("this server runs without LoRA (engine.max_loras is 0): it cannot load adapters")
+        return self.adapter_cache
 
     async def _generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                         adapter: str | None, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
@@ -115,7 +129,7 @@ class LLMServer(HttpRoutes):
         a Ray stream per item, not per token: the tokens ready when the consumer asks, held longer under load,
         see deployments/pacing.py); the last one carries the Final. With stream=False, one event with every
         token. A request the engine refuses yields one Refusal instead."""
-        timer = self.metrics.start(adapter)
+        timer = self.metrics.start(key_name(adapter) if adapter is not None else None)
         try:
             if adapter is not None:
                 await self._fetch_adapter(adapter, timer)
@@ -123,6 +137,9 @@ class LLMServer(HttpRoutes):
             first = await chunks.__anext__()
         except EngineOverloadedError as exc:
             yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
+            return
+        except AdapterNotFoundError as exc:
+            yield Refusal(str(exc), RefusalKind.NOT_FOUND)
             return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
             yield Refusal(str(exc))
@@ -136,7 +153,8 @@ class LLMServer(HttpRoutes):
                 if last.finished:
                     self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
                     event.final = Final(last.finish_reason, last.text, len(last.token_ids),
-                                        len(last.prompt_token_ids), self._prompt_entries(last))
+                                        len(last.prompt_token_ids), self._prompt_entries(last),
+                                        self.adapter_cache.content_id(adapter) if adapter is not None else None)
                 held = event if held is None else held.extend(event)
                 if last.finished or (stream and pace.due()):
                     pace.sent(held)
@@ -191,6 +209,8 @@ class LLMServer(HttpRoutes):
 
     def __del__(self):
         self._stop.set()
+        if getattr(self, "adapter_cache", None) is not None:
+            self.adapter_cache.close()
 
 
 def _prefix_cache(s: EngineStats) -> dict:

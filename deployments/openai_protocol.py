@@ -208,6 +208,7 @@ def usage(lasts: list[TokenEvent], n: int) -> dict:
 def completion_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
     """finals: per choice, its text, its last event and its logprobs object."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": finals[0][1].final.adapter_version,
             "choices": [{"index": i, "text": text, "logprobs": logprobs,
                          "finish_reason": FINISH_REASONS[last.final.finish_reason]}
                         for i, (text, last, logprobs) in enumerate(finals)],
@@ -216,6 +217,7 @@ def completion_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, di
 
 def chat_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": finals[0][1].final.adapter_version,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs, "finish_reason": FINISH_REASONS[last.final.finish_reason]}
                         for i, (text, last, logprobs) in enumerate(finals)],
@@ -232,6 +234,7 @@ def completion_chunk(cid: str, model: str, index: int, event: TokenEvent, text: 
                      logprobs: dict | None) -> dict:
     reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": _fingerprint(event),
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
 
 
@@ -240,4 +243,27 @@ def chat_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, f
     reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
     delta = {"role": "assistant", "content": text} if first else {"content": text}
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "system_fingerprint": _fingerprint(event),
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+
+def _fingerprint(event: TokenEvent) -> str | None:
+    """system_fingerprint: the content id of the adapter weights that answered (None for the base model), on a
+    request's last chunk, once the replica knows it."""
+    return event.final.adapter_version if event.finished else None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter."""
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096, description="an absolute local folder, "
+                           "s3://bucket/prefix or hf://org/name[@revision]")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id is vLLM's internal number: not taken)."""
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -14,12 +14,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from transformers import AutoConfig
 
-from lora_cache.adapter import LoRAAdapter, load_adapter
-from lora_cache.sources import SourceConfig, make_source, validate_adapter_id
+from lora_cache.adapter import AdapterError, LoRAAdapter, load_adapter
+from lora_cache.registry import (AdapterRegistry, Registration, RegistryView, adapter_key, key_generation,
+                                 key_name)
+from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
+                                validate_adapter_id)
 
 ACTOR_NAME = "lora-serve-adapter-cache"
 RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
@@ -29,6 +33,7 @@ RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
 class _Entry:
     ref: ray.ObjectRef
     nbytes: int
+    content_id: str
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
@@ -36,7 +41,13 @@ class LoRACacheActor:
     def __init__(self, base_config: dict, sources: SourceConfig, capacity_bytes: int = 4 << 30):
         # The base model's config as a dict: the actor may live on a node without the model's files.
         self.hf_config = AutoConfig.for_model(**base_config)
+        self.sources = sources
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
+        self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
+        name = ray.get_runtime_context().get_actor_name()
+        saved = Path(sources.disk_cache) / f"registry-{name}.json" if name and sources.disk_cache else None
+        self.registry = AdapterRegistry(saved)  # a named actor restarted by Ray keeps its registrations
+        self._registering = asyncio.Lock()
         self.capacity_bytes = capacity_bytes
         self.max_adapter_bytes = sources.max_adapter_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -62,19 +73,76 @@ class LoRACacheActor:
             if self.inflight.get(adapter_id) is not None and self.inflight[adapter_id].done():
                 self.inflight.pop(adapter_id, None)
 
-    async def _load(self, adapter_id: str) -> ray.ObjectRef:
+    async def _load(self, key: str, location: AdapterLocation | None = None) -> ray.ObjectRef:
         start = time.perf_counter()
-        adapter = await asyncio.to_thread(self._read, adapter_id)
+        adapter = await asyncio.to_thread(self._read, key, location or self._location(key))
         ref = ray.put(adapter)
-        self.entries[adapter_id] = _Entry(ref, adapter.nbytes)
-        self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
-        self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
+        self.entries[key] = _Entry(ref, adapter.nbytes, adapter.content_id)
+        self.load_counts[key] = self.load_counts.get(key, 0) + 1
+        self.load_seconds[key] = self.load_seconds.get(key, 0.0) + time.perf_counter() - start
         self._evict_beyond_capacity()
         return ref
 
-    def _read(self, adapter_id: str) -> LoRAAdapter:
-        folder = self.source.locate(validate_adapter_id(adapter_id))
-        return load_adapter(adapter_id, folder, self.hf_config, self.max_adapter_bytes)
+    def _location(self, key: str) -> AdapterLocation | None:
+        """Where the key's weights are: its registered location, or None for the configured source."""
+        name = key_name(key)
+        if key_generation(key) != self.registry.generations.get(name, 0):
+            raise AdapterError(name, "was loaded or unloaded again while this request was on its way; retry")
+        return self.registry.location(name)
+
+    def _read(self, key: str, location: AdapterLocation | None) -> LoRAAdapter:
+        name = validate_adapter_id(key_name(key))
+        if location is None:
+            folder = self.source.locate(name)
+        elif location.scheme == "local":
+            folder = Path(location.path)
+        elif location.scheme == "s3":
+            bucket, _, prefix = location.path.partition("/")
+            folder = self._remote_source("s3").fetch(name, bucket, prefix)
+        else:
+            folder = self._remote_source("hub").locate(location.path)
+        return load_adapter(key, folder, self.hf_config, self.max_adapter_bytes)
+
+    def _remote_source(self, kind: str) -> AdapterSource:
+        if kind not in self.remote_sources:
+            self.remote_sources[kind] = remote_source(kind, self.sources, root=None)
+        return self.remote_sources[kind]
+
+    async def register(self, name: str, lora_path: str) -> Registration:
+        """Serve `name` from `lora_path` (a local folder, s3://bucket/prefix or hf://org/name[@rev]) under a new
+        key. The adapter is read and validated first: a bad one changes nothing."""
+        validate_adapter_id(name)
+        if "@" in name:
+            raise AdapterError(name, "a lora_name has no '@revision': put the revision in lora_path")
+        try:
+            location = AdapterLocation.parse(lora_path)
+        except ValueError as exc:
+            raise AdapterError(name, str(exc)) from None
+        async with self._registering:  # one change of the registry at a time: each gets its own generation
+            key = self.registry.next_key(name)
+            await self._load(key, location)
+            self.registry.register(name, location)
+            self._forget_older(name, key)
+            return Registration(name, key, self.entries[key].content_id, self.registry.version)
+
+    async def unregister(self, name: str) -> int:
+        """Stop serving `name` from its registered location; the registry version that says so."""
+        async with self._registering:
+            self.registry.unregister(name)
+            self._forget_older(name, None)
+            return self.registry.version
+
+    async def watch(self, replica: str, applied_version: int) -> RegistryView:
+        """Long poll: the registry view once it differs from the version `replica` has applied (or after 10 s)."""
+        return await self.registry.changed_since(replica, applied_version, 10.0)
+
+    async def wait_applied(self, version: int, timeout_s: float = 5.0) -> list[str]:
+        """Wait until every live replica has applied `version`; the replicas that did not in time."""
+        return await self.registry.wait_applied(version, list(self._replicas()), timeout_s)
+
+    def _forget_older(self, name: str, keep: str | None) -> None:
+        for key in [k for k in self.entries if key_name(k) == name and k != keep]:
+            del self.entries[key]  # the object store frees it once no replica holds the ref
 
     def _evict_beyond_capacity(self) -> None:
         while len(self.entries) > 1 and sum(e.nbytes for e in self.entries.values()) > self.capacity_bytes:
@@ -93,22 +161,31 @@ class LoRACacheActor:
         return {r: {"device": device, "cpu": cpu} for r, (_, device, cpu) in self.residence.items()}
 
     def stats(self) -> dict:
-        return {"adapters": {a: {"nbytes": e.nbytes} for a, e in self.entries.items()}, "replicas": self._replicas(),
+        return {"adapters": {a: {"nbytes": e.nbytes, "content_id": e.content_id} for a, e in self.entries.items()},
+                "registered": {n: str(loc) for n, loc in self.registry.locations.items()},
+                "generations": dict(self.registry.generations), "replicas": self._replicas(),
                 "bytes": sum(e.nbytes for e in self.entries.values()), "capacity_bytes": self.capacity_bytes,
                 "hits": self.hits, "misses": self.misses, "load_counts": dict(self.load_counts),
                 "load_seconds": dict(self.load_seconds)}
 
 
 def adapter_residence(stats: dict) -> dict[str, dict]:
-    """Per adapter the cache knows: in the object store or not, the replicas holding it in device slots and in
-    their CPU copy, and how often it was read from its source."""
+    """Per adapter name the cache knows, for its current key (lora_cache/registry.py): the content id of its
+    weights once loaded, its lora_path when loaded at run time, in the object store or not, the replicas holding
+    it in device slots and in their CPU copy, and how often it was read from its source."""
+    generations = stats["generations"]
+    current = lambda key: adapter_key(key_name(key), generations.get(key_name(key), 0)) == key  # noqa: E731
     known = set(stats["adapters"]) | set(stats["load_counts"])
     for replica in stats["replicas"].values():
         known |= set(replica["device"]) | set(replica["cpu"])
-    return {a: {"object_store": a in stats["adapters"],
-                "device_replicas": sorted(r for r, v in stats["replicas"].items() if a in v["device"]),
-                "cpu_replicas": sorted(r for r, v in stats["replicas"].items() if a in v["cpu"]),
-                "source_loads": stats["load_counts"].get(a, 0)} for a in sorted(known)}
+    known = {k for k in known if current(k)} | {adapter_key(n, generations[n]) for n in stats["registered"]}
+    replicas = stats["replicas"]
+    return {key_name(k): {"content_id": stats["adapters"].get(k, {}).get("content_id"),
+                          "lora_path": stats["registered"].get(key_name(k)),
+                          "object_store": k in stats["adapters"],
+                          "device_replicas": sorted(r for r, v in replicas.items() if k in v["device"]),
+                          "cpu_replicas": sorted(r for r, v in replicas.items() if k in v["cpu"]),
+                          "source_loads": stats["load_counts"].get(k, 0)} for k in sorted(known)}
 
 
 def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
@@ -124,15 +201,56 @@ class RayAdapterCache:
     know which one it has. A call is retried once if the actor died in between (Ray restarts it).
     """
 
-    def __init__(self, actor: ray.actor.ActorHandle):
+    def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver"):
         self.actor = actor
-        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # process-local copies, newest last
+        self.replica = replica
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # process-local copies by key, newest last
         self.load_counts: dict[str, int] = {}
         self.load_seconds: dict[str, float] = {}
         self.max_local = 64
         self._lock = threading.Lock()  # the engine's step thread fetches, the replica's report thread lists
+        self._view = RegistryView()
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="lora-serve-registry", daemon=True).start()
+
+    def key(self, name: str) -> str:
+        """The key the engine knows `name` by now (lora_cache/registry.py)."""
+        return self._view.key(name)
+
+    def content_id(self, key: str) -> str | None:
+        adapter = self.adapters.get(key)
+        return adapter.content_id if adapter is not None else None
+
+    async def register(self, name: str, lora_path: str) -> Registration:
+        """Load `name` from `lora_path` in the cache actor; returns once every live replica serves the new key."""
+        registration = await self.actor.register.remote(name, lora_path)
+        await self.actor.wait_applied.remote(registration.version)
+        return registration
+
+    async def unregister(self, name: str) -> None:
+        version = await self.actor.unregister.remote(name)
+        await self.actor.wait_applied.remote(version)
+
+    def _watch(self) -> None:
+        """Long-poll the actor for registry changes; drop the copies of keys that are no longer current."""
+        while not self._stop.is_set():
+            try:
+                view = ray.get(self.actor.watch.remote(self.replica, self._view.version))
+            except ray.exceptions.RayError:  # the actor is restarting
+                self._stop.wait(1.0)
+                continue
+            except SystemExit:  # Ray is shutting down in this process
+                return
+            with self._lock:
+                for key in [k for k in self.adapters if not view.is_current(k)]:
+                    del self.adapters[key]
+                self._view = view
+
+    def close(self) -> None:
+        self._stop.set()
 
     def get(self, adapter_id: str) -> LoRAAdapter:
+        """The adapter of a key (a name, for one never registered at run time)."""
         adapter = self.adapters.get(adapter_id)
         if adapter is None:
             start = time.perf_counter()

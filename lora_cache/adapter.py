@@ -12,6 +12,7 @@ Weights are read with safetensors only: pickled checkpoints are never opened.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -56,7 +57,11 @@ class AdapterError(ValueError):
         self.reason = reason
 
     def __reduce__(self):  # exceptions cross Ray process boundaries pickled; rebuild from both fields
-        return AdapterError, (self.adapter_id, self.reason)
+        return type(self), (self.adapter_id, self.reason)
+
+
+class AdapterNotFoundError(AdapterError):
+    """No such adapter where it was looked for (HTTP 404); other AdapterErrors are bad adapters (HTTP 400)."""
 
 
 @dataclass
@@ -75,6 +80,9 @@ class LoRAAdapter:
     layers: dict[int, dict[str, LoRAWeights]]  # layer index -> module key -> weights
     nbytes: int  # bytes of all A and B tensors (float32)
     base_model_name_or_path: str | None
+    # The version of these weights: a hash of the config and weights files. Responses carry it, so a client knows
+    # which weights answered, and a retrained adapter under a reused name is told apart.
+    content_id: str = ""
 
 
 def target_module_shapes(hf_config) -> dict[str, tuple[int, int]]:
@@ -118,7 +126,7 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
     """Read and validate the adapter in `folder` against the base model described by `hf_config`."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise AdapterError(adapter_id, f"folder {folder} not found")
+        raise AdapterNotFoundError(adapter_id, f"folder {folder} not found")
     config = _read_config(adapter_id, folder)
     _check_features(adapter_id, config)
     weights_file = _weights_file(adapter_id, folder, max_bytes)
@@ -136,7 +144,18 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
         layers=layers,
         nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in weights),
         base_model_name_or_path=config.get("base_model_name_or_path"),
+        content_id=content_id(folder),
     )
+
+
+def content_id(folder: Path) -> str:
+    """sha256 of the adapter's config and weights files, 16 hex digits."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with (Path(folder) / name).open("rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def _read_config(adapter_id: str, folder: Path) -> dict:

@@ -18,7 +18,7 @@ from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import build_hf_headers, http_stream_backoff
 
-from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 from lora_cache.disk_tier import BoundedFile, DiskTier, check_announced, entry_name
 from lora_cache.sources import HubCacheSource, split_revision
 
@@ -69,7 +69,8 @@ class HubSource:
             return get_hf_file_metadata(url, token=self.token, timeout=self.timeout_s, endpoint=self.endpoint,
                                         retry_on_errors=True)
         except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-            raise AdapterError(adapter_id, f"not found on the Hub ({self._where()}): {_first_line(exc)}") from None
+            reason = f"not found on the Hub ({self._where()}): {_first_line(exc)}"
+            raise AdapterNotFoundError(adapter_id, reason) from None
         except EntryNotFoundError:
             hint = "; pickled adapter_model.bin weights are never downloaded" if filename == WEIGHTS_FILE else ""
             raise AdapterError(adapter_id, f"the Hub repository {repo!r} has no {filename}{hint}") from None

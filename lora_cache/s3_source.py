@@ -17,7 +17,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 from lora_cache.disk_tier import DiskTier, check_announced, entry_name
 from lora_cache.sources import split_revision
 
@@ -37,9 +37,10 @@ def parse_s3_root(root: str) -> tuple[str, str]:
 class S3Source:
     name = "s3"
 
-    def __init__(self, tier: DiskTier, root: str, timeout_s: float = 30.0, retries: int = 3):
+    def __init__(self, tier: DiskTier, root: str | None, timeout_s: float = 30.0, retries: int = 3):
+        """root: s3://bucket/prefix for ids; None for a source that only fetches whole locations (`fetch`)."""
         self.tier = tier
-        self.bucket, self.prefix = parse_s3_root(root)
+        self.bucket, self.prefix = parse_s3_root(root) if root is not None else (None, "")
         config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
                         retries={"max_attempts": retries, "mode": "standard"})
         self.client = boto3.client("s3", config=config)
@@ -48,33 +49,37 @@ class S3Source:
         name, revision = split_revision(adapter_id)
         if revision is not None:
             raise AdapterError(adapter_id, "an S3 adapter has no revisions ('@'): its version is its objects' ETags")
-        keys = {file: "/".join(p for p in (self.prefix, name, file) if p) for file in FILES}
-        heads = {file: self._head(adapter_id, key) for file, key in keys.items()}
+        if self.bucket is None:
+            raise AdapterError(adapter_id, "this S3 source has no adapters_root to find ids under")
+        return self.fetch(adapter_id, self.bucket, "/".join(p for p in (self.prefix, name) if p))
+
+    def fetch(self, adapter_id: str, bucket: str, prefix: str):
+        """The adapter whose two files are under s3://bucket/prefix/, as a disk-tier folder."""
+        keys = {file: f"{prefix}/{file}" for file in FILES}
+        heads = {file: self._head(adapter_id, bucket, key) for file, key in keys.items()}
         check_announced(adapter_id, [h["ContentLength"] for h in heads.values()], self.tier.max_adapter_bytes)
         version = "+".join(heads[file]["ETag"].strip('"') for file in FILES)
-        entry = entry_name(self.name, f"{self.bucket}/{keys[CONFIG_FILE].rsplit('/', 1)[0]}", version)
+        entry = entry_name(self.name, f"{bucket}/{prefix}", version)
         return self.tier.lookup(entry) or self.tier.fill(
-            adapter_id, entry, lambda open_file: self._download(adapter_id, keys, heads, open_file))
+            adapter_id, entry, lambda open_file: self._download(adapter_id, bucket, keys, heads, open_file))
 
-    def _head(self, adapter_id: str, key: str) -> dict:
+    def _head(self, adapter_id: str, bucket: str, key: str) -> dict:
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=key)
+            return self.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in _MISSING:
-                raise AdapterError(adapter_id, f"not found: s3://{self.bucket}/{key}") from None
-            raise AdapterError(adapter_id, f"S3 refused s3://{self.bucket}/{key}: {exc}") from None
+                raise AdapterNotFoundError(adapter_id, f"not found: s3://{bucket}/{key}") from None
+            raise AdapterError(adapter_id, f"S3 refused s3://{bucket}/{key}: {exc}") from None
         except BotoCoreError as exc:
-            raise AdapterError(adapter_id, f"S3 did not answer for s3://{self.bucket}/{key}: {exc}") from None
+            raise AdapterError(adapter_id, f"S3 did not answer for s3://{bucket}/{key}: {exc}") from None
 
-    def _download(self, adapter_id: str, keys: dict, heads: dict, open_file) -> None:
+    def _download(self, adapter_id: str, bucket: str, keys: dict, heads: dict, open_file) -> None:
         for file in FILES:
             with open_file(file) as out:
                 try:
-                    body = self.client.get_object(Bucket=self.bucket, Key=keys[file],
-                                                  IfMatch=heads[file]["ETag"])["Body"]
+                    body = self.client.get_object(Bucket=bucket, Key=keys[file], IfMatch=heads[file]["ETag"])["Body"]
                     for chunk in body.iter_chunks(CHUNK_BYTES):
                         out.write(chunk)
                 except (ClientError, BotoCoreError) as exc:
-                    raise AdapterError(adapter_id, f"download of s3://{self.bucket}/{keys[file]} failed: {exc}") \
-                        from None
+                    raise AdapterError(adapter_id, f"download of s3://{bucket}/{keys[file]} failed: {exc}") from None
                 out.finish(heads[file]["ContentLength"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 
 MAX_ID_LENGTH = 256
 _ID_PART = re.compile(r"[A-Za-z0-9._-]+")
@@ -94,7 +94,7 @@ class LocalSource:
         if not _inside(folder, self.root):
             raise AdapterError(adapter_id, f"{folder} resolves outside the adapters root {self.root}")
         if not folder.is_dir():
-            raise AdapterError(adapter_id, f"not found in {self.root}")
+            raise AdapterNotFoundError(adapter_id, f"not found in {self.root}")
         return _check_contained(adapter_id, folder, self.root)
 
 
@@ -123,7 +123,7 @@ class HubCacheSource:
         repo = self.cache_dir / ("models--" + name.replace("/", "--"))
         snapshot = self._snapshot(adapter_id, repo, revision)
         if snapshot is None or not snapshot.is_dir():
-            raise AdapterError(adapter_id, f"not found in the Hugging Face cache {self.cache_dir}")
+            raise AdapterNotFoundError(adapter_id, f"not found in the Hugging Face cache {self.cache_dir}")
         return _check_contained(adapter_id, snapshot, repo)  # snapshot files link into repo/blobs
 
     @staticmethod
@@ -167,17 +167,51 @@ def make_source(config: SourceConfig) -> AdapterSource:
         return LocalSource(config.adapters_root)
     if config.kind not in SOURCES:
         raise ValueError(f"unknown adapter source {config.kind!r}; known: {', '.join(SOURCES)}")
+    if config.kind == "s3" and config.adapters_root is None:
+        raise ValueError("the s3 adapter source needs adapters_root: s3://bucket/prefix")
+    return remote_source(config.kind, config, config.adapters_root)
+
+
+def remote_source(kind: str, config: SourceConfig, root: str | None) -> AdapterSource:
+    """The hub or s3 source, downloading into the disk tier of `config`; an s3 source without a root fetches only
+    whole locations (S3Source.fetch)."""
     from lora_cache.disk_tier import DiskTier  # the remote sources' libraries load only when one is used
 
     if config.disk_cache is None:
-        raise ValueError(f"the {config.kind} adapter source needs a disk cache folder (adapter_disk_cache)")
+        raise ValueError(f"the {kind} adapter source needs a disk cache folder (adapter_disk_cache)")
     tier = DiskTier(config.disk_cache, config.disk_cache_bytes, config.max_adapter_bytes)
-    if config.kind == "hub":
+    if kind == "hub":
         from lora_cache.hub_source import HubSource
 
         return HubSource(tier, config.hub_cache, config.download_timeout_s, config.download_retries)
     from lora_cache.s3_source import S3Source
 
-    if config.adapters_root is None:
-        raise ValueError("the s3 adapter source needs adapters_root: s3://bucket/prefix")
-    return S3Source(tier, config.adapters_root, config.download_timeout_s, config.download_retries)
+    return S3Source(tier, root, config.download_timeout_s, config.download_retries)
+
+
+@dataclass(frozen=True)
+class AdapterLocation:
+    """Where an adapter registered at run time lives (vLLM's `lora_path`): an absolute local folder,
+    s3://bucket/prefix (the folder holding the two files) or hf://org/name[@revision]."""
+    scheme: str  # "local", "s3" or "hub"
+    path: str  # the folder; "bucket/prefix"; "org/name[@revision]"
+
+    @classmethod
+    def parse(cls, lora_path: str) -> AdapterLocation:
+        if lora_path.startswith("s3://"):
+            bucket, _, prefix = lora_path[len("s3://"):].partition("/")
+            if not bucket or not prefix.strip("/"):
+                raise ValueError(f"lora_path {lora_path!r}: an S3 location is s3://bucket/prefix")
+            return cls("s3", f"{bucket}/{prefix.strip('/')}")
+        if lora_path.startswith("hf://"):
+            repo = lora_path[len("hf://"):]
+            split_revision(repo)  # AdapterError names what is wrong with it
+            return cls("hub", repo)
+        if "://" in lora_path:
+            raise ValueError(f"lora_path {lora_path!r}: known schemes are s3:// and hf://, or an absolute local path")
+        if not os.path.isabs(lora_path):
+            raise ValueError(f"lora_path {lora_path!r}: a local path must be absolute")
+        return cls("local", os.path.normpath(lora_path))
+
+    def __str__(self) -> str:
+        return {"local": "{}", "s3": "s3://{}", "hub": "hf://{}"}[self.scheme].format(self.path)

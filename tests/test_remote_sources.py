@@ -222,34 +222,88 @@ def test_disk_tier_evicts_the_least_recently_used_by_bytes(tmp_path):
     assert tier_contents(tmp_path) == ["a", "c"]
 
 
-def test_killing_the_cache_actor_mid_download_leaves_no_partial_adapter(tiny_llama_path, adapters, hub, tmp_path,
-                                                                         tmp_path_factory):
+@pytest.fixture(scope="module")
+def ray_servers(hub, s3, tmp_path_factory):
+    """Ray whose workers (the cache actor) reach the loopback Hub and S3 servers."""
+    import ray
+
+    env = {**S3_ENV, "AWS_ENDPOINT_URL": s3[0], "HF_ENDPOINT": hub[0]}
+    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": env})
+    yield
+    ray.shutdown()
+
+
+def _base_config(tiny_llama_path) -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_llama_path).to_dict()
+
+
+def test_killing_the_cache_actor_mid_download_leaves_no_partial_adapter(ray_servers, tiny_llama_path, adapters,
+                                                                         hub, tmp_path):
     """The actor dies while a slow download is half written; Ray restarts it and retries the call: the dead
     download's staging folder is gone, and the one entry is the whole adapter."""
     import ray
-    from transformers import AutoConfig
 
     from lora_cache.actor import LoRACacheActor
 
-    endpoint, hub_root = hub
+    hub_root = hub[1]
     publish(hub_root, "acme/slow", "a7" * 20, adapters / "big")
     (hub_root / "acme/slow" / "faults.json").write_text(json.dumps({"slow_s": 0.1}))
     tier = tmp_path / "tier"
-    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"HF_ENDPOINT": endpoint}})
+    actor = LoRACacheActor.remote(_base_config(tiny_llama_path), SourceConfig("hub", disk_cache=str(tier)))
+    ref = actor.get.remote("acme/slow")
+    deadline = time.monotonic() + 60
+    while not any(p.is_file() for p in (tier / STAGING).glob("*/*")):
+        assert time.monotonic() < deadline, "the download never started"
+        time.sleep(0.05)
+    ray.kill(actor, no_restart=False)
+    (hub_root / "acme/slow" / "faults.json").unlink()
+    [adapter_ref] = ray.get(ref)  # retried on the restarted actor
+    assert ray.get(adapter_ref).adapter_id == "acme/slow"
+    [entry] = tier_contents(tier)
+    assert all((tier / entry / f).read_bytes() == (adapters / "big" / f).read_bytes() for f in FILES)
+
+
+def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_servers, tiny_llama_path, adapters,
+                                                                           hub, tmp_path):
+    import ray
+
+    from lora_cache.actor import LoRACacheActor, RayAdapterCache
+    from lora_cache.adapter import content_id
+
+    publish(hub[1], "acme/registered", "b8" * 20, adapters / "one", refs=("main", "v3"))
+    sources = SourceConfig("local", str(adapters), disk_cache=str(tmp_path))
+    actor = LoRACacheActor.options(name="registry-test").remote(_base_config(tiny_llama_path), sources)
+    client = RayAdapterCache(actor, "test-replica")
     try:
-        base_config = AutoConfig.from_pretrained(tiny_llama_path).to_dict()
-        actor = LoRACacheActor.remote(base_config, SourceConfig("hub", disk_cache=str(tier)))
-        ref = actor.get.remote("acme/slow")
-        deadline = time.monotonic() + 60
-        while not any(p.is_file() for p in (tier / STAGING).glob("*/*")):
-            assert time.monotonic() < deadline, "the download never started"
-            time.sleep(0.05)
+        from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two"))
+        from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3"))
+        assert (from_s3.key, from_hub.key) == ("from-s3#1", "from-hub#1")
+        assert from_s3.content_id == content_id(adapters / "two")
+        assert from_hub.content_id == content_id(adapters / "one")
+        assert client.get(from_hub.key).content_id == from_hub.content_id
+        with pytest.raises(AdapterError, match="not found: s3://adapters/models/acme/absent"):
+            ray.get(actor.register.remote("absent", "s3://adapters/models/acme/absent"))
+
         ray.kill(actor, no_restart=False)
-        (hub_root / "acme/slow" / "faults.json").unlink()
-        [adapter_ref] = ray.get(ref)  # retried on the restarted actor
-        assert ray.get(adapter_ref).adapter_id == "acme/slow"
-        [entry] = tier_contents(tier)
-        assert all((tier / entry / f).read_bytes() == (adapters / "big" / f).read_bytes() for f in FILES)
+        deadline = time.monotonic() + 30
+        while True:  # the kill lands asynchronously: wait for the restarted actor, its object store tier empty
+            try:
+                stats = ray.get(actor.stats.remote())
+                if not stats["adapters"]:
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline, "the actor did not restart"
+            time.sleep(0.2)
+        # it read its registrations back from the disk cache folder
+        assert stats["registered"] == {"from-s3": "s3://adapters/models/acme/two",
+                                       "from-hub": "hf://acme/registered@v3"}
+        assert stats["generations"] == {"from-s3": 1, "from-hub": 1}
+        [ref] = ray.get(actor.get.remote("from-s3#1"))
+        assert ray.get(ref).content_id == from_s3.content_id
     finally:
-        ray.shutdown()
+        client.close()
+        ray.kill(actor, no_restart=True)

@@ -42,7 +42,8 @@ def server(tiny_llama_path, adapters_root, tmp_path_factory):
              _metrics_export_port=metrics_port)
     METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root)}
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root),
+              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
     serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -135,15 +136,15 @@ def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters
         assert [t["id"] for t in r.json()["details"]["tokens"]] == expected.token_ids, adapter
 
 
-@pytest.mark.parametrize("parameters, words", [
-    ({"adapter_id": "missing"}, "not found"),
-    ({"adapter_id": "../alpha"}, ".."),
-    ({"adapter_id": "alpha", "adapter_source": "hub"}, "not served here"),
+@pytest.mark.parametrize("parameters, status, words", [
+    ({"adapter_id": "missing"}, 404, "not found"),
+    ({"adapter_id": "../alpha"}, 400, ".."),
+    ({"adapter_id": "alpha", "adapter_source": "hub"}, 400, "not served here"),
 ])
-def test_bad_adapter_requests_get_400_with_reason(server, parameters, words):
+def test_bad_adapter_requests_get_4xx_with_reason(server, parameters, status, words):
     r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2, **parameters}},
                       timeout=60)
-    assert r.status_code == 400 and words in r.text, r.text
+    assert r.status_code == status and words in r.text, r.text
 
 
 def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_path, adapters_root, tokenizer):
@@ -172,7 +173,7 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
 
     listed = {m.id for m in client.models.list()}
     assert {str(tiny_llama_path), "alpha", "beta"} <= listed
-    with pytest.raises(openai.BadRequestError, match="not found"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n"):
         client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, n=17)
@@ -539,3 +540,75 @@ def test_prometheus_metrics_are_exported(server):
 
     text = _poll(exported, timeout=60, interval=2)
     assert 'adapter="alpha"' in text and 'adapter="base"' in text
+
+
+def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_llama_path, tmp_path):
+    """load_lora_adapter, use, reload with new weights (a request already running finishes on the old ones; the
+    content id and the outputs change), unload (then 404), while a base-model stream runs throughout."""
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    for seed, version in ((10, "v1"), (11, "v2")):
+        write_random_adapter(tmp_path / version, config, rank=4, seed=seed)
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    short, long = SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=300, temperature=0,
+                                                                               ignore_eos=True)
+    expect = {v: llm.generate([PROMPTS[2]], short, use_tqdm=False, adapters=[v])[0].text for v in ("v1", "v2")}
+    assert expect["v1"] != expect["v2"]
+    long_v1 = llm.generate([PROMPTS[2]], long, use_tqdm=False, adapters=["v1"])[0].text
+
+    def complete(**extra):
+        return requests.post(f"{server}/v1/completions", json={"model": "gamma", "prompt": PROMPTS[2], "max_tokens": 8,
+                                                                "temperature": 0, **extra}, timeout=60)
+
+    def load(path):
+        return requests.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(path)},
+                             timeout=60)
+
+    base = requests.post(f"{server}/generate_stream", json={"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 400, "ignore_eos_token": True}}, stream=True, timeout=60)
+    base_lines = base.iter_lines()
+    assert next(line for line in base_lines if line).startswith(b"data:")
+
+    assert complete().status_code == 404
+    first = load(tmp_path / "v1")
+    assert first.status_code == 200, first.text
+    v1_id = first.json()["content_id"]
+    body = complete().json()
+    assert body["choices"][0]["text"] == expect["v1"] and body["system_fingerprint"] == v1_id
+    models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
+    assert models["gamma"]["content_id"] == v1_id and models["gamma"]["lora_path"] == str(tmp_path / "v1")
+
+    running = complete(max_tokens=300, ignore_eos=True, stream=True)
+    running_lines = running.iter_lines()
+    assert next(line for line in running_lines if line).startswith(b"data:")  # started on v1
+    second = load(tmp_path / "v2")
+    assert second.status_code == 200, second.text
+    v2_id = second.json()["content_id"]
+    assert v2_id != v1_id
+    chunks = [json.loads(line[6:]) for line in running_lines if line.startswith(b"data: {")]
+    assert chunks[-1]["system_fingerprint"] == v1_id  # the request that was running finished on the old weights
+    assert long_v1.endswith("".join(c["choices"][0]["text"] for c in chunks))
+    body = complete().json()
+    assert body["choices"][0]["text"] == expect["v2"] and body["system_fingerprint"] == v2_id
+
+    unloaded = requests.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    gone = complete()
+    assert gone.status_code == 404 and "not found" in gone.json()["error"]["message"], gone.text
+    assert "gamma" not in {m["id"] for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
+
+    for route, body, status, words in [
+            ("unload", {"lora_name": "gamma"}, 404, "cannot be unloaded"),
+            ("load", {"lora_name": "gamma", "lora_path": str(tmp_path / "absent")}, 404, "not found"),
+            ("load", {"lora_name": "gamma", "lora_path": "relative/path"}, 400, "must be absolute"),
+            ("load", {"lora_name": "gamma", "lora_path": "ftp://x/y"}, 400, "known schemes"),
+            ("load", {"lora_name": "../gamma", "lora_path": str(tmp_path / "v1")}, 400, ".."),
+            ("load", {"lora_name": "gamma", "lora_path": str(tmp_path / "v1"), "lora_int_id": 3}, 400, "lora_int_id")]:
+        r = requests.post(f"{server}/v1/{route}_lora_adapter", json=body, timeout=60)
+        assert r.status_code == status and words in r.json()["error"]["message"], (route, body, r.text)
+
+    rest = [json.loads(line[5:]) for line in base_lines if line.startswith(b"data:")]
+    assert rest[-1]["details"]["generated_tokens"] == 400  # the base stream ran through it all
