@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.layers.quantized import QUANTIZATIONS
-from lora_cache.sources import SOURCES, SourceConfig
+from lora_cache.sources import SOURCES, SourceConfig, validate_adapter_id
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -68,6 +68,10 @@ class EngineConfig:
     adapter_download_retries: int = 3
     max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
     max_adapter_wait_s: float = 1.0  # after this, a request whose adapter has no slot stops being passed
+    # Loaded into the CPU tier and device slots when the engine starts (so into every replica added by scale-up):
+    # their first requests find them warm. Pinned adapters also keep their slots for good.
+    preload_adapters: tuple[str, ...] = ()
+    pinned_adapters: tuple[str, ...] = ()
     seed: int = 0
     log_stats: bool = True
 
@@ -109,8 +113,19 @@ class EngineConfig:
             raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.adapter_source!r}")
         if self.adapter_download_timeout_s <= 0 or self.adapter_download_retries < 0:
             raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
+        self._validate_preloads()
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    def _validate_preloads(self) -> None:
+        self.preload_adapters, self.pinned_adapters = tuple(self.preload_adapters), tuple(self.pinned_adapters)
+        if (self.preload_adapters or self.pinned_adapters) and not self.max_loras:
+            raise ValueError("preload_adapters and pinned_adapters need LoRA: set max_loras > 0")
+        if len(set(self.pinned_adapters)) >= max(self.max_loras, 1) and self.pinned_adapters:
+            raise ValueError(f"{len(set(self.pinned_adapters))} pinned_adapters leave none of the {self.max_loras} "
+                             f"device slots (max_loras) to other adapters")
+        for adapter_id in self.preload_adapters + self.pinned_adapters:
+            validate_adapter_id(adapter_id)
 
     @property
     def torch_dtype(self) -> torch.dtype:

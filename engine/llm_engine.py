@@ -118,6 +118,8 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._mask_worker = (ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
                              if config.torch_device.type == "cuda" else None)
+        self._preload(config.preload_adapters, pin=False)
+        self._preload(config.pinned_adapters, pin=True)
         if config.log_stats:
             quantized = f", {config.quantization}" if config.quantization != "none" else ""
             print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}): "
@@ -170,6 +172,18 @@ class LLMEngine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
+
+    def _preload(self, names: tuple[str, ...], pin: bool) -> None:
+        """Into the CPU tier and a device slot now, so a first request finds them warm; a pinned adapter keeps
+        one pin on its slot for good, so the slot is never reused. A bad adapter fails the start, with why."""
+        for name in names:
+            adapter_id = self.adapters.key(name)
+            self._check_adapter(adapter_id)
+            grant = self.adapter_slots.acquire(adapter_id)
+            if grant.needs_load:
+                self.runner.load_adapter(grant.slot, self.adapters.get(adapter_id))
+            if not pin:
+                self.adapter_slots.release(adapter_id)
 
     def _check_adapter(self, adapter_id: str) -> None:
         if self.adapters is None:

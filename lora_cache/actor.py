@@ -209,7 +209,7 @@ class RayAdapterCache:
         self.load_seconds: dict[str, float] = {}
         self.max_local = 64
         self._lock = threading.Lock()  # the engine's step thread fetches, the replica's report thread lists
-        self._view = RegistryView()
+        self._view = ray.get(actor.watch.remote(replica, -1))  # the current view at once: preloads need it
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="lora-serve-registry", daemon=True).start()
 

@@ -40,6 +40,10 @@ class LocalAdapterCache:
             self.adapters.move_to_end(adapter_id)
             return adapter
 
+    def key(self, name: str) -> str:
+        """Offline, an adapter is known by its name (serving keys reloaded ones apart: lora_cache/registry.py)."""
+        return name
+
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self.adapters
 

@@ -142,3 +142,22 @@ def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
     assert stats["a"]["residence"] == "cpu" and stats["c"]["residence"] == "device"
     assert stats["b"]["source_loads"] == 1 and stats["b"]["mean_load_s"] > 0
     assert sorted(llm.engine.stats().resident_adapters) == ["b", "c"]
+
+
+def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama_path, tmp_path):
+    root = write_tiny_adapters(tiny_llama_path, tmp_path, ("warm", "pinned", "other1", "other2"))
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False,
+              preload_adapters=["warm"], pinned_adapters=["pinned"])
+    engine = llm.engine
+    assert sorted(engine.adapter_slots.resident()) == ["pinned", "warm"]  # before any request
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm.generate([PROMPTS[0]], params, use_tqdm=False, adapters=["warm"])
+    stats = engine.adapter_stats()
+    assert stats["warm"]["source_loads"] == 1 and stats["warm"]["slot_loads"] == 1  # nothing loaded on request
+    for adapter in ("other1", "other2", "other1"):  # two adapters take turns in the one free slot
+        llm.generate([PROMPTS[1]], params, use_tqdm=False, adapters=[adapter])
+    assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"]["slot_loads"] == 1
+    with pytest.raises(ValueError, match="leave none of the 2 device slots"):
+        LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), pinned_adapters=["warm", "pinned"])
+    with pytest.raises(ValueError, match="not found"):
+        LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False, preload_adapters=["nope"])

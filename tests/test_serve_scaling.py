@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import PROMPTS, free_port
+from tests.conftest import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 APP = "scaling"
@@ -39,7 +39,10 @@ def server(tiny_llama_path, tmp_path_factory):
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1}
+    adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("scaling-adapters"), ("warm",))
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
+              "adapters_root": str(adapters), "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier")),
+              "preload_adapters": ["warm"]}
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1,
                    "upscale_delay_s": 1, "downscale_delay_s": 4,
                    "policy": {"policy_function": "deployments.autoscaling:EngineLoadPolicy",
@@ -50,6 +53,19 @@ def server(tiny_llama_path, tmp_path_factory):
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+def _every_replica_holds_preloaded_adapter(adapter: str) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+    seen = {}
+    for _ in range(30):
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats["adapters"].get(adapter, {})
+    assert len(seen) == 2, seen
+    for usage in seen.values():
+        assert usage["residence"] == "device" and usage["requests"] == 0, seen
 
 
 def _load(url: str, stop: threading.Event, workers: int = 6) -> list[int]:
@@ -76,6 +92,7 @@ def test_queue_depth_scales_the_engine_up_and_idleness_back_down(server):
     loader.start()
     try:
         _wait_for(lambda: _running_replicas() == 2, 90, "scale-up to 2 replicas under load")
+        _every_replica_holds_preloaded_adapter("warm")  # the new one too, though no request asked for it
     finally:
         stop.set()
         loader.join()
