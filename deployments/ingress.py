@@ -26,6 +26,7 @@ from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from lora_cache.actor import ACTOR_NAME, adapter_residence
 from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.merge import MergeSpec
 from lora_cache.registry import Registration
 
 app = FastAPI(title="lora-serve")
@@ -123,6 +124,9 @@ class HttpRoutes:
     async def _unregister(self, name: str) -> None:
         raise NotImplementedError
 
+    async def _merge(self, spec: MergeSpec) -> str:
+        raise NotImplementedError
+
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -185,7 +189,20 @@ class HttpRoutes:
             params = request.parameters.to_sampling_params()
         except ValueError as exc:  # a combination the engine refuses
             return self._refused(str(exc))
+        if request.parameters.merged_adapters is not None:
+            return self._merged_stream(request, params, stream)
         return self._stream(request.inputs, params, request.parameters.adapter_id, stream)
+
+    async def _merged_stream(self, request: GenerateRequest, params: SamplingParams,
+                             stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
+        """LoRAX's merged_adapters: the events of the request on the merge of its adapters."""
+        try:
+            key = await self._merge(request.parameters.merged_adapters.to_spec())
+        except ValueError as exc:  # a bad spec, or a server without LoRA
+            yield Refusal(str(exc))
+            return
+        async for event in self._stream(request.inputs, params, key, stream):
+            yield event
 
     # ---- OpenAI-compatible API: `model` names the base model or an adapter id ----
 

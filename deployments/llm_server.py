@@ -34,6 +34,7 @@ from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.model_files import resolve_model
 from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
 from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.merge import MergeSpec
 from lora_cache.registry import Registration, key_name
 
 REPORT_INTERVAL_S = 2.0
@@ -117,6 +118,9 @@ class LLMServer(HttpRoutes):
 
     async def _unregister(self, name: str) -> None:
         await self._lora_cache().unregister(name)
+
+    async def _merge(self, spec: MergeSpec) -> str:
+        return await self._lora_cache().merge(spec)
 
     def _lora_cache(self) -> RayAdapterCache:
         if self.adapter_cache is None:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.events import TokenEntry
 from engine.sampling import ResponseFormat, SamplingParams
+from lora_cache.merge import MergeSpec
 
 
 class JSONResponseFormat(BaseModel):
@@ -19,6 +20,21 @@ class JSONResponseFormat(BaseModel):
 
     def to_engine(self) -> ResponseFormat:
         return ResponseFormat(self.json_schema) if self.json_schema is not None else ResponseFormat()
+
+
+class MergedAdapters(BaseModel):
+    """LoRAX's merged_adapters: these adapters merged into one (lora_cache/merge.py)."""
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(min_length=1, max_length=16)
+    weights: list[float] = Field(min_length=1, max_length=16)
+    merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] = "linear"
+    density: float = Field(1.0, gt=0, le=1)
+    majority_sign_method: Literal["total", "frequency"] = "total"
+
+    def to_spec(self) -> MergeSpec:
+        return MergeSpec(tuple(self.ids), tuple(self.weights), self.merge_strategy, self.density,
+                         self.majority_sign_method)
 
 
 class GenerateParameters(BaseModel):
@@ -36,11 +52,11 @@ class GenerateParameters(BaseModel):
     return_full_text: bool = False
     details: bool = False
     adapter_id: str | None = Field(None, min_length=1, description="LoRA adapter; none for the base model")
-    adapter_source: Literal["local", "hub"] | None = None
+    adapter_source: Literal["local", "hub", "s3"] | None = None
     # LoRAX clients send these (usually null or false); set to anything else they are refused by name below.
     decoder_input_details: bool = False  # prompt tokens (ids, text, logprobs) in details.prefill
     api_token: str | None = None
-    merged_adapters: dict | None = None
+    merged_adapters: MergedAdapters | None = None  # instead of adapter_id
     truncate: int | None = None
     typical_p: float | None = None
     best_of: int | None = None
@@ -50,7 +66,9 @@ class GenerateParameters(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
-        unsupported = {"merged_adapters": self.merged_adapters, "truncate": self.truncate,
+        if self.merged_adapters is not None and self.adapter_id is not None:
+            raise ValueError("give adapter_id or merged_adapters, not both")
+        unsupported = {"truncate": self.truncate,
                        "typical_p": self.typical_p, "best_of": self.best_of if self.best_of != 1 else None,
                        "watermark": self.watermark or None}
         named = [name for name, value in unsupported.items() if value is not None]

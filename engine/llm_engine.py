@@ -25,6 +25,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from lora_cache.local_cache import LocalAdapterCache
+from lora_cache.merge import MergeSpec
 from lora_cache.slots import AdapterSlots
 from lora_cache.sources import make_source
 
@@ -372,6 +373,12 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def merge_adapters(self, spec: MergeSpec) -> str:
+        """An id for `adapters=[...]` that serves the merge of spec's adapters (LoRAX's merged_adapters)."""
+        if self.engine.adapters is None:
+            raise ValueError("merging adapters needs LoRA: start the engine with max_loras > 0")
+        return self.engine.adapters.merge(spec)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, adapters: list[str | None] | None = None) -> list[RequestOutput]:

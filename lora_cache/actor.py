@@ -19,7 +19,8 @@ from pathlib import Path
 import ray
 from transformers import AutoConfig
 
-from lora_cache.adapter import AdapterError, LoRAAdapter, load_adapter
+from lora_cache.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
+from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
 from lora_cache.registry import (AdapterRegistry, Registration, RegistryView, adapter_key, key_generation,
                                  key_name)
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
@@ -48,6 +49,7 @@ class LoRACacheActor:
         saved = Path(sources.disk_cache) / f"registry-{name}.json" if name and sources.disk_cache else None
         self.registry = AdapterRegistry(saved)  # a named actor restarted by Ray keeps its registrations
         self._registering = asyncio.Lock()
+        self.merges: dict[str, MergeSpec] = {}  # merge key -> its spec (lora_cache/merge.py)
         self.capacity_bytes = capacity_bytes
         self.max_adapter_bytes = sources.max_adapter_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -75,13 +77,29 @@ class LoRACacheActor:
 
     async def _load(self, key: str, location: AdapterLocation | None = None) -> ray.ObjectRef:
         start = time.perf_counter()
-        adapter = await asyncio.to_thread(self._read, key, location or self._location(key))
+        if is_merge_key(key):
+            adapter = await self._merged(key)
+        else:
+            adapter = await asyncio.to_thread(self._read, key, location or self._location(key))
         ref = ray.put(adapter)
         self.entries[key] = _Entry(ref, adapter.nbytes, adapter.content_id)
         self.load_counts[key] = self.load_counts.get(key, 0) + 1
         self.load_seconds[key] = self.load_seconds.get(key, 0.0) + time.perf_counter() - start
         self._evict_beyond_capacity()
         return ref
+
+    def merge(self, spec: MergeSpec) -> str:
+        """The key of the adapter that merges spec's adapters (merged once, on its first use)."""
+        self.merges[spec.key()] = spec
+        return spec.key()
+
+    async def _merged(self, key: str) -> LoRAAdapter:
+        spec = self.merges.get(key)
+        if spec is None:
+            raise AdapterNotFoundError(key, "no such merge: send its merged_adapters spec")
+        view = self.registry.view()
+        parts = [await (await self.get(view.key(adapter_id)))[0] for adapter_id in spec.ids]
+        return await asyncio.to_thread(merge_adapters, key, parts, spec, list(target_module_shapes(self.hf_config)))
 
     def _location(self, key: str) -> AdapterLocation | None:
         """Where the key's weights are: its registered location, or None for the configured source."""
@@ -230,6 +248,9 @@ class RayAdapterCache:
     async def unregister(self, name: str) -> None:
         version = await self.actor.unregister.remote(name)
         await self.actor.wait_applied.remote(version)
+
+    async def merge(self, spec: MergeSpec) -> str:
+        return await self.actor.merge.remote(spec)
 
     def _watch(self) -> None:
         """Long-poll the actor for registry changes; drop the copies of keys that are no longer current."""

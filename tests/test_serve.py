@@ -381,6 +381,30 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
     assert asyncio.run(three_streams())[-1] == "long"
 
 
+def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, adapters_root):
+    from lorax import Client
+    from lorax.types import MergedAdapters
+
+    from lora_cache.merge import MergeSpec
+
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    client = Client(server)
+    for strategy, density in (("linear", 1.0), ("ties", 0.7)):
+        spec = MergeSpec(("alpha", "beta"), (0.6, 0.6), strategy, density)
+        expected = llm.generate([PROMPTS[4]], params, use_tqdm=False, adapters=[llm.merge_adapters(spec)])[0]
+        merged = MergedAdapters(ids=list(spec.ids), weights=list(spec.weights), merge_strategy=strategy,
+                                density=density, majority_sign_method="total")
+        response = client.generate(PROMPTS[4], max_new_tokens=10, merged_adapters=merged)
+        assert [t.id for t in response.details.tokens] == expected.token_ids, strategy
+    bad = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {
+        "merged_adapters": {"ids": ["alpha", "nope"], "weights": [0.5, 0.5]}}}, timeout=60)
+    assert bad.status_code == 404 and "nope" in bad.text, bad.text
+    both = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {
+        "adapter_id": "alpha", "merged_adapters": {"ids": ["alpha"], "weights": [1.0]}}}, timeout=60)
+    assert both.status_code == 422 and "not both" in both.text, both.text
+
+
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
     from deployments.events import TokenEntry
     from deployments.protocol import tgi_token
