@@ -28,6 +28,7 @@ from lora_cache.actor import ACTOR_NAME, adapter_residence
 from lora_cache.adapter import AdapterNotFoundError
 from lora_cache.merge import MergeSpec
 from lora_cache.registry import Registration
+from lora_cache.sources import validate_adapter_id
 
 app = FastAPI(title="lora-serve")
 
@@ -187,7 +188,9 @@ class HttpRoutes:
                                  f"from {self.adapter_source!r}")
         try:
             params = request.parameters.to_sampling_params()
-        except ValueError as exc:  # a combination the engine refuses
+            if request.parameters.adapter_id is not None:
+                validate_adapter_id(request.parameters.adapter_id)
+        except ValueError as exc:  # a combination the engine refuses; an id that is not an adapter id
             return self._refused(str(exc))
         if request.parameters.merged_adapters is not None:
             return self._merged_stream(request, params, stream)
@@ -256,7 +259,9 @@ class HttpRoutes:
         adapter = None if request.model == self.model_name else request.model
         try:
             params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
-        except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string
+            if adapter is not None:
+                validate_adapter_id(adapter)
+        except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
             raise RequestRefused(str(exc), 400) from None
         streams = [self._stream(prompt, p, adapter, request.stream) for prompt in prompts for p in params]
         try:

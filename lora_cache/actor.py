@@ -219,7 +219,9 @@ class RayAdapterCache:
     know which one it has. A call is retried once if the actor died in between (Ray restarts it).
     """
 
-    def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver"):
+    def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver", follow_registry: bool = True):
+        """follow_registry: keep this copy's view of adapters loaded at run time current, from a thread that
+        long-polls the actor (a replica does; a driver that only fetches adapters need not)."""
         self.actor = actor
         self.replica = replica
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # process-local copies by key, newest last
@@ -229,7 +231,8 @@ class RayAdapterCache:
         self._lock = threading.Lock()  # the engine's step thread fetches, the replica's report thread lists
         self._view = ray.get(actor.watch.remote(replica, -1))  # the current view at once: preloads need it
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="lora-serve-registry", daemon=True).start()
+        if follow_registry:
+            threading.Thread(target=self._watch, name="lora-serve-registry", daemon=True).start()
 
     def key(self, name: str) -> str:
         """The key the engine knows `name` by now (lora_cache/registry.py)."""
@@ -256,16 +259,26 @@ class RayAdapterCache:
         """Long-poll the actor for registry changes; drop the copies of keys that are no longer current."""
         while not self._stop.is_set():
             try:
-                view = ray.get(self.actor.watch.remote(self.replica, self._view.version))
+                view = self._next_view()
             except ray.exceptions.RayError:  # the actor is restarting
                 self._stop.wait(1.0)
                 continue
             except SystemExit:  # Ray is shutting down in this process
                 return
+            if view is None:
+                return
             with self._lock:
                 for key in [k for k in self.adapters if not view.is_current(k)]:
                     del self.adapters[key]
                 self._view = view
+
+    def _next_view(self) -> RegistryView | None:
+        """The actor's next view, waited for in short slices so that close() stops the thread within one."""
+        ref = self.actor.watch.remote(self.replica, self._view.version)
+        while not ray.wait([ref], timeout=0.5)[0]:
+            if self._stop.is_set():
+                return None
+        return ray.get(ref)
 
     def close(self) -> None:
         self._stop.set()

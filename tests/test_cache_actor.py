@@ -62,7 +62,7 @@ def test_lru_eviction_by_bytes(ray_cluster, tiny_llama_path, adapters_root):
 
 def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root):
     actor = _actor(tiny_llama_path, adapters_root)
-    client = RayAdapterCache(actor)
+    client = RayAdapterCache(actor, follow_registry=False)
     held = client.get("a")
     ray.kill(actor, no_restart=False)
     assert client.get("a") is held  # served from the replica's own copy while the actor restarts
@@ -75,7 +75,7 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
 
 
 def test_bad_adapter_error_reaches_the_replica_with_its_reason(ray_cluster, tiny_llama_path, adapters_root):
-    client = RayAdapterCache(_actor(tiny_llama_path, adapters_root))
+    client = RayAdapterCache(_actor(tiny_llama_path, adapters_root), follow_registry=False)
     with pytest.raises(AdapterError, match="pickled"):
         client.get("pickled")
     with pytest.raises(AdapterError, match="not found"):
@@ -92,7 +92,7 @@ def test_engine_through_actor_equals_local_cache(ray_cluster, tiny_llama_path, a
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    provider = RayAdapterCache(_actor(tiny_llama_path, adapters_root))
+    provider = RayAdapterCache(_actor(tiny_llama_path, adapters_root), follow_registry=False)
     engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider)
     for i, (prompt, adapter) in enumerate(zip(PROMPTS[:4], adapters)):
         engine.add_request(str(i), prompt, params, adapter)

@@ -276,7 +276,7 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
     publish(hub[1], "acme/registered", "b8" * 20, adapters / "one", refs=("main", "v3"))
     sources = SourceConfig("local", str(adapters), disk_cache=str(tmp_path))
     actor = LoRACacheActor.options(name="registry-test").remote(_base_config(tiny_llama_path), sources)
-    client = RayAdapterCache(actor, "test-replica")
+    client = RayAdapterCache(actor, "test-replica", follow_registry=False)
     try:
         from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two"))
         from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3"))

@@ -139,6 +139,7 @@ def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters
 @pytest.mark.parametrize("parameters, status, words", [
     ({"adapter_id": "missing"}, 404, "not found"),
     ({"adapter_id": "../alpha"}, 400, ".."),
+    ({"adapter_id": "alpha#1"}, 400, "letters, digits"),  # lora-serve's own keys are not adapter ids
     ({"adapter_id": "alpha", "adapter_source": "hub"}, 400, "not served here"),
 ])
 def test_bad_adapter_requests_get_4xx_with_reason(server, parameters, status, words):
