@@ -275,7 +275,7 @@ class RayAdapterCache:
     def _next_view(self) -> RegistryView | None:
         """The actor's next view, waited for in short slices so that close() stops the thread within one."""
         ref = self.actor.watch.remote(self.replica, self._view.version)
-        while not ray.wait([ref], timeout=0.5)[0]:
+        while not ray.wait([ref], timeout=2.0)[0]:
             if self._stop.is_set():
                 return None
         return ray.get(ref)
