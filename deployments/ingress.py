@@ -76,7 +76,7 @@ def _refused(refusal: Refusal) -> RequestRefused:
     return RequestRefused(refusal.reason, 404 if refusal.kind is RefusalKind.NOT_FOUND else 400)
 
 
-async def _lifecycle(change) -> None:
+async def _lifecycle(change):
     """Await a load or unload in the cache actor; its AdapterError becomes a 404 or a 400 with the reason."""
     try:
         return await change

@@ -121,7 +121,7 @@ class EngineConfig:
         self.preload_adapters, self.pinned_adapters = tuple(self.preload_adapters), tuple(self.pinned_adapters)
         if (self.preload_adapters or self.pinned_adapters) and not self.max_loras:
             raise ValueError("preload_adapters and pinned_adapters need LoRA: set max_loras > 0")
-        if len(set(self.pinned_adapters)) >= max(self.max_loras, 1) and self.pinned_adapters:
+        if self.pinned_adapters and len(set(self.pinned_adapters)) >= self.max_loras:
             raise ValueError(f"{len(set(self.pinned_adapters))} pinned_adapters leave none of the {self.max_loras} "
                              f"device slots (max_loras) to other adapters")
         for adapter_id in self.preload_adapters + self.pinned_adapters:

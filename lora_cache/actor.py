@@ -21,8 +21,7 @@ from transformers import AutoConfig
 
 from lora_cache.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
 from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
-from lora_cache.registry import (AdapterRegistry, Registration, RegistryView, adapter_key, key_generation,
-                                 key_name)
+from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
                                 validate_adapter_id)
 
@@ -104,7 +103,7 @@ class LoRACacheActor:
     def _location(self, key: str) -> AdapterLocation | None:
         """Where the key's weights are: its registered location, or None for the configured source."""
         name = key_name(key)
-        if key_generation(key) != self.registry.generations.get(name, 0):
+        if not self.registry.view().is_current(key):
             raise AdapterError(name, "was loaded or unloaded again while this request was on its way; retry")
         return self.registry.location(name)
 
@@ -191,12 +190,11 @@ def adapter_residence(stats: dict) -> dict[str, dict]:
     """Per adapter name the cache knows, for its current key (lora_cache/registry.py): the content id of its
     weights once loaded, its lora_path when loaded at run time, in the object store or not, the replicas holding
     it in device slots and in their CPU copy, and how often it was read from its source."""
-    generations = stats["generations"]
-    current = lambda key: adapter_key(key_name(key), generations.get(key_name(key), 0)) == key  # noqa: E731
+    view = RegistryView(generations=stats["generations"])
     known = set(stats["adapters"]) | set(stats["load_counts"])
     for replica in stats["replicas"].values():
         known |= set(replica["device"]) | set(replica["cpu"])
-    known = {k for k in known if current(k)} | {adapter_key(n, generations[n]) for n in stats["registered"]}
+    known = {k for k in known if view.is_current(k)} | {view.key(n) for n in stats["registered"]}
     replicas = stats["replicas"]
     return {key_name(k): {"content_id": stats["adapters"].get(k, {}).get("content_id"),
                           "lora_path": stats["registered"].get(key_name(k)),

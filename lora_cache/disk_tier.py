@@ -127,9 +127,6 @@ class DiskTier:
     def entries(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.is_dir() and p.name != STAGING]
 
-    def nbytes(self) -> int:
-        return sum(_size(p) for p in self.entries())
-
     def _evict(self, keep: Path) -> None:
         entries = sorted(self.entries(), key=lambda p: p.stat().st_mtime)
         total = sum(_size(p) for p in entries)
@@ -165,7 +162,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from huggingface_hub import get_hf_file_metadata, hf_hub_url
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import build_hf_headers, http_stream_backoff
 
@@ -41,7 +41,7 @@ class HubSource:
     def __init__(self, tier: DiskTier, cache_dir: str | None = None, timeout_s: float = 30.0, retries: int = 3):
         self.tier = tier
         self.offline_cache = HubCacheSource(cache_dir)
-        self.endpoint = os.environ.get("HF_ENDPOINT") or None  # None: huggingface_hub's default, the Hub
+        self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
         self.token = os.environ.get("HF_TOKEN") or None
         self.timeout_s = timeout_s
         self.retries = retries
@@ -69,16 +69,16 @@ class HubSource:
             return get_hf_file_metadata(url, token=self.token, timeout=self.timeout_s, endpoint=self.endpoint,
                                         retry_on_errors=True)
         except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-            reason = f"not found on the Hub ({self._where()}): {_first_line(exc)}"
+            reason = f"not found on the Hub ({self.endpoint}): {_first_line(exc)}"
             raise AdapterNotFoundError(adapter_id, reason) from None
         except EntryNotFoundError:
             hint = "; pickled adapter_model.bin weights are never downloaded" if filename == WEIGHTS_FILE else ""
             raise AdapterError(adapter_id, f"the Hub repository {repo!r} has no {filename}{hint}") from None
         except HfHubHTTPError as exc:
-            raise AdapterError(adapter_id, f"the Hub ({self._where()}) refused {filename}: {_first_line(exc)}") \
+            raise AdapterError(adapter_id, f"the Hub ({self.endpoint}) refused {filename}: {_first_line(exc)}") \
                 from None
         except Exception as exc:  # httpx2's transport errors and timeouts, after huggingface_hub's retries
-            raise HubUnreachable(adapter_id, f"the Hub ({self._where()}) did not answer for {filename}: "
+            raise HubUnreachable(adapter_id, f"the Hub ({self.endpoint}) did not answer for {filename}: "
                                              f"{_first_line(exc)}") from None
 
     def _download(self, adapter_id: str, metadata: dict, open_file) -> None:
@@ -105,10 +105,7 @@ class HubSource:
 
     def _same_host(self, url: str) -> bool:
         """The token goes only to the Hub's own host, not to a CDN it redirects to."""
-        return urlparse(url).netloc == urlparse(self.endpoint or "https://huggingface.co").netloc
-
-    def _where(self) -> str:
-        return self.endpoint or "https://huggingface.co"
+        return urlparse(url).netloc == urlparse(self.endpoint).netloc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,27 +11,17 @@ disk tier's bounded files.
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
-
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 from lora_cache.disk_tier import DiskTier, check_announced, entry_name
-from lora_cache.sources import split_revision
+from lora_cache.sources import split_revision, split_s3_url
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20
 _MISSING = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
-
-
-def parse_s3_root(root: str) -> tuple[str, str]:
-    """ "s3://bucket/some/prefix" -> ("bucket", "some/prefix")."""
-    url = urlparse(root)
-    if url.scheme != "s3" or not url.netloc:
-        raise ValueError(f"an s3 adapters_root looks like s3://bucket/prefix, got {root!r}")
-    return url.netloc, url.path.strip("/")
 
 
 class S3Source:
@@ -40,7 +30,7 @@ class S3Source:
     def __init__(self, tier: DiskTier, root: str | None, timeout_s: float = 30.0, retries: int = 3):
         """root: s3://bucket/prefix for ids; None for a source that only fetches whole locations (`fetch`)."""
         self.tier = tier
-        self.bucket, self.prefix = parse_s3_root(root) if root is not None else (None, "")
+        self.bucket, self.prefix = split_s3_url(root) if root is not None else (None, "")
         config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
                         retries={"max_attempts": retries, "mode": "standard"})
         self.client = boto3.client("s3", config=config)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlparse
 
 from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 
@@ -25,6 +26,14 @@ def split_revision(adapter_id: str) -> tuple[str, str | None]:
     """ "org/name@rev" -> ("org/name", "rev"); "org/name" -> ("org/name", None). Both parts validated."""
     name, at, revision = validate_adapter_id(adapter_id).partition("@")
     return name, (revision if at else None)
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """ "s3://bucket/some/prefix" -> ("bucket", "some/prefix"); ValueError for anything else."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"an S3 location looks like s3://bucket/prefix, got {url!r}")
+    return parsed.netloc, parsed.path.strip("/")
 
 
 def validate_adapter_id(adapter_id: str) -> str:
@@ -199,10 +208,10 @@ class AdapterLocation:
     @classmethod
     def parse(cls, lora_path: str) -> AdapterLocation:
         if lora_path.startswith("s3://"):
-            bucket, _, prefix = lora_path[len("s3://"):].partition("/")
-            if not bucket or not prefix.strip("/"):
+            bucket, prefix = split_s3_url(lora_path)
+            if not prefix:
                 raise ValueError(f"lora_path {lora_path!r}: an S3 location is s3://bucket/prefix")
-            return cls("s3", f"{bucket}/{prefix.strip('/')}")
+            return cls("s3", f"{bucket}/{prefix}")
         if lora_path.startswith("hf://"):
             repo = lora_path[len("hf://"):]
             split_revision(repo)  # AdapterError names what is wrong with it
