@@ -53,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks of an already computed prefix
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
     max_model_len: int | None = None  # defaults to the model's context length
+    max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
     num_threads: int | None = None  # torch CPU threads; None = all cores
     cache_dir: str | None = None
@@ -114,6 +115,8 @@ class EngineConfig:
         if self.adapter_download_timeout_s <= 0 or self.adapter_download_retries < 0:
             raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
         self._validate_preloads()
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 

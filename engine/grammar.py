@@ -1,9 +1,23 @@
-"""Structured output: JSON grammars, one matcher per constrained request, and the batch's token masks.
+"""Structured output: grammars, one matcher per constrained request, and the batch's token masks.
 
-llguidance (the grammar engine behind vLLM's and SGLang's "guidance" backend) compiles a JSON schema
-lazily against the tokenizer, so a new schema is ready in about a millisecond, and computes the
-masks of a whole batch in parallel on its own Rust threads without holding the GIL. A compiled
-schema is kept (LRU) as a fresh matcher that each new request copies.
+llguidance (the grammar engine behind vLLM's and SGLang's "guidance" backend) compiles a JSON schema, a regex,
+a choice of strings (as a regex alternation) or a Lark grammar lazily against the tokenizer, so a new one is
+ready in about a millisecond, and computes the masks of a whole batch in parallel on its own Rust threads
+without holding the GIL. A compiled grammar is kept (LRU, keyed by its kind and text) as a fresh matcher that
+each new request copies.
+
+Schemas are tightened, never widened, before they compile: every output of the compiled schema is valid for
+the original. Objects that list properties are closed (closed_objects). Numbers are bounded (bounded_numbers):
+a small model given an unbounded "integer" may write an 80-digit number until its token budget runs out (SmolLM2
+asked for the atoms in the universe wrote a 1 and zeros for all of its 80 tokens; bounded, 10**15 in 21), so an
+"integer" or "number" without a minimum (maximum) gets -(2**53 - 1) (2**53 - 1): JavaScript's safe integers,
+the widest range whose every integer a JSON parser (a float64) holds exactly. llguidance turns a range into a
+regex and cannot for every range: measured with 1.9.1, bounds of +-1e18 and +-9.2e18 compile, +-2**63 and
++-1e20 fail ("Failed to generate regex for integer/float range"), as does +-1e308 (float64's own limit), so
+JavaScript's range is also the widest faithful one it takes. With a range, llguidance refuses exponents (1e20,
+1.5e3) and integer parts of more than 16 digits; a number's fraction digits stay unbounded. A side the schema
+bounds itself is kept, as are enum and const subschemas (already finite), and not/if subschemas (narrowing
+them would widen the schema). A value of no stated type (any JSON, as in {"type": "object"} alone) stays unbounded.
 """
 
 from __future__ import annotations
@@ -26,6 +40,10 @@ if TYPE_CHECKING:  # imported when the first structured-output request makes a c
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 VALUE_KEYWORDS = ("enum", "const", "default", "examples")
+NEGATED_KEYWORDS = ("not", "if")  # a narrower subschema here admits more values: the rewrites leave them be
+SAFE_INTEGER = 2**53 - 1  # JavaScript's Number.MAX_SAFE_INTEGER: every integer up to it is exact in a float64
+ERRORS = {"schema": "JSON schema cannot be used", "regex": "invalid regex", "choice": "invalid choice",
+          "grammar": "invalid grammar"}  # kind -> what llguidance's refusal means
 
 
 @dataclass
@@ -49,36 +67,26 @@ class GrammarCompiler:
         self._lock = Lock()  # compiled from request threads (AsyncEngine prepares requests off the step thread)
 
     def matcher(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
-        """A fresh matcher for one request; ValueError with the reason for an invalid schema."""
-        key = json.dumps(response_format.schema, sort_keys=True)
+        """A fresh matcher for one request; ValueError with the reason for an invalid schema, regex or grammar."""
+        key = f"{response_format.kind}:{json.dumps(response_format.value, sort_keys=True)}"
         with self._lock:
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)
                 return template.deep_copy()
-        template = self._compile(response_format.schema)
+        template = self._compile(response_format)
         with self._lock:
             self._compiled[key] = template
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return template.deep_copy()
 
-    def _compile(self, schema: dict) -> llguidance.LLMatcher:
+    def _compile(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
         import llguidance
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
 
-        try:
-            Draft202012Validator.check_schema(schema)
-        except SchemaError as e:
-            raise ValueError(f"invalid JSON schema: {e.message}") from None
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_LAYOUT)
-        except (ValueError, RuntimeError) as e:
-            raise ValueError(f"JSON schema cannot be used: {e}") from None
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(response_format))
         if matcher.is_error():
-            raise ValueError(f"JSON schema cannot be used: {matcher.get_error()}")
+            raise ValueError(f"{ERRORS[response_format.kind]}: {matcher.get_error().strip()}")
         return matcher
 
     def fill_masks(self, matchers: list[tuple[str, llguidance.LLMatcher]]) -> TokenMasks:
@@ -89,23 +97,93 @@ class GrammarCompiler:
         return TokenMasks([request_id for request_id, _ in matchers], bitmask)
 
 
+def grammar_text(response_format: ResponseFormat) -> str:
+    """llguidance's grammar for a response format (a JSON schema is checked, closed and bounded first)."""
+    import llguidance
+
+    if response_format.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(response_format.regex)
+    if response_format.choice is not None:
+        return llguidance.LLMatcher.grammar_from_regex(choice_regex(response_format.choice))
+    if response_format.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(response_format.grammar)
+    return _schema_grammar(response_format.schema)
+
+
+def _schema_grammar(schema: dict) -> str:
+    import llguidance
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise ValueError(f"invalid JSON schema: {e.message}") from None
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(closed_objects(schema)),
+                                                             defaults=JSON_LAYOUT)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"JSON schema cannot be used: {e}") from None
+
+
+def choice_regex(choice: list[str]) -> str:
+    """A regex matching exactly the strings; every character but ASCII letters and digits is written as
+    \\x{hex}, which Rust's regex syntax reads literally whatever the character."""
+    def literal(text: str) -> str:
+        return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+    return "|".join(f"(?:{literal(text)})" for text in choice)
+
+
 def closed_objects(schema):
     """The schema with additionalProperties: false on every object that lists properties and says nothing
     of other keys, as OpenAI's strict mode, xgrammar and Outlines do: otherwise a model may add keys forever.
     Every output of the closed schema is valid for the original."""
+    return _each_subschema(schema, _closed)
+
+
+def _closed(schema: dict) -> dict:
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+def bounded_numbers(schema):
+    """The schema with every "integer" or "number" (alone or in a list of types) bounded to +-SAFE_INTEGER on
+    each side it leaves open (module docstring). Every output of the bounded schema is valid for the original."""
+    return _each_subschema(schema, _bounded)
+
+
+def _bounded(schema: dict) -> dict:
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if not {"integer", "number"} & set(types) or "enum" in schema or "const" in schema:
+        return schema
+    lows = [schema[k] for k in ("minimum", "exclusiveMinimum") if k in schema]
+    highs = [schema[k] for k in ("maximum", "exclusiveMaximum") if k in schema]
+    bounded = dict(schema)
+    if not highs and all(low < SAFE_INTEGER for low in lows):  # a minimum beyond the bound keeps the top open
+        bounded["maximum"] = SAFE_INTEGER
+    if not lows and all(high > -SAFE_INTEGER for high in highs):
+        bounded["minimum"] = -SAFE_INTEGER
+    return bounded
+
+
+def _each_subschema(schema, rewrite):
+    """The schema with rewrite applied to each of its subschemas, innermost first. Values (enum, const, ...) are
+    not schemas and stay as they are; neither do not/if subschemas; the names in a map of subschemas
+    (properties, $defs, ...) are names, not keywords."""
     if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+        return [_each_subschema(item, rewrite) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {}
+    rewritten = {}
     for key, value in schema.items():
         if key in SCHEMA_MAPS and isinstance(value, dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+            rewritten[key] = {name: _each_subschema(sub, rewrite) for name, sub in value.items()}
+        elif key in VALUE_KEYWORDS or key in NEGATED_KEYWORDS:
+            rewritten[key] = value
         else:
-            closed[key] = value if key in VALUE_KEYWORDS else closed_objects(value)
-    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed
+            rewritten[key] = _each_subschema(value, rewrite)
+    return rewrite(rewritten)
 
 
 def mask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -156,6 +157,7 @@ class LLMEngine:
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
         token_ids = self._tokenize(prompt)
+        params = self._fit_max_tokens(params, len(token_ids))
         outside = self._outside_vocabulary(params.logit_bias)
         if outside:
             raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
@@ -166,6 +168,22 @@ class LLMEngine:
         if params.response_format is not None:
             seq.grammar = self.grammars.matcher(params.response_format)  # ValueError for an invalid schema
         return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+
+    def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """The request's params with max_tokens resolved: None fills the context (up to max_tokens_limit); a
+        number above the limit or past the context is refused with both figures, as vLLM and TGI refuse it,
+        rather than accepted and cut short at the context's end."""
+        room = self.max_model_len - prompt_tokens
+        limit = self.config.max_tokens_limit
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=min(room, limit or room))
+        if limit is not None and params.max_tokens > limit:
+            raise ValueError(f"max_tokens is {params.max_tokens}; this server allows at most {limit} "
+                             f"(max_tokens_limit)")
+        if params.max_tokens > room:
+            raise ValueError(f"this model's context is {self.max_model_len} tokens (max_model_len): the prompt has "
+                             f"{prompt_tokens}, so max_tokens may be at most {room}, got {params.max_tokens}")
+        return params
 
     @property
     def grammars(self) -> GrammarCompiler:

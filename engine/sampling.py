@@ -1,19 +1,115 @@
-"""SamplingParams: what one request asks of the sampler and the stop checker."""
+"""SamplingParams: what one request asks of the sampler and the stop checker.
+
+ResponseFormat, its structured-output constraint, is checked against size limits here, where it is made (at the
+HTTP edge too), before anything compiles it: its walkers recurse once per nesting level, and a grammar's cost
+grows with its size. Whether a regex or grammar parses is llguidance's to say (engine/grammar.py).
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+# A JSON schema's size as compact JSON (UTF-8): real schemas (OpenAI's tools, pydantic models) take a few KiB
+MAX_SCHEMA_BYTES = 64 * 1024
+# dicts and lists inside each other in a schema (an object property is 2 levels: "properties", then its schema);
+# the schema walkers and jsonschema recurse once per level, far from Python's recursion limit at 32
+MAX_SCHEMA_DEPTH = 32
+# A regex or a Lark grammar, in characters
+MAX_PATTERN_CHARS = 64 * 1024
+# choice: the strings, and each string's characters; 256 strings of 1024 characters compile in ~65 ms (SmolLM2)
+MAX_CHOICE_STRINGS = 256
+MAX_CHOICE_CHARS = 1024
+KINDS = ("schema", "regex", "choice", "grammar")
 
 
 @dataclass
 class ResponseFormat:
-    """Constrain the output to JSON valid for a JSON schema; the default schema admits any JSON object."""
-    schema: dict = field(default_factory=lambda: {"type": "object"})
+    """Constrain the output with exactly one of: a JSON schema (the output is JSON valid for it), a regex (the
+    whole output matches it), a choice (the output is one of the strings) or a grammar (Lark, in llguidance's
+    syntax, as vLLM's guided_grammar). None given: any JSON object."""
+    schema: dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"response_format takes one of {', '.join(KINDS)}; got {' and '.join(given)}")
+        if not given:
+            self.schema = {"type": "object"}
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "schema", "regex", "choice" or "grammar"."""
+        return next(kind for kind in KINDS if getattr(self, kind) is not None)
+
+    @property
+    def value(self) -> dict | str | list[str]:
+        return getattr(self, self.kind)
+
+    def validate(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise ValueError(f"response_format takes exactly one of {', '.join(KINDS)}; got {given or 'none'}")
+        if self.schema is not None:
+            _check_schema(self.schema)
+        for kind in ("regex", "grammar"):
+            if getattr(self, kind) is not None:
+                _check_pattern(kind, getattr(self, kind))
+        if self.choice is not None:
+            _check_choice(self.choice)
+
+
+def _check_schema(schema) -> None:
+    if not isinstance(schema, dict):
+        raise ValueError("response_format schema must be a JSON object")
+    if _nested_deeper(schema, MAX_SCHEMA_DEPTH):  # first: a deeper one would overflow json.dumps' recursion
+        raise ValueError(f"JSON schema nested more than {MAX_SCHEMA_DEPTH} levels deep: at most "
+                         f"{MAX_SCHEMA_DEPTH} levels of objects and arrays are allowed")
+    try:
+        size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"JSON schema must hold only JSON values: {e}") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"JSON schema is {size} bytes as compact JSON: at most {MAX_SCHEMA_BYTES} are allowed")
+
+
+def _nested_deeper(value, limit: int) -> bool:
+    """Whether dicts and lists nest more than `limit` levels deep in value; iterative, so that any depth is
+    measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _check_pattern(kind: str, pattern) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"response_format {kind} must be a non-empty string")
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"{kind} is {len(pattern)} characters: at most {MAX_PATTERN_CHARS} are allowed")
+
+
+def _check_choice(choice) -> None:
+    if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+        raise ValueError("response_format choice must be a non-empty list of non-empty strings")
+    if len(choice) > MAX_CHOICE_STRINGS:
+        raise ValueError(f"choice has {len(choice)} strings: at most {MAX_CHOICE_STRINGS} are allowed")
+    longest = max(len(c) for c in choice)
+    if longest > MAX_CHOICE_CHARS:
+        raise ValueError(f"a choice string has {longest} characters: at most {MAX_CHOICE_CHARS} are allowed")
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context leaves (up to the engine's max_tokens_limit)
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
@@ -41,9 +137,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        most = self.max_tokens if self.max_tokens is not None else float("inf")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= most:
             raise ValueError(f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens!r}")
         if self.temperature < 0:
@@ -61,8 +158,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.response_format is not None and not isinstance(self.response_format.schema, dict):
-            raise ValueError("response_format schema must be a JSON object")
+        if self.response_format is not None:
+            self.response_format.validate()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

@@ -65,7 +65,7 @@ def test_a_slow_consumer_gets_every_ready_token_in_one_chunk(engine):
 
 def test_abort_frees_blocks_and_closing_stream_aborts(engine):
     async def main():
-        stream = engine.generate("to-abort", PROMPTS[1], _params(10_000))
+        stream = engine.generate("to-abort", PROMPTS[1], _params(None))  # None: until the context fills
         await stream.__anext__()
         assert engine.stats().running == 1 and engine.stats().kv_blocks_used > 0
         assert 0 < engine.stats().kv_utilisation < 1
@@ -73,7 +73,7 @@ def test_abort_frees_blocks_and_closing_stream_aborts(engine):
         assert engine.stats().kv_blocks_used == 0
         await stream.aclose()
 
-        stream = engine.generate("to-close", PROMPTS[2], _params(10_000))
+        stream = engine.generate("to-close", PROMPTS[2], _params(None))  # None: until the context fills
         await stream.__anext__()
         await stream.aclose()  # a client that goes away
         for _ in range(100):
