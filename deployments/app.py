@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 
+from deployments.auth import ApiKeyConfig, KeyRing
+from deployments.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
 from engine import EngineConfig
@@ -14,15 +16,24 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
+                                         "the server is open (deployments/auth.py)")
+    api_keys_file: str | None = Field(None, description="a YAML or JSON list of keys given by key_sha256")
+    max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1024, description="a larger request body gets 413")
+
+    def gate(self) -> GateConfig:
+        ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
+        return GateConfig(ring.keys, self.max_request_bytes)
 
 
 def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs(**(args or {}))
         EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
-    except (ValidationError, TypeError, ValueError) as exc:
+        gate = parsed.gate()
+    except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
-    return LLMServer.options(ray_actor_options=_engine_actor_options()).bind(parsed.engine)
+    return LLMServer.options(ray_actor_options=_engine_actor_options()).bind(parsed.engine, gate=gate)
 
 
 def _engine_actor_options() -> dict:

@@ -9,6 +9,7 @@ Status codes are chosen here, at the edge: the replica says why it refuses (depl
 """
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 
@@ -20,7 +21,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 
 from deployments import openai_protocol as oai
+from deployments.chat import chat_prompt
+from deployments.errors import RequestRefused, client_message, error_response
 from deployments.events import Refusal, RefusalKind, TokenEvent
+from deployments.gate import GateMiddleware, Tenant
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, tgi_token
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
@@ -33,39 +37,26 @@ from lora_cache.sources import validate_adapter_id
 app = FastAPI(title="lora-serve")
 
 
-class RequestRefused(Exception):
-    """The engine refused the request: 400 for a bad prompt or adapter, 404 for an unknown adapter, 429 or 503
-    when it is overloaded."""
-
-    def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
-
-
-def _error_response(request: Request, message: str, status: int = 400, retry_after_s: float | None = None):
-    """A 4xx/5xx in the error shape each API's clients parse; overload answers carry Retry-After."""
-    kind = {400: "validation", 404: "not_found"}.get(status, "overloaded")
-    if request.url.path.startswith("/v1/"):
-        error_type = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "rate_limit_error")
-        body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
-    else:
-        body = {"error": message, "error_type": kind}
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
+app.add_middleware(GateMiddleware)
 
 
 @app.exception_handler(RequestRefused)
 async def _refused_response(request: Request, exc: RequestRefused) -> JSONResponse:
-    return _error_response(request, str(exc), exc.status, exc.retry_after_s)
+    return error_response(request.url.path, str(exc), exc.status, exc.retry_after_s)
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     if request.url.path.startswith("/v1/"):  # OpenAI answers invalid parameters with 400
-        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
-        return _error_response(request, reasons)
+        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {_reason(e)}" for e in exc.errors())
+        return error_response(request.url.path, reasons)
     return await request_validation_exception_handler(request, exc)
+
+
+def _reason(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "not supported by this server"
+    return error["msg"]
 
 
 # Module helpers stand above the routes class: Serve captures the class's globals when it is defined.
@@ -81,9 +72,9 @@ async def _lifecycle(change):
     try:
         return await change
     except AdapterNotFoundError as exc:
-        raise RequestRefused(str(exc), 404) from None
+        raise RequestRefused(client_message(exc), 404) from None
     except ValueError as exc:  # AdapterError and a server without LoRA
-        raise RequestRefused(str(exc), 400) from None
+        raise RequestRefused(client_message(exc), 400) from None
 
 
 async def _last(first: TokenEvent, events) -> TokenEvent:
@@ -91,6 +82,44 @@ async def _last(first: TokenEvent, events) -> TokenEvent:
     async for event in events:
         last = event
     return last
+
+
+def _tenant(http: Request) -> Tenant:
+    """The tenant the gate admitted this request as (deployments/gate.py)."""
+    return http.state.tenant
+
+
+def _check_scope(tenant: Tenant, adapter: str | None) -> None:
+    if adapter is None:
+        tenant.check_base()
+    else:
+        tenant.check_adapter(adapter)
+
+
+class _Metered:
+    """A request's events, its tokens charged to its tenant when the last one arrives; with API keys, a missing
+    adapter is refused in the same words as one outside the key's scope, so that names do not leak."""
+
+    def __init__(self, events, tenant: Tenant, adapter: str | None):
+        self._events = events
+        self._tenant = tenant
+        self._adapter = adapter
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | Refusal:
+        event = await self._events.__anext__()
+        if isinstance(event, Refusal) and event.kind is RefusalKind.NOT_FOUND:
+            return Refusal(self._tenant.not_found_message(self._adapter, event.reason), event.kind)
+        if isinstance(event, TokenEvent) and event.finished:
+            self._tenant.charge(event.final.prompt_tokens, event.final.generated_tokens)
+        return event
+
+    def cancel(self) -> None:
+        cancel = getattr(self._events, "cancel", None)  # a refusal made here has nothing to stop
+        if cancel is not None:
+            cancel()
 
 
 def _cancel(streams) -> None:
@@ -133,7 +162,7 @@ class HttpRoutes:
         return {"status": "ok"}
 
     @app.get("/info")
-    async def info(self) -> dict:
+    async def info(self, http: Request) -> dict:
         """The served model and engine limits, one replica's memory accounting and prefix-cache counts, and where
         each adapter resides."""
         c = self.config
@@ -141,18 +170,18 @@ class HttpRoutes:
                 "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
                 "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
                 "max_waiting_requests": c.max_waiting_requests, **self._replica_info(),
-                "adapters": await self._adapters()}
+                "adapters": await self._adapters(_tenant(http))}
 
     @app.post("/")
-    async def root(self, request: GenerateRequest):
+    async def root(self, request: GenerateRequest, http: Request):
         if request.stream:
-            return await self.generate_stream(request)
-        response = await self.generate(request)
+            return await self.generate_stream(request, http)
+        response = await self.generate(request, http)
         return [response] if isinstance(response, dict) else response
 
     @app.post("/generate")
-    async def generate(self, request: GenerateRequest):
-        events = self._events(request, stream=False)
+    async def generate(self, request: GenerateRequest, http: Request):
+        events = self._events(request, _tenant(http), stream=False)
         last = await self._first_event(events)  # the only event: it carries every token
         body = {"generated_text": self._full_text(request, last.final.generated_text)}
         if request.parameters.details:
@@ -160,8 +189,8 @@ class HttpRoutes:
         return body
 
     @app.post("/generate_stream")
-    async def generate_stream(self, request: GenerateRequest):
-        events = self._events(request)
+    async def generate_stream(self, request: GenerateRequest, http: Request):
+        events = self._events(request, _tenant(http))
         first = await self._first_event(events)
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
 
@@ -181,8 +210,14 @@ class HttpRoutes:
     async def _refused(reason: str) -> AsyncIterator[Refusal]:
         yield Refusal(reason)
 
-    def _events(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        source = request.parameters.adapter_source
+    def _events(self, request: GenerateRequest, tenant: Tenant,
+                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """The request's events, charged to its tenant; RequestRefused for an adapter outside the tenant's scope."""
+        parameters = request.parameters
+        merged = parameters.merged_adapters
+        for adapter in merged.ids if merged is not None else [parameters.adapter_id]:
+            _check_scope(tenant, adapter)
+        source = parameters.adapter_source
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
                                  f"from {self.adapter_source!r}")
@@ -192,9 +227,10 @@ class HttpRoutes:
                 validate_adapter_id(request.parameters.adapter_id)
         except ValueError as exc:  # a combination the engine refuses; an id that is not an adapter id
             return self._refused(str(exc))
-        if request.parameters.merged_adapters is not None:
-            return self._merged_stream(request, params, stream)
-        return self._stream(request.inputs, params, request.parameters.adapter_id, stream)
+        if merged is not None:
+            return _Metered(self._merged_stream(request, params, stream), tenant, None)
+        return _Metered(self._stream(request.inputs, params, parameters.adapter_id, stream), tenant,
+                        parameters.adapter_id)
 
     async def _merged_stream(self, request: GenerateRequest, params: SamplingParams,
                              stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
@@ -202,7 +238,7 @@ class HttpRoutes:
         try:
             key = await self._merge(request.parameters.merged_adapters.to_spec())
         except ValueError as exc:  # a bad spec, or a server without LoRA
-            yield Refusal(str(exc))
+            yield Refusal(client_message(exc))
             return
         async for event in self._stream(request.inputs, params, key, stream):
             yield event
@@ -210,60 +246,72 @@ class HttpRoutes:
     # ---- OpenAI-compatible API: `model` names the base model or an adapter id ----
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, http: Request) -> dict:
         """The base model and the adapters the cache actor knows: each with the content id of its weights (once
         loaded), its lora_path when it was loaded at run time, and where it resides."""
         base = {"id": self.model_name, "object": "model", "owned_by": "lora-serve", "parent": None}
         adapters = [{"id": a, "object": "model", "owned_by": "lora-serve", "parent": self.model_name,
                      "content_id": where.pop("content_id"), "lora_path": where.pop("lora_path"),
-                     "residence": where} for a, where in (await self._adapters()).items()]
+                     "residence": where} for a, where in (await self._adapters(_tenant(http))).items()]
         return {"object": "list", "data": [base] + adapters}
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, request: oai.LoadLoRAAdapterRequest) -> dict:
+    async def load_lora_adapter(self, request: oai.LoadLoRAAdapterRequest, http: Request) -> dict:
         """vLLM's route: serve `lora_name` from `lora_path`; loading a name again replaces its weights (requests
         already running finish on the old ones). Answers once every live replica serves the new weights."""
+        _tenant(http).check_manage(request.lora_name)
         done = await _lifecycle(self._register(request.lora_name, request.lora_path))
         return {"lora_name": done.name, "content_id": done.content_id,
                 "message": f"LoRA adapter {done.name!r} loaded from {request.lora_path}"}
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, request: oai.UnloadLoRAAdapterRequest) -> dict:
+    async def unload_lora_adapter(self, request: oai.UnloadLoRAAdapterRequest, http: Request) -> dict:
+        _tenant(http).check_manage(request.lora_name)
         await _lifecycle(self._unregister(request.lora_name))
         return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
 
-    async def _adapters(self) -> dict[str, dict]:
-        """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads)."""
+    async def _adapters(self, tenant: Tenant) -> dict[str, dict]:
+        """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads), of the
+        adapters in the tenant's scope."""
         if not self.lora_enabled:
             return {}
         try:
             stats = await ray.get_actor(ACTOR_NAME).stats.remote()
         except ValueError:  # no replica has created the cache actor yet
             return {}
-        return adapter_residence(stats)
+        residence = adapter_residence(stats)
+        return {adapter: residence[adapter] for adapter in tenant.visible(residence)}
 
     @app.post("/v1/completions")
-    async def completions(self, request: oai.CompletionRequest):
-        return await self._openai(request, request.prompts, 16, "cmpl", oai.completion_body, oai.completion_chunk)
+    async def completions(self, request: oai.CompletionRequest, http: Request):
+        return await self._openai(request, _tenant(http), request.prompts, 16, "cmpl", oai.completion_body,
+                                  oai.completion_chunk)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: oai.ChatRequest):
-        messages = [m.model_dump() for m in request.messages]
-        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await self._openai(request, [prompt], 256, "chatcmpl", oai.chat_body, oai.chat_chunk)
+    async def chat_completions(self, request: oai.ChatRequest, http: Request):
+        tools = request.tool_use()
+        try:
+            prompt = chat_prompt(self.tokenizer, request.messages, tools)
+        except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
+            raise RequestRefused(str(exc), 400) from None
+        body = functools.partial(oai.chat_body, tools=tools)
+        chunk = oai.ToolChunks(tools) if request.calls_tools() else oai.chat_chunk
+        return await self._openai(request, _tenant(http), [prompt], None, "chatcmpl", body, chunk)
 
-    async def _openai(self, request: oai.OpenAISampling, prompts: list, default_max_tokens: int, prefix: str,
-                      body, chunk):
+    async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list,
+                      default_max_tokens: int | None, prefix: str, body, chunk):
         """n choices per prompt, each one engine request (a prompt's later choices find its KV blocks cached);
         choice j of prompt i has index i * n + j, as in vLLM."""
         adapter = None if request.model == self.model_name else request.model
+        _check_scope(tenant, adapter)
         try:
             params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
             if adapter is not None:
                 validate_adapter_id(adapter)
         except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
             raise RequestRefused(str(exc), 400) from None
-        streams = [self._stream(prompt, p, adapter, request.stream) for prompt in prompts for p in params]
+        streams = [_Metered(self._stream(prompt, p, adapter, request.stream), tenant, adapter)
+                   for prompt in prompts for p in params]
         try:
             firsts = [await self._first_event(events) for events in streams]
             if not request.stream:
@@ -292,7 +340,8 @@ class HttpRoutes:
                     text = event.text
                     logprobs = request.logprobs_object(event.entries(), self.tokenizer, emitted)
                     data = chunk(cid, request.model, index, event, text, first, logprobs)
-                    lines.put_nowait(f"data: {json.dumps(data)}\n\n")
+                    if data is not None:  # None: a chunk held back (ToolChunks)
+                        lines.put_nowait(f"data: {json.dumps(data)}\n\n")
                     emitted, first, lasts[index] = emitted + len(text), False, event
                     event = await anext(events, None)
             finally:

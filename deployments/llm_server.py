@@ -24,7 +24,9 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from transformers import AutoConfig
 
+from deployments.errors import client_message
 from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
+from deployments.gate import Gate, GateConfig
 from deployments.ingress import HttpRoutes, app
 from deployments.metrics import ServingMetrics
 from deployments.openmp import intel_openmp_loaded
@@ -64,7 +66,9 @@ class _LocalEvents:
                   backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S))
 @serve.ingress(app)
 class LLMServer(HttpRoutes):
-    def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20):
+    def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20,
+                 gate: GateConfig = GateConfig()):
+        self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate.py
         config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
         self.node_id = ray.get_runtime_context().get_node_id()
         context = serve.get_replica_context()
@@ -143,10 +147,10 @@ class LLMServer(HttpRoutes):
             yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
             return
         except AdapterNotFoundError as exc:
-            yield Refusal(str(exc), RefusalKind.NOT_FOUND)
+            yield Refusal(client_message(exc), RefusalKind.NOT_FOUND)
             return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
-            yield Refusal(str(exc))
+            yield Refusal(client_message(exc))
             return
         held: TokenEvent | None = None
         with self.pacer.stream() as pace:
@@ -192,8 +196,10 @@ class LLMServer(HttpRoutes):
 
     def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
-        adapter slot bytes) and prefix-cache counts, both of this one replica."""
-        return {"memory": self.engine.engine.memory().to_dict(), "prefix_cache": _prefix_cache(self.engine.stats())}
+        adapter slot bytes), prefix-cache counts, and requests and KV blocks in use, all of this one replica."""
+        s = self.engine.stats()
+        return {"memory": self.engine.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
+                "running": s.running, "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.autoscaling.EngineLoadPolicy."""

@@ -3,7 +3,9 @@
 Ray adds the deployment, replica and application tags and serves them on each node's metrics agent
 (scrape targets: prom_metrics_service_discovery.json in Ray's temp folder, or start Ray with
 --metrics-export-port). Per-adapter series are bounded: the `top_adapters` most requested adapters
-keep their own label, every other adapter is reported as "other", and base-model requests as "base".
+keep their own label, every other adapter is reported as "other", and base-model requests as "base". Per-key
+series are bounded the same way, by the key's name (never the key): requests by outcome (admitted, rate_limited,
+unauthorized) and tokens by kind.
 """
 
 from __future__ import annotations
@@ -19,22 +21,23 @@ from engine.memory import MemoryReport
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
-BASE, OTHER = "base", "other"
+BASE, OTHER, UNAUTHENTICATED = "base", "other", "unauthenticated"
 
 
-class AdapterLabels:
-    """Adapter id -> metric label: its own for the top_n most requested so far, "other" for the rest."""
+class TopLabels:
+    """Name -> metric label: its own for the top_n most counted so far, "other" for the rest, `none` for None."""
 
-    def __init__(self, top_n: int):
+    def __init__(self, top_n: int, none: str):
         self.top_n = top_n
-        self.requests: Tally[str] = Tally()
+        self.none = none
+        self.counts: Tally[str] = Tally()
 
-    def label(self, adapter: str | None) -> str:
-        if adapter is None:
-            return BASE
-        self.requests[adapter] += 1
-        top = {a for a, _ in self.requests.most_common(self.top_n)}
-        return adapter if adapter in top else OTHER
+    def label(self, name: str | None, count: bool = True) -> str:
+        if name is None:
+            return self.none
+        self.counts[name] += count
+        top = {a for a, _ in self.counts.most_common(self.top_n)}
+        return name if name in top else OTHER
 
 
 @dataclass
@@ -51,7 +54,7 @@ class RequestTimer:
 
 class ServingMetrics:
     def __init__(self, top_adapters: int = 20):
-        self.labels = AdapterLabels(top_adapters)
+        self.labels = TopLabels(top_adapters, BASE)
         tags = ("adapter",)
         self.ttft = metrics.Histogram("lora_serve_time_to_first_token_seconds", "Time to first token.",
                                       LATENCY_BUCKETS, tags)
@@ -127,3 +130,23 @@ class ServingMetrics:
             if total > self._prefix_totals[name]:
                 counter.inc(total - self._prefix_totals[name])
                 self._prefix_totals[name] = total
+
+
+class TenantMetrics:
+    """Per-API-key usage: requests by outcome, prompt and generated tokens."""
+
+    def __init__(self, top_tenants: int = 20):
+        self.labels = TopLabels(top_tenants, UNAUTHENTICATED)
+        self.requests = metrics.Counter("lora_serve_tenant_requests", "Requests by API key and outcome.",
+                                        ("tenant", "outcome"))
+        self.token_counts = metrics.Counter("lora_serve_tenant_tokens", "Tokens by API key and kind.",
+                                            ("tenant", "kind"))
+
+    def request(self, tenant: str | None, outcome: str) -> None:
+        self.requests.inc(1, {"tenant": self.labels.label(tenant), "outcome": outcome})
+
+    def tokens(self, tenant: str, prompt_tokens: int, generated_tokens: int) -> None:
+        label = self.labels.label(tenant, count=False)
+        for kind, count in (("prompt", prompt_tokens), ("generated", generated_tokens)):
+            if count:  # Ray counters refuse 0
+                self.token_counts.inc(count, {"tenant": label, "kind": kind})

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import uuid
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from deployments.chat import ChatMessage
 from deployments.events import TokenEntry, TokenEvent
-from engine.sampling import ResponseFormat, SamplingParams
+from deployments.tools import MAX_TOOLS, NamedToolChoice, Reply, Tool, ToolMode, ToolUse, plain_reply, tool_use
+from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
+                             MAX_SCHEMA_DEPTH, ResponseFormat, SamplingParams)
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16  # stop strings, and stop token ids, per request: each one is checked after every token
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300  # logit_bias entries, as OpenAI allows
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class JSONSchemaSpec(BaseModel):
@@ -47,9 +57,51 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk, with no choices, carries the usage
 
 
+def _json_schema(value: dict | str) -> dict:
+    """vLLM takes a JSON schema as an object or as a string holding one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema must be a JSON object")
+    return value
+
+
+# The limits of engine/sampling.py, stated in the OpenAPI schema (the engine checks a schema's size and depth)
+Schema = Annotated[dict | str, AfterValidator(_json_schema),
+                   Field(description=f"a JSON schema, or a string holding one: at most {MAX_SCHEMA_BYTES} bytes as "
+                                     f"compact JSON, objects and arrays nested at most {MAX_SCHEMA_DEPTH} deep")]
+Pattern = Annotated[str, Field(min_length=1, max_length=MAX_PATTERN_CHARS)]
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                    Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of json (a JSON schema), regex (the whole output matches it), choice (the
+    output is one of the strings), grammar (Lark, in llguidance's syntax) or json_object: true (any JSON object)."""
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: Schema | None = Field(None, alias="json")  # a field named json would shadow BaseModel.json
+    regex: Pattern | None = None
+    choice: Choices | None = None
+    grammar: Pattern | None = None
+    json_object: bool | None = None
+
+
 class OpenAISampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    # A field this server does not implement is refused by name (400), never dropped without a word
+    model_config = ConfigDict(extra="forbid")
     chunk_object: ClassVar[str]  # the "object" of this API's stream chunks
+
+    # OpenAI's bookkeeping fields: accepted, with no effect on the output
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: Literal[False] | None = None  # this server stores nothing
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)  # the prefix cache needs no key
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -58,21 +110,61 @@ class OpenAISampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
     stream_options: StreamOptions | None = None
     # token id (a JSON object key, so a string of digits) -> bias added to its logit
-    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: Annotated[dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS,
+                                json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})] | None = None
     # vLLM's extra sampling parameters (openai clients send them in extra_body)
     top_k: int = Field(0, ge=-1)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
+    # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
+    guided_json: Schema | None = None
+    guided_regex: Pattern | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Pattern | None = None  # Lark, in llguidance's syntax
+    structured_outputs: StructuredOutputs | None = None
+    guided_decoding_backend: Literal["guidance", "auto"] | None = None  # llguidance is the one backend here
+    guided_whitespace_pattern: None = Field(None, description="JSON whitespace is fixed (json.dumps' separators)")
+
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        given = self._structured()
+        if len(given) > 1:
+            raise ValueError(f"at most one structured-output constraint per request, got {', '.join(given)}")
+        return self
+
+    def _structured(self) -> dict[str, dict]:
+        """The structured-output constraints given: {field name: the engine ResponseFormat's arguments}."""
+        so = self.structured_outputs or StructuredOutputs()
+        response_format = self.response_format.to_engine() if self.response_format else None
+        fields = {"response_format": {"schema": response_format.schema if response_format else None},
+                  "guided_json": {"schema": self.guided_json}, "guided_regex": {"regex": self.guided_regex},
+                  "guided_choice": {"choice": self.guided_choice}, "guided_grammar": {"grammar": self.guided_grammar},
+                  "structured_outputs.json": {"schema": so.json_schema},
+                  "structured_outputs.regex": {"regex": so.regex}, "structured_outputs.choice": {"choice": so.choice},
+                  "structured_outputs.grammar": {"grammar": so.grammar},
+                  "structured_outputs.json_object": {"schema": {"type": "object"} if so.json_object else None}}
+        return {name: constraint for name, constraint in fields.items() if None not in constraint.values()}
+
+    def engine_response_format(self) -> ResponseFormat | None:
+        """The request's structured-output constraint for the engine; ValueError naming the field for one past a
+        limit of engine/sampling.py."""
+        for name, constraint in self._structured().items():  # at most one (_one_structured_output)
+            try:
+                return ResponseFormat(**constraint)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        return None
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
@@ -89,9 +181,9 @@ class OpenAISampling(BaseModel):
         """A finished choice (its one event, with every token): (text, that event, logprobs object)."""
         return last.final.generated_text, last, self.logprobs_object(last.entries(), tokenizer, 0)
 
-    def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
-        and the choices differ)."""
+        and the choices differ). A default_max_tokens of None lets the output fill the context."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
@@ -103,12 +195,13 @@ class OpenAISampling(BaseModel):
                               min_tokens=self.min_tokens,
                               skip_special_tokens=self.skip_special_tokens,
                               logprobs=self.logprobs_wanted() or 0, prompt_logprobs=self.prompt_logprobs_wanted(),
-                              response_format=self.response_format.to_engine() if self.response_format else None)
+                              response_format=self.engine_response_format())
 
 
 class CompletionRequest(OpenAISampling):
     chunk_object: ClassVar[str] = "text_completion"
-    prompt: str | list[str] | list[int] | list[list[int]]  # text, token ids, or a batch of either
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])  # text, ids, or a batch
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs
 
@@ -154,22 +247,43 @@ class CompletionRequest(OpenAISampling):
         return list(self.prompt)
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
 class ChatRequest(OpenAISampling):
     chunk_object: ClassVar[str] = "chat.completion.chunk"
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self):
+        use = self.tool_use()  # ValueError for a tool_choice the tools do not allow
+        if use is not None and use.response_format() is not None and self._structured():
+            raise ValueError(f"tool_choice {self.tool_choice!r} sets the output's grammar: "
+                             f"{', '.join(self._structured())} cannot be given with it")
+        if self.calls_tools() and self.stream and self.logprobs:
+            raise ValueError("logprobs are not supported on a stream with tools (its calls arrive as one delta)")
+        return self
+
+    def tool_use(self) -> ToolUse | None:
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def calls_tools(self) -> bool:
+        """Whether the model may answer with calls (tools given and tool_choice not "none")."""
+        use = self.tool_use()
+        return use is not None and use.mode is not ToolMode.NONE
+
+    def engine_response_format(self) -> ResponseFormat | None:
+        use = self.tool_use()
+        calls = use.response_format() if use is not None else None
+        return calls or super().engine_response_format()
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -215,13 +329,20 @@ def completion_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, di
             "usage": usage}
 
 
-def chat_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
+def chat_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict,
+              tools: ToolUse | None = None) -> dict:
+    replies = [_reply(text, last, tools) for text, last, _ in finals]
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "system_fingerprint": finals[0][1].final.adapter_version,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": FINISH_REASONS[last.final.finish_reason]}
-                        for i, (text, last, logprobs) in enumerate(finals)],
+            "choices": [{"index": i, "message": reply.message(), "logprobs": logprobs,
+                         "finish_reason": reply.finish_reason}
+                        for i, (reply, (_, _, logprobs)) in enumerate(zip(replies, finals))],
             "usage": usage}
+
+
+def _reply(text: str, last: TokenEvent, tools: ToolUse | None) -> Reply:
+    reason = FINISH_REASONS[last.final.finish_reason]
+    return tools.reply(text, reason) if tools is not None else plain_reply(text, reason)
 
 
 def usage_chunk(cid: str, model: str, chunk_object: str, usage: dict) -> dict:
@@ -245,6 +366,26 @@ def chat_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, f
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "system_fingerprint": _fingerprint(event),
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+
+class ToolChunks:
+    """The chat chunks of a stream whose model may call tools: a choice's text is held until it finishes, then
+    goes out as one delta with its complete calls (the openai client joins a stream's deltas, so one serves)."""
+
+    def __init__(self, tools: ToolUse):
+        self.tools = tools
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
+                 logprobs: dict | None) -> dict | None:
+        self.texts[index] = self.texts.get(index, "") + text
+        if not event.finished:
+            return None
+        reply = _reply(self.texts.pop(index), event, self.tools)
+        return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "system_fingerprint": _fingerprint(event),
+                "choices": [{"index": index, "delta": reply.delta(), "logprobs": None,
+                             "finish_reason": reply.finish_reason}]}
 
 
 def _fingerprint(event: TokenEvent) -> str | None:

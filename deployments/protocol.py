@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.events import TokenEntry
+from deployments.openai_protocol import MAX_STOP, StopString
 from engine.sampling import ResponseFormat, SamplingParams
 from lora_cache.merge import MergeSpec
 
@@ -47,7 +48,7 @@ class GenerateParameters(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
     ignore_eos_token: bool = False
     return_full_text: bool = False
     details: bool = False

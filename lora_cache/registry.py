@@ -124,6 +124,7 @@ class AdapterRegistry:
             return
         state = {"version": self.version, "generations": self.generations,
                  "locations": {n: str(loc) for n, loc in self.locations.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # a local-source server never made its disk cache
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         temporary.write_text(json.dumps(state))
         temporary.replace(self.path)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.autoscaling import EngineLoad, EngineLoadPolicy, desired_replicas
-from deployments.metrics import AdapterLabels
+from deployments.metrics import BASE, TopLabels
 
 TARGETS = dict(target_running_per_replica=8, kv_high=0.85, kv_low=0.5)
 
@@ -46,7 +46,7 @@ def test_policy_refuses_bad_targets():
 
 
 def test_adapter_labels_are_bounded_to_the_most_requested():
-    labels = AdapterLabels(top_n=2)
+    labels = TopLabels(top_n=2, none=BASE)
     assert labels.label(None) == "base"
     for adapter, times in (("a", 5), ("b", 3)):
         for _ in range(times):

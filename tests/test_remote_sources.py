@@ -17,7 +17,7 @@ import pytest
 from engine import LLM, SamplingParams
 from lora_cache.adapter import AdapterError
 from lora_cache.disk_tier import STAGING, DiskTier
-from lora_cache.sources import SourceConfig, make_source
+from lora_cache.sources import AdapterLocation, SourceConfig, make_source
 from tests.conftest import PROMPTS, free_port, write_tiny_adapters
 
 ROOT = Path(__file__).parent.parent
@@ -307,3 +307,12 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
     finally:
         client.close()
         ray.kill(actor, no_restart=True)
+
+
+def test_the_registry_persists_into_a_folder_not_made_yet(tmp_path, adapters):
+    from lora_cache.registry import AdapterRegistry
+
+    path = tmp_path / "never-made" / "registry-x.json"  # a local-source server's disk cache folder
+    registry = AdapterRegistry(path)
+    assert registry.register("one", AdapterLocation.parse(str(adapters / "one"))) == "one#1"
+    assert AdapterRegistry(path).view().key("one") == "one#1"

@@ -97,13 +97,15 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
 
 
 @pytest.mark.parametrize("path, body, words", [
-    ("completions", {"prompt": [[]]}, "prompt must not be empty"),
+    ("completions", {"prompt": [[]]}, "prompt.list[list[int]].0: List should have at least 1 item"),
     ("completions", {"prompt": [1, -5]}, "out of range"),
     ("completions", {"prompt": [10 ** 9]}, "out of range"),
-    ("completions", {"prompt": ["a"] * 65}, "at most 64 prompts"),
+    ("completions", {"prompt": ["a"] * 65}, "at most 64 items"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("completions", {"prompt": "hi", "stop": [""]}, "stop strings must be non-empty"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "at least 1 character"),
+    ("completions", {"prompt": "hi", "suffix": "!"}, "suffix: not supported by this server"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
@@ -331,7 +333,7 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
                         ({"x": 1}, "logit_bias")):
         with pytest.raises(openai.BadRequestError, match=words):
             client.completions.create(model=model, prompt="hi", max_tokens=2, logit_bias=bias)
-    with pytest.raises(openai.BadRequestError, match="stop strings must be non-empty"):
+    with pytest.raises(openai.BadRequestError, match="stop.*at least 1 character"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, stop=[""])
 
 
@@ -471,6 +473,50 @@ def test_bad_response_formats_get_a_clear_error(server, response_format, status,
     r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {
         "max_new_tokens": 4, "response_format": response_format}}, timeout=60)
     assert r.status_code == status and words in r.text, r.text
+
+
+def test_vllm_structured_output_extras_through_the_openai_client(server, tiny_llama_path):
+    """The random tiny model writes garbage, but the grammar forces its shape; each one completes in a few tokens."""
+    import re
+
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = str(tiny_llama_path)
+    colors = ["red", "green", "blue"]
+    chosen = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=20, extra_body={"guided_choice": colors})
+    assert chosen.choices[0].text in colors and chosen.choices[0].finish_reason == "stop"
+    date = "[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    dated = oai.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "A date?"}], max_tokens=20,
+                                        extra_body={"guided_regex": date})
+    assert re.fullmatch(date, dated.choices[0].message.content) and dated.choices[0].finish_reason == "stop"
+    constraints = {"choice": colors, "regex": date, "grammar": 'start: "yes" | "no"', "json": PICK}
+    fits = {"choice": lambda text: text in colors, "regex": lambda text: re.fullmatch(date, text),
+            "grammar": lambda text: text in ("yes", "no"), "json": _valid_pick}
+    for key, constraint in constraints.items():
+        out = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=40,
+                                     extra_body={"structured_outputs": {key: constraint}})
+        assert out.choices[0].finish_reason == "stop" and fits[key](out.choices[0].text), (key, out.choices[0].text)
+    picked = oai.completions.create(model=model, prompt=PROMPTS[2], max_tokens=40,
+                                    extra_body={"guided_json": json.dumps(PICK), "guided_decoding_backend": "guidance"})
+    _valid_pick(picked.choices[0].text)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "at most one structured-output constraint per request, got "
+                                                    "guided_regex, guided_choice"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "got response_format, structured_outputs.regex"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern: not supported"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"guided_choice": ["x"] * 257}, "guided_choice: List should have at most 256 items"),
+    ({"guided_regex": "(abc"}, "invalid regex"),
+    ({"guided_grammar": "start: foo"}, "invalid grammar"),
+])
+def test_bad_structured_output_extras_get_400_naming_them(server, tiny_llama_path, extra, words):
+    r = requests.post(f"{server}/v1/completions", timeout=60,
+                      json={"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 def test_info_and_models_show_where_adapters_reside(server):

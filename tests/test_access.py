@@ -1,0 +1,261 @@
+"""Who may call, how much, and what a request may ask: API keys and their scopes, per-key limits, request limits.
+
+Unit tests of the key ring and token buckets, then a real Ray Serve app with keys (from the app args and from a
+file of hashed keys), spoken to over HTTP with requests and the openai client.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from deployments.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
+from deployments.rate_limits import KeyLimiter, RateLimited, TokenBucket
+from engine import LLM, SamplingParams
+from tests.conftest import free_port, write_tiny_adapters
+
+ADMIN, TEAM_A, SLOW, FRUGAL, SINGLE = ("admin-key-0123456789abcdef", "team-a-key-0123456789abcdef",
+                                       "slow-key-0123456789abcdef", "frugal-key-0123456789abcdef",
+                                       "single-key-0123456789abcdef")
+METRICS = {}
+
+
+# ---- units: keys and buckets ----
+
+def test_a_key_ring_finds_the_key_presented_and_refuses_others():
+    ring = KeyRing([ApiKeyConfig(name="a", key="a" * 20).to_key(),
+                    ApiKeyConfig(name="b", key_sha256=hash_key("b" * 20).hex(), adapters=["b-*"]).to_key()])
+    assert ring.authenticate("Bearer " + "a" * 20).name == "a"
+    assert ring.authenticate("bearer " + "b" * 20).scope.allows_adapter("b-1")
+    assert not ring.authenticate("Bearer " + "b" * 20).scope.allows_adapter("a-1")
+    for header in (None, "", "Basic xyz", "Bearer " + "c" * 20):
+        with pytest.raises(Unauthorized):
+            ring.authenticate(header)
+    assert "a" * 20 not in repr(ring.keys)  # a key's text is not kept, its hash is not shown
+    assert KeyRing([]).authenticate(None).name == "anonymous"  # no keys: open
+
+
+def test_bad_key_configs_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="unique"):
+        KeyRing([ApiKeyConfig(name="a", key="a" * 20).to_key(), ApiKeyConfig(name="a", key="b" * 20).to_key()])
+    with pytest.raises(ValueError, match="exactly one"):
+        ApiKeyConfig(name="a")
+    clear = tmp_path / "keys.yaml"
+    clear.write_text(json.dumps([{"name": "a", "key": "a" * 20}]))
+    with pytest.raises(ValueError, match="in clear"):
+        load_key_file(clear)
+
+
+def test_token_buckets_refill_with_time_and_carry_debt():
+    limiter = KeyLimiter(ApiKeyConfig(name="k", key="k" * 20, requests_per_minute=600, tokens_per_minute=6000,
+                                      max_concurrent=2).to_key().limits)
+    limiter.admit()
+    limiter.admit()
+    with pytest.raises(RateLimited, match="max_concurrent 2"):
+        limiter.admit()
+    limiter.release()
+    limiter.charge(12000)  # a request that cost two minutes' tokens: the next waits about a minute
+    with pytest.raises(RateLimited, match="6000 tokens per minute") as refused:
+        limiter.admit()
+    assert 55 < refused.value.retry_after_s <= 61
+    bucket = TokenBucket(600)  # 10 per second
+    bucket.take(600)
+    assert bucket.wait_s(1) == pytest.approx(0.1, abs=0.02)
+    time.sleep(0.15)
+    assert bucket.wait_s(1) == 0
+
+
+# ---- the engine: max_tokens against the context and the ceiling ----
+
+def test_max_tokens_past_the_context_is_refused_with_the_figures(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), max_model_len=64, max_tokens_limit=40, log_stats=False)
+    prompt = list(range(1, 31))  # 30 tokens: 34 left in the context
+    with pytest.raises(ValueError, match="at most 34, got 35"):
+        llm.generate([prompt], SamplingParams(max_tokens=35), use_tqdm=False)
+    with pytest.raises(ValueError, match="at most 40 .max_tokens_limit"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=41), use_tqdm=False)
+    fill = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    outs = llm.generate([prompt, [1, 2]], fill, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [34, 40]  # the context's room, then the ceiling
+    assert not llm.engine.has_unfinished()
+
+
+# ---- over HTTP ----
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("access-adapters"),
+                               ("team-a-chat", "team-b-chat"))
+    key_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    key_file.write_text(json.dumps([{"name": "team-a", "key_sha256": hash_key(TEAM_A).hex(),
+                                     "adapters": ["team-a-*"], "base_model": False}]))
+    port, metrics_port = free_port(), free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), _metrics_export_port=metrics_port)
+    METRICS.update(url=f"http://127.0.0.1:{metrics_port}/metrics", temp=temp)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(root),
+              "max_model_len": 512, "max_tokens_limit": 400,
+              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
+    keys = [{"name": "admin", "key": ADMIN, "manage_adapters": True},
+            {"name": "slow", "key": SLOW, "requests_per_minute": 2},
+            {"name": "frugal", "key": FRUGAL, "tokens_per_minute": 40},
+            {"name": "single", "key": SINGLE, "max_concurrent": 1}]
+    serve.run(build_app({"engine": engine, "api_keys": keys, "api_keys_file": str(key_file),
+                         "max_request_bytes": 64 * 1024}), name="lora-serve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _post(server, path, body, key=ADMIN, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{server}{path}", json=body, headers=headers, timeout=60, **kwargs)
+
+
+def _client(server, key):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=key, max_retries=0)
+
+
+def _complete(server, model, key=ADMIN, **extra):
+    return _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, **extra}, key)
+
+
+@pytest.mark.slow
+def test_no_key_or_a_bad_one_gets_401_on_every_route_but_health(server, tiny_llama_path):
+    assert requests.get(f"{server}/health", timeout=10).status_code == 200
+    for key in (None, "not-a-key-0123456789"):
+        r = _complete(server, str(tiny_llama_path), key)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"], r.text
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+        r = _post(server, "/generate", {"inputs": "hi"}, key)
+        assert r.status_code == 401 and r.json()["error_type"] == "unauthorized", r.text
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert requests.get(f"{server}/v1/models", headers=headers, timeout=10).status_code == 401
+        assert requests.get(f"{server}/info", headers=headers, timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "not-a-key-0123456789").completions.create(model=str(tiny_llama_path), prompt="hi",
+                                                                  max_tokens=2)
+    assert _complete(server, str(tiny_llama_path)).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_scoped_key_reaches_only_its_adapters(server, tiny_llama_path):
+    ok = _complete(server, "team-a-chat", TEAM_A)
+    assert ok.status_code == 200, ok.text
+    outside, missing = _complete(server, "team-b-chat", TEAM_A), _complete(server, "team-a-nope", TEAM_A)
+    assert outside.status_code == missing.status_code == 404
+    assert outside.json()["error"]["message"] == "adapter 'team-b-chat' not found"
+    assert missing.json()["error"]["message"] == "adapter 'team-a-nope' not found"  # the same words: no leak
+    base = _complete(server, str(tiny_llama_path), TEAM_A)
+    assert base.status_code == 403 and "base model" in base.text
+    lorax = _post(server, "/generate", {"inputs": "hi", "parameters": {"adapter_id": "team-b-chat"}}, TEAM_A)
+    assert lorax.status_code == 404 and lorax.json()["error_type"] == "not_found"
+    assert _complete(server, "team-b-chat").status_code == 200  # the admin key reaches every adapter
+    models = requests.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {TEAM_A}"}, timeout=10).json()
+    assert "team-b-chat" not in {m["id"] for m in models["data"]}
+    load = _post(server, "/v1/load_lora_adapter", {"lora_name": "team-a-new", "lora_path": "/nowhere"}, TEAM_A)
+    assert load.status_code == 403 and "may not load" in load.text
+
+
+@pytest.mark.slow
+def test_over_a_keys_request_rate_gets_429_with_retry_after(server, tiny_llama_path):
+    codes = [_complete(server, str(tiny_llama_path), SLOW) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429]
+    assert 1 <= int(codes[2].headers["Retry-After"]) <= 30
+    assert "2 requests per minute" in codes[2].json()["error"]["message"]
+    with pytest.raises(openai.RateLimitError):
+        _client(server, SLOW).completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2)
+    assert _complete(server, str(tiny_llama_path)).status_code == 200  # other keys are not held back
+
+
+@pytest.mark.slow
+def test_over_a_keys_token_rate_gets_429(server, tiny_llama_path):
+    first = _complete(server, str(tiny_llama_path), FRUGAL, max_tokens=50, ignore_eos=True)
+    assert first.status_code == 200, first.text
+    second = _post(server, "/generate", {"inputs": "hi"}, FRUGAL)
+    assert second.status_code == 429 and "40 tokens per minute" in second.json()["error"], second.text
+    assert int(second.headers["Retry-After"]) >= 1
+
+
+@pytest.mark.slow
+def test_a_keys_concurrent_streams_are_capped(server, tiny_llama_path):
+    body = {"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 400, "n": 16, "ignore_eos": True,
+            "stream": True}  # most of a second of work each: sent at once, they overlap
+
+    def stream(_):
+        with _post(server, "/v1/completions", body, SINGLE, stream=True) as r:
+            return r.status_code, b"".join(r.iter_content(None)).decode()
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(stream, range(3)))
+    codes = sorted(code for code, _ in answers)
+    assert codes[0] == 200 and codes[-1] == 429, codes
+    assert all("max_concurrent 1" in text for code, text in answers if code == 429)
+    assert _complete(server, str(tiny_llama_path), SINGLE).status_code == 200  # counted out when it ended
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 401}, "at most 400 (max_tokens_limit)"),
+    ("/v1/completions", {"prompt": list(range(1, 301)), "max_tokens": 250}, "the prompt has 300, so max_tokens may "
+                                                                            "be at most 212, got 250"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}, "at most 400"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 450}}, "at most 400"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "at most 16"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["x"] * 17}}, "at most 16"),
+])
+def test_requests_past_a_limit_get_a_4xx_that_states_it(server, tiny_llama_path, path, body, words):
+    r = _post(server, path, {"model": str(tiny_llama_path), **body} if path.startswith("/v1") else body)
+    assert r.status_code in (400, 422), r.text
+    assert words in r.text
+
+
+@pytest.mark.slow
+def test_a_body_over_the_limit_gets_413_unparsed(server, tiny_llama_path):
+    r = _complete(server, str(tiny_llama_path), prompt="word " * 20000)
+    assert r.status_code == 413 and "65536" in r.json()["error"]["message"], r.text
+    chunked = requests.post(f"{server}/generate", data=iter([b'{"inputs": "', b"x" * 70000, b'"}']),
+                            headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+                            timeout=60)
+    assert chunked.status_code == 413, chunked.text
+
+
+@pytest.mark.slow
+def test_per_key_usage_is_exported_and_keys_never_logged(server, tiny_llama_path):
+    assert _complete(server, str(tiny_llama_path)).status_code == 200
+
+    def exported():
+        text = requests.get(METRICS["url"], timeout=10).text
+        return text if 'tenant="admin"' in text and "lora_serve_tenant_tokens" in text else None
+
+    deadline = time.monotonic() + 60
+    while not (text := exported()):
+        assert time.monotonic() < deadline, "per-key metrics not exported"
+        time.sleep(2)
+    assert 'outcome="unauthorized"' in text or 'tenant="unauthenticated"' in text
+    logs = [p for p in Path(METRICS["temp"]).rglob("*") if p.is_file() and p.suffix in (".log", ".out", ".err")]
+    assert logs
+    for secret in (ADMIN, TEAM_A, SLOW):
+        assert not [p for p in logs if secret in p.read_text(errors="ignore")], "a key reached a log"
+
+
+@pytest.mark.slow
+def test_many_keys_at_once_are_each_counted(server, tiny_llama_path):
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda key: _complete(server, str(tiny_llama_path), key).status_code,
+                              [ADMIN, SINGLE, ADMIN, SINGLE]))
+    assert codes.count(200) >= 3 and set(codes) <= {200, 429}
+    assert _complete(server, str(tiny_llama_path), SINGLE).status_code == 200  # nothing left counted in

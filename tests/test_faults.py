@@ -1,0 +1,155 @@
+"""Faults under load, on a simulated two-node cluster (one engine replica per node): the cache actor killed, a
+replica killed, a node removed. Every request gets an answer (a status, or for a stream whose replica died, a
+closed connection) within its timeout, and afterwards the surviving replicas hold no request and no KV block.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.conftest import PROMPTS, free_port, write_tiny_adapters
+
+pytestmark = pytest.mark.slow
+ADAPTERS = ("alpha", "beta", "gamma")
+TIMEOUT_S = 120  # a request still unanswered after this has hung
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray._common.utils import get_default_ray_temp_dir
+    from ray.cluster_utils import Cluster
+
+    from deployments.llm_server import LLMServer
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("fault-adapters"), ADAPTERS)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+    nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
+              "adapters_root": str(root), "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
+    llm = LLMServer.options(num_replicas=2, health_check_period_s=1, health_check_timeout_s=10,
+                            ray_actor_options={"num_cpus": 0.5, "resources": {"llm_node": 1}})
+    serve.run(llm.bind(engine), name="lora-serve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}", cluster, nodes
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _request(url: str, i: int) -> str:
+    """One of a mix: streamed adapter completions, base generate, adapter chat. Its outcome: the status, with
+    "+cut" for a stream that ended without its last event."""
+    adapter = ADAPTERS[i % len(ADAPTERS)]
+    kind = i % 3
+    if kind == 0:
+        body = {"model": adapter, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=TIMEOUT_S) as r:
+            text = b"".join(r.iter_content(None)).decode(errors="replace")
+            return f"{r.status_code}" + ("" if r.status_code != 200 or "[DONE]" in text else "+cut")
+    if kind == 1:
+        body = {"inputs": PROMPTS[i % len(PROMPTS)], "parameters": {"max_new_tokens": 60}}
+        return str(requests.post(f"{url}/generate", json=body, timeout=TIMEOUT_S).status_code)
+    body = {"model": adapter, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+    return str(requests.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S).status_code)
+
+
+def _under_load(url: str, fault, workers: int = 4, after_s: float = 3.0) -> list[str]:
+    """Run the mixed load, apply `fault` after a few seconds, keep loading a few seconds more; every outcome."""
+    stop = threading.Event()
+
+    def worker(w: int) -> list[str]:
+        outcomes, i = [], w
+        while not stop.is_set():
+            try:
+                outcomes.append(_request(url, i))
+            except requests.Timeout:
+                outcomes.append("hung")
+            except requests.RequestException:
+                outcomes.append("closed")  # the connection broke with its replica: an answer, not a hang
+            i += workers
+        return outcomes
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(worker, w) for w in range(workers)]
+        time.sleep(after_s)
+        fault()
+        time.sleep(after_s)
+        stop.set()
+        outcomes = [o for f in futures for o in f.result(timeout=TIMEOUT_S + 30)]
+    assert "hung" not in outcomes, outcomes
+    assert outcomes.count("200") > len(outcomes) // 2, outcomes
+    return outcomes
+
+
+def _nothing_held(timeout: float = 30) -> None:
+    """Every live replica ends with no request running or waiting and no KV block in use."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [handle.stats.remote().result(timeout_s=30) for _ in range(6)]
+        held = [(s["replica"], s["running"], s["waiting"], s["kv_blocks_used"]) for s in stats
+                if s["running"] or s["waiting"] or s["kv_blocks_used"]]
+        if not held:
+            return
+        assert time.monotonic() < deadline, f"requests or KV blocks left after the load: {held}"
+        time.sleep(1)
+
+
+def _answers(url: str) -> None:
+    """A plain request and an adapter request succeed once the fault has passed."""
+    deadline = time.monotonic() + 90
+    for body in ({"inputs": "hi", "parameters": {"max_new_tokens": 3}},
+                 {"inputs": "hi", "parameters": {"max_new_tokens": 3, "adapter_id": "beta"}}):
+        while (r := requests.post(f"{url}/generate", json=body, timeout=60)).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(1)
+
+
+def test_killing_the_cache_actor_under_load(cluster):
+    import ray
+
+    from lora_cache.actor import ACTOR_NAME
+
+    url, _, _ = cluster
+    _under_load(url, lambda: ray.kill(ray.get_actor(ACTOR_NAME), no_restart=False))
+    _nothing_held()
+    _answers(url)
+
+
+def test_killing_a_replica_under_load(cluster):
+    import ray
+
+    url, _, _ = cluster
+
+    def kill_one():
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if "lora-serve#LLMServer" in a["name"]][:1]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    outcomes = _under_load(url, kill_one)
+    assert set(outcomes) <= {"200", "200+cut", "500", "503", "closed"}, outcomes
+    _nothing_held()
+    _answers(url)
+
+
+def test_removing_a_node_under_load(cluster):
+    url, ray_cluster, nodes = cluster
+    outcomes = _under_load(url, lambda: ray_cluster.remove_node(nodes[0]))
+    assert set(outcomes) <= {"200", "200+cut", "500", "503", "closed"}, outcomes
+    _nothing_held()
+    _answers(url)
