@@ -27,7 +27,7 @@ import yaml
 from benchmarks.vllm_env import vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"),
+ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("LoRACacheActor", "adapter cache actor"),
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
          ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),
          ("serve run", "serve run (driver)"))
