@@ -11,7 +11,6 @@ says it was not measured. Writes benchmarks/results/engine.md, engine.json and t
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from benchmarks import peer_compare, peer_report, plots, report, systems
-from benchmarks.common import Result, check_lengths, environment, timed
+from benchmarks.common import Result, benchmark_args, check_lengths, environment, timed
 from benchmarks.vllm_env import NOT_INSTALLED, describe_openmp, vllm_env, vllm_python
 from benchmarks.workloads import Plan, make_requests
 
@@ -82,15 +81,15 @@ def run_job(job: Job, runners, decoders, warmed: set) -> Result:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test of the whole pipeline")
+def _arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument("--vllm-python", default=None,
                         help="python of vLLM's virtual environment (default $VLLM_PYTHON); without it, no vLLM")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds against vLLM (3; 1 if --quick)")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = benchmark_args(__doc__, "tiny workloads: a smoke test of the whole pipeline", argv, _arguments)
     peer_python = vllm_python(args.vllm_python)
 
     transformers.logging.set_verbosity_error()

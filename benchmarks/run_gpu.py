@@ -332,12 +332,23 @@ def markdown(raw: dict) -> str:
              (f"torch {raw['environment']['torch']}, transformers {raw['environment']['transformers']}, "
               f"bf16, random weights of typed-in shapes, mode {raw['mode']}, {raw['date']}."), ""]
     bw = _figures(results, "bandwidth").get("copy_bandwidth_gb_s")
-    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s.", "", "## Batch-1 decode", ""]
+    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s.", ""]
+    lines += _decode_section(results) + _throughput_section(results, plan) + _lora_section(results)
+    lines += _graphs_section(results, plan)
+    lines += ["## Sections", "", markdown_table(
+        ["section", "status", "seconds"],
+        [[n, "ok" if r["ok"] else f"failed: {r['error']}", _f(r["seconds"], 1)] for n, r in results.items()]), ""]
+    return "\n".join(lines)
+
+
+def _decode_section(results: dict) -> list[str]:
     rows = [[m, _f(r.get("ms_per_token"), 2), _f(r.get("weight_bytes"), 2, 1e-9), _f(r.get("bound_ms"), 2),
              _f(r.get("of_bound"), 0, 100, "%"), r.get("error", "")] for m, r in _figures(results, "decode").items()]
-    lines += [markdown_table(["shape", "ms / token", "weights read (GB)", "weight-read bound (ms)",
-                              "% of bound", "error"], rows), ""]
-    lines += [f"## Throughput, Llama-3.2-1B shape, {plan['prompt']}-token prompts, {plan['new']} new tokens", ""]
+    return ["## Batch-1 decode", "", markdown_table(["shape", "ms / token", "weights read (GB)",
+                                                     "weight-read bound (ms)", "% of bound", "error"], rows), ""]
+
+
+def _throughput_section(results: dict, plan: dict) -> list[str]:
     tp = {**_figures(results, "throughput"), **_figures(results, "hf_baselines")}
     rows = []
     for batch in plan["batches"]:
@@ -347,30 +358,35 @@ def markdown(raw: dict) -> str:
             ratio = ls / r["tok_s"] if ls and r.get("tok_s") else None
             rows.append([batch, system, _f(r.get("tok_s"), 0), _f(ratio, 2, suffix="x"),
                          _f(r.get("ttft_median_ms"), 0), r.get("error", "")])
-    lines += [markdown_table(["sequences", "system", "output tok/s", "lora-serve / this", "median TTFT (ms)",
-                              "error"], rows), ""]
+    return [f"## Throughput, Llama-3.2-1B shape, {plan['prompt']}-token prompts, {plan['new']} new tokens", "",
+            markdown_table(["sequences", "system", "output tok/s", "lora-serve / this", "median TTFT (ms)", "error"],
+                           rows), ""]
+
+
+def _lora_section(results: dict) -> list[str]:
     lo = _figures(results, "lora")
-    if lo:
-        lines += [f"## {lo['adapters']} distinct rank-{lo['rank']} adapters, {lo['batch']} sequences", "",
-                  markdown_table(["run", "output tok/s", "median TTFT (ms)"],
-                                 [["base only", _f(lo["base"]["tok_s"], 0), _f(lo["base"]["ttft_median_ms"], 0)],
-                                  [f"{lo['adapters']} adapters", _f(lo["lora"]["tok_s"], 0),
-                                   _f(lo["lora"]["ttft_median_ms"], 0)]]),
-                  "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput.", ""]
+    if not lo:
+        return []
+    return [f"## {lo['adapters']} distinct rank-{lo['rank']} adapters, {lo['batch']} sequences", "",
+            markdown_table(["run", "output tok/s", "median TTFT (ms)"],
+                           [["base only", _f(lo["base"]["tok_s"], 0), _f(lo["base"]["ttft_median_ms"], 0)],
+                            [f"{lo['adapters']} adapters", _f(lo["lora"]["tok_s"], 0),
+                             _f(lo["lora"]["ttft_median_ms"], 0)]]),
+            "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput.", ""]
+
+
+def _graphs_section(results: dict, plan: dict) -> list[str]:
     tg = _figures(results, "ttft_graphs")
-    if tg:
-        rows = [[f"TTFT alone, {plan['ttft_prompt']}-token prompt (ms)", _f(tg.get("ttft_alone_ms/eager"), 1),
-                 _f(tg.get("ttft_alone_ms/graphs"), 1), ""]]
-        for batch in plan["step_batches"]:
-            e, g = tg.get(f"step_ms@{batch}/eager"), tg.get(f"step_ms@{batch}/graphs")
-            rows.append([f"decode step, batch {batch} (ms)", _f(e, 2), _f(g, 2), _f(e / g if e and g else None, 2,
-                                                                                   suffix="x")])
-        lines += ["## TTFT and decode step time, eager against CUDA graphs (Llama-3.2-1B shape)", "",
-                  markdown_table(["figure", "eager", "CUDA graphs", "speed-up"], rows), ""]
-    lines += ["## Sections", "", markdown_table(
-        ["section", "status", "seconds"],
-        [[n, "ok" if r["ok"] else f"failed: {r['error']}", _f(r["seconds"], 1)] for n, r in results.items()]), ""]
-    return "\n".join(lines)
+    if not tg:
+        return []
+    rows = [[f"TTFT alone, {plan['ttft_prompt']}-token prompt (ms)", _f(tg.get("ttft_alone_ms/eager"), 1),
+             _f(tg.get("ttft_alone_ms/graphs"), 1), ""]]
+    for batch in plan["step_batches"]:
+        e, g = tg.get(f"step_ms@{batch}/eager"), tg.get(f"step_ms@{batch}/graphs")
+        rows.append([f"decode step, batch {batch} (ms)", _f(e, 2), _f(g, 2), _f(e / g if e and g else None, 2,
+                                                                               suffix="x")])
+    return ["## TTFT and decode step time, eager against CUDA graphs (Llama-3.2-1B shape)", "",
+            markdown_table(["figure", "eager", "CUDA graphs", "speed-up"], rows), ""]
 
 
 def plot(raw: dict):

@@ -8,7 +8,6 @@ Writes benchmarks/results/lora.md, lora.json, lora_course.png and lora_engine.pn
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -25,7 +24,7 @@ import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks import course_lora  # noqa: E402
-from benchmarks.common import check_lengths, environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import benchmark_args, check_lengths, environment, fmt, markdown_table  # noqa: E402
 from benchmarks.lora_latency import latency, latency_section  # noqa: E402
 from benchmarks.lora_setup import RANK, LoraPlan, generate, make_llm, write_adapters  # noqa: E402
 from benchmarks.workloads import make_requests  # noqa: E402
@@ -174,10 +173,7 @@ def markdown(raw: dict, images: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test of the whole pipeline")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "tiny workloads: a smoke test of the whole pipeline", argv)
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(2)

@@ -8,7 +8,6 @@ Writes benchmarks/results/lora_zipf.md, lora_zipf.json and lora_zipf.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from benchmarks.common import benchmark_args  # noqa: E402
 from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -52,10 +52,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    args = benchmark_args(__doc__, "20 adapters and 32 requests: a smoke run", argv)
     num_adapters, num_requests, max_loras, tokens = (20, 32, 4, 8) if args.quick else (200, 256, 8, 32)
 
     torch.set_num_threads(2)

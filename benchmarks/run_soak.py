@@ -8,8 +8,10 @@ The shipped config, as a user starts it (SmolLM2 bf16, the shipped pirate adapte
 send, in turn: a streamed base completion, a pirate chat, a structured-output chat (a JSON schema), a stream the
 client drops after a few chunks, a completion on a churned adapter, and a pirate chat that must call a tool
 (tool_choice "required"). Meanwhile the adapters churn-0..2 are loaded again, from one of four weight folders in
-turn, through /v1/load_lora_adapter every CHURN_S seconds, and now and then unloaded. Every SAMPLE_S seconds: RSS and open file descriptors of every process of the server's tree,
-by role; the replica's requests and KV blocks in use (/info); the Ray object store's bytes (`ray memory`).
+turn, through /v1/load_lora_adapter every CHURN_S seconds, and now and then unloaded. Every SAMPLE_S seconds:
+RSS, private memory (USS) and open file descriptors of every process of the server's tree, by role; the
+replica's requests and KV blocks in use (/info); the Ray object store's bytes (`ray memory`). RSS also counts the
+shared pages a process has touched (the object store's, where a replica reads its adapters); USS does not.
 
 The figures compare the first sample after WARMUP_S (caches, pools and allocators filled) with the last one, taken
 once the load has stopped and the server is idle. Writes benchmarks/results/soak.md, .json and .png.
@@ -139,16 +141,18 @@ def object_store_mib(ray_dir: Path) -> float | None:
 
 
 def sample(server: Server, ray_dir: Path, start: float) -> dict:
-    rss, fds = Counter(), Counter()
+    rss, uss, fds = Counter(), Counter(), Counter()
     for process in server.tree():
         try:
             name = role(process)
-            rss[name] += process.memory_info().rss / 2**20
+            memory = process.memory_full_info()
+            rss[name] += memory.rss / 2**20
+            uss[name] += memory.uss / 2**20
             fds[name] += process.num_fds()
         except psutil.Error:
             pass
     info = requests.get(f"{server.url}/info", timeout=30).json()
-    return {"t": time.monotonic() - start, "rss_mib": dict(rss), "fds": dict(fds),
+    return {"t": time.monotonic() - start, "rss_mib": dict(rss), "uss_mib": dict(uss), "fds": dict(fds),
             "kv_blocks_used": info["kv_blocks_used"], "running": info["running"] + info["waiting"],
             "object_store_mib": object_store_mib(ray_dir)}
 
@@ -191,6 +195,8 @@ def _metrics():
     for name in ROLES:
         yield f"RSS, {name}", lambda s, n=name: s["rss_mib"].get(n), "MiB"
     yield "RSS, whole tree", lambda s: sum(s["rss_mib"].values()), "MiB"
+    yield "private memory (USS), engine replica", lambda s: s["uss_mib"].get("engine replica"), "MiB"
+    yield "private memory (USS), whole tree", lambda s: sum(s["uss_mib"].values()), "MiB"
     yield "open fds, engine replica", lambda s: s["fds"].get("engine replica"), ""
     yield "open fds, whole tree", lambda s: sum(s["fds"].values()), ""
     yield "KV blocks in use", lambda s: s["kv_blocks_used"], ""
@@ -204,7 +210,8 @@ def plot(raw: dict):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for name in ROLES:
         axes[0][0].plot(t, [s["rss_mib"].get(name, 0) for s in samples], label=name)
-    axes[0][0].set(title="RSS by process (MiB)", xlabel="minutes")
+    axes[0][0].plot(t, [s["uss_mib"].get("engine replica", 0) for s in samples], "--", label="engine replica, USS")
+    axes[0][0].set(title="RSS by process, and the replica's private memory (MiB)", xlabel="minutes")
     axes[0][0].legend(fontsize=7)
     axes[0][1].plot(t, [sum(s["fds"].values()) for s in samples], label="whole tree")
     axes[0][1].plot(t, [s["fds"].get("engine replica", 0) for s in samples], label="engine replica")

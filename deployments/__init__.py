@@ -1,1 +1,1 @@
-"""Ray Serve deployments: HTTP ingress and engine replicas (issue 4)."""
+"""Ray Serve deployments: the engine replicas, which serve the HTTP routes, and the app that binds them."""

@@ -9,7 +9,6 @@ Status codes are chosen here, at the edge: the replica says why it refuses (depl
 """
 
 import asyncio
-import functools
 import json
 from collections.abc import AsyncIterator
 
@@ -25,7 +24,8 @@ from deployments.chat import chat_prompt
 from deployments.errors import RequestRefused, client_message, error_response
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
-from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, tgi_token
+from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
+from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from lora_cache.actor import ACTOR_NAME, adapter_residence
@@ -138,6 +138,7 @@ class HttpRoutes:
         self.adapter_source = config.adapter_source
         self.lora_enabled = config.max_loras > 0
         self.tokenizer = tokenizer
+        self.tgi = TgiTokens(tokenizer)
 
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
@@ -284,28 +285,23 @@ class HttpRoutes:
 
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest, http: Request):
-        return await self._openai(request, _tenant(http), request.prompts, 16, "cmpl", oai.completion_body,
-                                  oai.completion_chunk)
+        return await self._openai(request, _tenant(http), request.prompts, CompletionRenderer(request, self.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
-        tools = request.tool_use()
         try:
-            prompt = chat_prompt(self.tokenizer, request.messages, tools)
+            prompt = chat_prompt(self.tokenizer, request.messages, request.tool_use())
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
-        body = functools.partial(oai.chat_body, tools=tools)
-        chunk = oai.ToolChunks(tools) if request.calls_tools() else oai.chat_chunk
-        return await self._openai(request, _tenant(http), [prompt], None, "chatcmpl", body, chunk)
+        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.tokenizer))
 
-    async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list,
-                      default_max_tokens: int | None, prefix: str, body, chunk):
+    async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (a prompt's later choices find its KV blocks cached);
         choice j of prompt i has index i * n + j, as in vLLM."""
         adapter = None if request.model == self.model_name else request.model
         _check_scope(tenant, adapter)
         try:
-            params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
+            params = [request.to_sampling_params(render.default_max_tokens, choice) for choice in range(request.n)]
             if adapter is not None:
                 validate_adapter_id(adapter)
         except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
@@ -319,30 +315,28 @@ class HttpRoutes:
         except BaseException:  # a refused or failed choice, or the client left: stop every choice
             _cancel(streams)
             raise
-        cid = oai.completion_id(prefix)
+        cid = completion_id(render.id_prefix)
         if request.stream:
-            return StreamingResponse(self._openai_sse(request, cid, firsts, streams, chunk),
+            return StreamingResponse(self._openai_sse(request, render, cid, firsts, streams),
                                      media_type="text/event-stream")
-        finals = [request.final(last, self.tokenizer, prompt)
+        finals = [render.finished(last, prompt)
                   for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
-        return body(cid, request.model, finals, oai.usage(lasts, request.n))
+        return render.body(cid, finals, usage(lasts, request.n))
 
-    async def _openai_sse(self, request: oai.OpenAISampling, cid: str, firsts: list[TokenEvent], streams,
-                          chunk) -> AsyncIterator[str]:
+    async def _openai_sse(self, request: oai.OpenAISampling, render: Renderer, cid: str, firsts: list[TokenEvent],
+                          streams) -> AsyncIterator[str]:
         """The choices' chunks as they come, each marked with its choice's index."""
         lines: asyncio.Queue[str | None] = asyncio.Queue()
         lasts: list[TokenEvent] = list(firsts)
 
         async def pump(index: int, event: TokenEvent | None, events) -> None:
-            emitted, first = 0, True  # emitted: characters sent, where the next chunk's text offsets start
+            first = True
             try:
                 while event is not None:
-                    text = event.text
-                    logprobs = request.logprobs_object(event.entries(), self.tokenizer, emitted)
-                    data = chunk(cid, request.model, index, event, text, first, logprobs)
-                    if data is not None:  # None: a chunk held back (ToolChunks)
+                    data = render.chunk(cid, index, event, event.text, first)
+                    if data is not None:  # None: a chunk held back (a choice that may call tools)
                         lines.put_nowait(f"data: {json.dumps(data)}\n\n")
-                    emitted, first, lasts[index] = emitted + len(text), False, event
+                    first, lasts[index] = False, event
                     event = await anext(events, None)
             finally:
                 lines.put_nowait(None)
@@ -356,8 +350,7 @@ class HttpRoutes:
             for done in pumps:
                 done.result()  # a choice that failed fails the stream
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = oai.usage_chunk(cid, request.model, request.chunk_object, oai.usage(lasts, request.n))
-                yield f"data: {json.dumps(usage)}\n\n"
+                yield f"data: {json.dumps(render.usage_chunk(cid, usage(lasts, request.n)))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:
@@ -371,7 +364,7 @@ class HttpRoutes:
             lines = []
             tokens = event.entries()
             for i, token in enumerate(tokens, start=1):
-                payload = {"token": tgi_token(token, self.tokenizer), "generated_text": None, "details": None}
+                payload = {"token": self.tgi.show(token), "generated_text": None, "details": None}
                 if event.final is not None and i == len(tokens):
                     final = event.final
                     payload["generated_text"] = self._full_text(request, final.generated_text)
@@ -398,4 +391,4 @@ class HttpRoutes:
         return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
                 "generated_tokens": final.generated_tokens, "prompt_tokens": final.prompt_tokens,
                 "seed": request.parameters.seed, "adapter_version": final.adapter_version, "prefill": prefill,
-                "tokens": [tgi_token(token, self.tokenizer) for token in last.entries()]}
+                "tokens": [self.tgi.show(token) for token in last.entries()]}

@@ -79,7 +79,7 @@ class LLMServer(HttpRoutes):
         self._init_routes(config, self.engine.tokenizer)
         self.metrics = ServingMetrics(top_adapters)
         self.pacer = EventPacer()
-        self.metrics.memory(self.engine.engine.memory())
+        self.metrics.memory(self.engine.memory())
         self._peers = None  # a handle to this deployment, for adapters that other replicas hold
         self._held_elsewhere: frozenset[str] = frozenset()  # adapters other replicas hold, from the cache actor
         self._stop = threading.Event()
@@ -191,14 +191,14 @@ class LLMServer(HttpRoutes):
         return {"replica": self.replica, "node_id": self.node_id, "waiting": s.waiting, "running": s.running,
                 "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
                 "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
-                "resident_adapters": s.resident_adapters, "adapters": self.engine.engine.adapter_stats(),
+                "resident_adapters": s.resident_adapters, "adapters": self.engine.adapter_stats(),
                 "prefix_cache": _prefix_cache(s)}
 
     def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
         adapter slot bytes), prefix-cache counts, and requests and KV blocks in use, all of this one replica."""
         s = self.engine.stats()
-        return {"memory": self.engine.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
+        return {"memory": self.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
                 "running": s.running, "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

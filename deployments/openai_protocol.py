@@ -1,22 +1,18 @@
-"""Pydantic models and response shapes of the OpenAI-compatible API (completions, chat, models)."""
+"""Request schemas of the OpenAI-compatible API (completions, chat, the adapter lifecycle); deployments/openai_render.py
+renders the responses."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
-import uuid
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from deployments.chat import ChatMessage
-from deployments.events import TokenEntry, TokenEvent
-from deployments.tools import MAX_TOOLS, NamedToolChoice, Reply, Tool, ToolMode, ToolUse, plain_reply, tool_use
+from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
                              MAX_SCHEMA_DEPTH, ResponseFormat, SamplingParams)
 
-FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings, and stop token ids, per request: each one is checked after every token
@@ -93,7 +89,6 @@ class StructuredOutputs(BaseModel):
 class OpenAISampling(BaseModel):
     # A field this server does not implement is refused by name (400), never dropped without a word
     model_config = ConfigDict(extra="forbid")
-    chunk_object: ClassVar[str]  # the "object" of this API's stream chunks
 
     # OpenAI's bookkeeping fields: accepted, with no effect on the output
     user: str | None = Field(None, max_length=256)
@@ -170,16 +165,8 @@ class OpenAISampling(BaseModel):
         """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
         return None
 
-    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
-        """The response's `logprobs` for these generated tokens (None when not asked for)."""
-        return None
-
     def prompt_logprobs_wanted(self) -> int | None:
         return None
-
-    def final(self, last: TokenEvent, tokenizer, prompt) -> tuple[str, TokenEvent, dict | None]:
-        """A finished choice (its one event, with every token): (text, that event, logprobs object)."""
-        return last.final.generated_text, last, self.logprobs_object(last.entries(), tokenizer, 0)
 
     def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
@@ -199,7 +186,6 @@ class OpenAISampling(BaseModel):
 
 
 class CompletionRequest(OpenAISampling):
-    chunk_object: ClassVar[str] = "text_completion"
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])  # text, ids, or a batch
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -210,25 +196,6 @@ class CompletionRequest(OpenAISampling):
 
     def prompt_logprobs_wanted(self) -> int | None:
         return self.logprobs if self.echo else None
-
-    def final(self, last: TokenEvent, tokenizer, prompt) -> tuple[str, TokenEvent, dict | None]:
-        if not self.echo:
-            return super().final(last, tokenizer, prompt)
-        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
-        return (prompt_text + last.final.generated_text, last,
-                self.logprobs_object(prompt_tokens + last.entries(), tokenizer, 0))
-
-    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
-        """The legacy completions shape; text_offset counts from `offset` characters into the generated text."""
-        if self.logprobs is None:
-            return None
-        starts = itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=offset)
-        return {"tokens": [tokenizer.decode([t.id]) for t in tokens],
-                "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [None if t.logprob is None else  # the first prompt token, echoed
-                                 {tokenizer.decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
-                "text_offset": list(starts) if tokens else []}
 
     @model_validator(mode="after")
     def _prompts_given(self):
@@ -248,7 +215,6 @@ class CompletionRequest(OpenAISampling):
 
 
 class ChatRequest(OpenAISampling):
-    chunk_object: ClassVar[str] = "chat.completion.chunk"
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -287,112 +253,6 @@ class ChatRequest(OpenAISampling):
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def logprobs_object(self, tokens: list[TokenEntry], tokenizer, offset: int) -> dict | None:
-        if not self.logprobs:
-            return None
-        return {"content": [{**_chat_token(t.id, t.logprob, tokenizer),
-                             "top_logprobs": [_chat_token(i, lp, tokenizer)
-                                              for i, lp in (t.top_logprobs or {}).items()]}
-                            for t in tokens]}
-
-
-def _with_chosen(token: TokenEntry) -> dict[int, float]:
-    """The alternatives and the chosen token (vLLM's completions include it, even when it is not among them)."""
-    return {**(token.top_logprobs or {}), token.id: token.logprob}
-
-
-def _chat_token(token_id: int, logprob: float, tokenizer) -> dict:
-    text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(lasts: list[TokenEvent], n: int) -> dict:
-    """Token counts of a request's choices (their last events), n per prompt: each prompt once, every choice's
-    completion."""
-    prompt = sum(last.final.prompt_tokens for last in lasts[::n])
-    completion = sum(last.final.generated_tokens for last in lasts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def completion_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict) -> dict:
-    """finals: per choice, its text, its last event and its logprobs object."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": finals[0][1].final.adapter_version,
-            "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS[last.final.finish_reason]}
-                        for i, (text, last, logprobs) in enumerate(finals)],
-            "usage": usage}
-
-
-def chat_body(cid: str, model: str, finals: list[tuple[str, TokenEvent, dict | None]], usage: dict,
-              tools: ToolUse | None = None) -> dict:
-    replies = [_reply(text, last, tools) for text, last, _ in finals]
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": finals[0][1].final.adapter_version,
-            "choices": [{"index": i, "message": reply.message(), "logprobs": logprobs,
-                         "finish_reason": reply.finish_reason}
-                        for i, (reply, (_, _, logprobs)) in enumerate(zip(replies, finals))],
-            "usage": usage}
-
-
-def _reply(text: str, last: TokenEvent, tools: ToolUse | None) -> Reply:
-    reason = FINISH_REASONS[last.final.finish_reason]
-    return tools.reply(text, reason) if tools is not None else plain_reply(text, reason)
-
-
-def usage_chunk(cid: str, model: str, chunk_object: str, usage: dict) -> dict:
-    """stream_options.include_usage: the stream's last chunk."""
-    return {"id": cid, "object": chunk_object, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage}
-
-
-def completion_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
-                     logprobs: dict | None) -> dict:
-    reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": _fingerprint(event),
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
-
-
-def chat_chunk(cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
-               logprobs: dict | None) -> dict:
-    reason = FINISH_REASONS[event.final.finish_reason] if event.finished else None
-    delta = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "system_fingerprint": _fingerprint(event),
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-
-
-class ToolChunks:
-    """The chat chunks of a stream whose model may call tools: a choice's text is held until it finishes, then
-    goes out as one delta with its complete calls (the openai client joins a stream's deltas, so one serves)."""
-
-    def __init__(self, tools: ToolUse):
-        self.tools = tools
-        self.texts: dict[int, str] = {}
-
-    def __call__(self, cid: str, model: str, index: int, event: TokenEvent, text: str, first: bool,
-                 logprobs: dict | None) -> dict | None:
-        self.texts[index] = self.texts.get(index, "") + text
-        if not event.finished:
-            return None
-        reply = _reply(self.texts.pop(index), event, self.tools)
-        return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "system_fingerprint": _fingerprint(event),
-                "choices": [{"index": index, "delta": reply.delta(), "logprobs": None,
-                             "finish_reason": reply.finish_reason}]}
-
-
-def _fingerprint(event: TokenEvent) -> str | None:
-    """system_fingerprint: the content id of the adapter weights that answered (None for the base model), on a
-    request's last chunk, once the replica knows it."""
-    return event.final.adapter_version if event.finished else None
-
 
 class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's POST /v1/load_lora_adapter."""

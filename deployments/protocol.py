@@ -112,13 +112,22 @@ class GenerateRequest(BaseModel):
 TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
 
 
-def tgi_token(token: TokenEntry, tokenizer) -> dict:
-    """A generated token as TGI shows it: special tokens (EOS above all) are marked, with their text, which the
-    generated text leaves out; with return_k_alternatives, LoRAX's alternative_tokens."""
-    shown = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": False}
-    if token.id in tokenizer.all_special_ids:
-        shown.update(text=tokenizer.convert_ids_to_tokens(token.id), special=True)
-    if token.top_logprobs:  # LoRAX's return_k_alternatives
-        shown["alternative_tokens"] = [{"id": i, "text": tokenizer.decode([i]), "logprob": logprob}
-                                       for i, logprob in token.top_logprobs.items()]
-    return shown
+class TgiTokens:
+    """Generated tokens as TGI shows them. The tokenizer's special ids are taken once: transformers rebuilds
+    all_special_ids on every access, and this runs for every streamed token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+
+    def show(self, token: TokenEntry) -> dict:
+        """Special tokens (EOS above all) are marked, with their text, which the generated text leaves out; with
+        return_k_alternatives, LoRAX's alternative_tokens."""
+        shown = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": False}
+        if token.id in self.special_ids:
+            shown.update(text=self.tokenizer.convert_ids_to_tokens(token.id), special=True)
+        if token.top_logprobs:  # LoRAX's return_k_alternatives
+            texts = self.tokenizer.batch_decode([[i] for i in token.top_logprobs])
+            shown["alternative_tokens"] = [{"id": i, "text": text, "logprob": logprob}
+                                           for (i, logprob), text in zip(token.top_logprobs.items(), texts)]
+        return shown

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine, Prompt, RequestOutput
+from engine.memory import MemoryReport
 from engine.sampling import SamplingParams
 
 
@@ -62,6 +63,12 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def memory(self) -> MemoryReport:
+        return self.engine.memory()
+
+    def adapter_stats(self) -> dict[str, dict]:
+        return self.engine.adapter_stats()
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -112,7 +119,7 @@ class AsyncEngine:
 
     def _reserve_queue_place(self) -> None:
         with self._lock:
-            waiting = len(self.engine.scheduler.waiting) + len(self._pending_adds) + self._preparing
+            waiting = self.engine.num_waiting() + len(self._pending_adds) + self._preparing
             if waiting >= self.engine.config.max_waiting_requests:
                 raise EngineOverloadedError(waiting, retry_after_s=OVERLOADED_RETRY_AFTER_S)
             self._preparing += 1

@@ -26,7 +26,9 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from lora_cache.local_cache import LocalAdapterCache
+from lora_cache.lru import LoadStats
 from lora_cache.merge import MergeSpec
+from lora_cache.provider import AdapterProvider
 from lora_cache.slots import AdapterSlots
 from lora_cache.sources import make_source
 
@@ -90,9 +92,9 @@ class AdapterUsage:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, adapter_provider=None):
-        """adapter_provider: where adapters come from (`get(id) -> LoRAAdapter`); by default an in-process
-        CPU tier over config.adapter_source; in serving, the cluster's cache actor (lora_cache.actor)."""
+    def __init__(self, config: EngineConfig, adapter_provider: AdapterProvider | None = None):
+        """adapter_provider: where adapters come from (lora_cache/provider.py); by default an in-process CPU
+        tier over config.adapter_source; in serving, the cluster's cache actor (lora_cache/actor.py)."""
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -110,7 +112,8 @@ class LLMEngine:
         self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
         if adapter_provider is not None and not config.max_loras:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
-        self.adapters = adapter_provider or (self._adapter_cache(config, hf_config) if config.max_loras else None)
+        self.adapters: AdapterProvider | None = adapter_provider or (
+            self._adapter_cache(config, hf_config) if config.max_loras else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapter_slots, config.max_adapter_wait_s)
         self.sampler = Sampler(config.torch_device, config.seed)
@@ -254,6 +257,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_waiting(self) -> int:
+        """Requests waiting for their first step (the length of a deque: safe to read from another thread)."""
+        return len(self.scheduler.waiting)
+
     def stats(self) -> EngineStats:
         bm, prefix = self.block_manager, self.block_manager.prefix_stats
         return EngineStats(
@@ -271,16 +278,16 @@ class LLMEngine:
         if self.adapters is None:
             return {}
         on_device = set(self.adapter_slots.resident())
+        cached, loads = set(self.adapters.cached()), self.adapters.load_stats()
         stats = {}
-        for adapter_id in set(self.adapter_usage) | set(self.adapters.adapters):
+        for adapter_id in set(self.adapter_usage) | cached:
             usage = self.adapter_usage.get(adapter_id, AdapterUsage())
-            loads = self.adapters.load_counts.get(adapter_id, 0)
-            residence = "device" if adapter_id in on_device else "cpu" if adapter_id in self.adapters else "source"
+            load = loads.get(adapter_id, LoadStats(0, 0.0))
+            residence = "device" if adapter_id in on_device else "cpu" if adapter_id in cached else "source"
             stats[adapter_id] = {
                 "requests": usage.requests, "prompt_tokens": usage.prompt_tokens,
-                "generated_tokens": usage.generated_tokens, "residence": residence, "source_loads": loads,
-                "mean_load_s": self.adapters.load_seconds.get(adapter_id, 0.0) / loads if loads else None,
-                "slot_loads": self.adapter_slots.load_counts.get(adapter_id, 0)}
+                "generated_tokens": usage.generated_tokens, "residence": residence, "source_loads": load.loads,
+                "mean_load_s": load.mean_seconds, "slot_loads": self.adapter_slots.load_counts.get(adapter_id, 0)}
         return stats
 
     def step(self) -> list[RequestOutput]:
@@ -290,17 +297,17 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         masks = self._start_masks(plan.scheduled)
-        logits, sampling, prompt_scores = self.runner.execute(plan.scheduled)
-        for scores in prompt_scores:
+        step = self.runner.execute(plan.scheduled)
+        for scores in step.prompt_scores:
             _record_prompt_logprobs(scores)
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed_blocks(s.seq)
-        if not sampling:
+        if not step.sampling:
             return []
-        result = self.sampler(logits, [s.seq for s in sampling], masks.result() if masks else None)
+        result = self.sampler(step.logits, [s.seq for s in step.sampling], masks.result() if masks else None)
         outputs = []
-        for i, s in enumerate(sampling):
+        for i, s in enumerate(step.sampling):
             seq, detok = self.requests[s.seq.request_id]
             top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else []
             outputs.append(self._process_token(seq, detok, result.token_ids[i], result.logprobs[i], top))

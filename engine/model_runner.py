@@ -39,6 +39,35 @@ class PromptScores:
 
 
 @dataclass
+class PromptChunkScoring:
+    """A prompt chunk whose prompt logprobs were asked for: rows row, row + 1, ... of the step's hidden states hold
+    prompt positions start, start + 1, ...; each predicts the next prompt token, targets[i]."""
+    seq: Sequence
+    row: int
+    start: int
+    targets: list[int]
+
+
+@dataclass
+class StepInputs:
+    """A step's flattened batch (decodes first), as _prepare builds it for the model."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    sample_rows: list[int]  # the rows whose logits are sampled: the last of each chunk that completes its prompt
+    sampling: list[ScheduledSeq]  # their sequences, in the same order
+    adapter_runs: list[tuple[int, int]]  # (adapter slot or -1 for the base model, tokens), row after row
+    scoring: list[PromptChunkScoring]
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # float32 [len(sampling), vocab]
+    sampling: list[ScheduledSeq]  # the sequences that sample this step
+    prompt_scores: list[PromptScores]
+
+
+@dataclass
 class DecodeTables:
     """The decode tokens' block tables [n, widest] and context lengths [n]; for the gather path (CPU without the
     kernel) also the additive mask and the cache rows their blocks are gathered from."""
@@ -154,38 +183,37 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptScores]]:
-        """Run one step. Returns float32 logits [n, vocab] for the n sequences that sample now, and the prompt
-        logprobs of this step's prompt chunks that asked for them."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """Run one step: the logits of the sequences that sample now, and the prompt logprobs of this step's
+        prompt chunks that asked for them."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
         if self._fits_graph(ordered):
             hidden = self.graphs.run(self._decode_inputs(ordered))
-            return self.model.compute_logits(hidden).float(), ordered, []
-        input_ids, positions, meta, sample_rows, sampling, adapter_runs, scoring = self._prepare(ordered)
+            return StepResult(self.model.compute_logits(hidden).float(), ordered, [])
+        step = self._prepare(ordered)
         if self.lora_layers:
-            self.lora_state.batch = build_lora_batch(adapter_runs, self.device, self.lora_padding)
+            self.lora_state.batch = build_lora_batch(step.adapter_runs, self.device, self.lora_padding)
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attention)
         finally:
             self.lora_state.batch = None
-        scores = [self._score_prompt(hidden, *spec) for spec in scoring]
-        if not sample_rows:
-            return torch.empty(0, device=self.device), [], scores
-        rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float(), sampling, scores
+        scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
+        if not step.sample_rows:
+            return StepResult(torch.empty(0, device=self.device), [], scores)
+        rows = torch.tensor(step.sample_rows, device=self.device)
+        return StepResult(self.model.compute_logits(hidden[rows]).float(), step.sampling, scores)
 
-    def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, row: int, start: int,
-                      targets: list[int]) -> PromptScores:
-        """Rows row, row + 1, ... hold prompt positions start, start + 1, ...; each predicts the next token."""
+    def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
         logprobs: list[float] = []
         tops: list[dict[int, float] | None] = []
-        for offset in range(0, len(targets), SCORED_ROWS_PER_SLICE):
-            part = targets[offset:offset + SCORED_ROWS_PER_SLICE]
-            logits = self.model.compute_logits(hidden[row + offset:row + offset + len(part)]).float()
-            picked, top = token_logprobs(logits, part, seq.params.prompt_logprobs)
+        for offset in range(0, len(chunk.targets), SCORED_ROWS_PER_SLICE):
+            part = chunk.targets[offset:offset + SCORED_ROWS_PER_SLICE]
+            start = chunk.row + offset
+            logits = self.model.compute_logits(hidden[start:start + len(part)]).float()
+            picked, top = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs)
             logprobs += picked
             tops += top
-        return PromptScores(seq, start + 1, logprobs, tops)
+        return PromptScores(chunk.seq, chunk.start + 1, logprobs, tops)
 
     def _fits_graph(self, ordered: list[ScheduledSeq]) -> bool:
         return (self.graphs is not None and len(ordered) <= self.graphs.max_batch
@@ -207,7 +235,7 @@ class ModelRunner:
     def _is_decode(s: ScheduledSeq) -> bool:
         return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
 
-    def _prepare(self, ordered: list[ScheduledSeq]):
+    def _prepare(self, ordered: list[ScheduledSeq]) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -217,7 +245,7 @@ class ModelRunner:
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
         prefills: list[PrefillSegment] = []
-        scoring: list[tuple[Sequence, int, int, list[int]]] = []  # (seq, first row, first position, targets)
+        scoring: list[PromptChunkScoring] = []
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -234,14 +262,15 @@ class ModelRunner:
                 prefills.append(PrefillSegment(row, s.num_new_tokens, end, table, rows))
                 scored_end = min(end, len(seq.prompt_token_ids) - 1)  # positions whose next token is the prompt's
                 if seq.params.prompt_logprobs is not None and scored_end > start:
-                    scoring.append((seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1]))
+                    scoring.append(PromptChunkScoring(seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1]))
             if s.completes_prompt:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
         tables = self._decode_tables(decode)
         meta = AttentionMetadata(self._tensor(slots), len(decode), tables.block_tables, tables.mask, prefills,
                                  tables.context_lens, tables.rows)
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs, scoring
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs,
+                          scoring)
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> DecodeTables:
         if not decode:

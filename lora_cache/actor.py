@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +19,15 @@ import ray
 from transformers import AutoConfig
 
 from lora_cache.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
+from lora_cache.lru import LRUByBytes
 from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
+from lora_cache.provider import HeldAdapters
 from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
                                 validate_adapter_id)
 
 ACTOR_NAME = "lora-serve-adapter-cache"
+MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
 RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
 
 
@@ -49,12 +51,10 @@ class LoRACacheActor:
         self.registry = AdapterRegistry(saved)  # a named actor restarted by Ray keeps its registrations
         self._registering = asyncio.Lock()
         self.merges: dict[str, MergeSpec] = {}  # merge key -> its spec (lora_cache/merge.py)
-        self.capacity_bytes = capacity_bytes
         self.max_adapter_bytes = sources.max_adapter_bytes
-        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+        # the object store tier: the store frees an evicted entry's tensors once no replica holds the ref
+        self.entries: LRUByBytes[_Entry] = LRUByBytes(lambda e: e.nbytes, capacity_bytes)
         self.inflight: dict[str, asyncio.Future] = {}
-        self.load_counts: dict[str, int] = {}
-        self.load_seconds: dict[str, float] = {}
         self.hits = self.misses = 0
         self.residence: dict[str, tuple[float, list[str], list[str]]] = {}  # replica -> (time, device, cpu)
 
@@ -63,7 +63,6 @@ class LoRACacheActor:
         entry = self.entries.get(adapter_id)
         if entry is not None:
             self.hits += 1
-            self.entries.move_to_end(adapter_id)
             return [entry.ref]
         self.misses += 1
         if adapter_id not in self.inflight:  # single flight: later callers await the first caller's load
@@ -81,10 +80,7 @@ class LoRACacheActor:
         else:
             adapter = await asyncio.to_thread(self._read, key, location or self._location(key))
         ref = ray.put(adapter)
-        self.entries[key] = _Entry(ref, adapter.nbytes, adapter.content_id)
-        self.load_counts[key] = self.load_counts.get(key, 0) + 1
-        self.load_seconds[key] = self.load_seconds.get(key, 0.0) + time.perf_counter() - start
-        self._evict_beyond_capacity()
+        self.entries.put(key, _Entry(ref, adapter.nbytes, adapter.content_id), time.perf_counter() - start)
         return ref
 
     def merge(self, spec: MergeSpec) -> str:
@@ -140,7 +136,7 @@ class LoRACacheActor:
             await self._load(key, location)
             self.registry.register(name, location)
             self._forget_older(name, key)
-            return Registration(name, key, self.entries[key].content_id, self.registry.version)
+            return Registration(name, key, self.entries.get(key).content_id, self.registry.version)
 
     async def unregister(self, name: str) -> int:
         """Stop serving `name` from its registered location; the registry version that says so."""
@@ -158,12 +154,7 @@ class LoRACacheActor:
         return await self.registry.wait_applied(version, list(self._replicas()), timeout_s)
 
     def _forget_older(self, name: str, keep: str | None) -> None:
-        for key in [k for k in self.entries if key_name(k) == name and k != keep]:
-            del self.entries[key]  # the object store frees it once no replica holds the ref
-
-    def _evict_beyond_capacity(self) -> None:
-        while len(self.entries) > 1 and sum(e.nbytes for e in self.entries.values()) > self.capacity_bytes:
-            self.entries.popitem(last=False)  # the object store frees it once no replica holds the ref
+        self.entries.discard([k for k in self.entries.keys() if key_name(k) == name and k != keep])
 
     def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> list[str]:
         """A replica tells which adapters it holds in device slots and in its CPU copy; the answer is the adapters
@@ -178,12 +169,14 @@ class LoRACacheActor:
         return {r: {"device": device, "cpu": cpu} for r, (_, device, cpu) in self.residence.items()}
 
     def stats(self) -> dict:
-        return {"adapters": {a: {"nbytes": e.nbytes, "content_id": e.content_id} for a, e in self.entries.items()},
+        entries, loads = self.entries.snapshot(), self.entries.load_stats()
+        return {"adapters": {a: {"nbytes": e.nbytes, "content_id": e.content_id} for a, e in entries.items()},
                 "registered": {n: str(loc) for n, loc in self.registry.locations.items()},
                 "generations": dict(self.registry.generations), "replicas": self._replicas(),
-                "bytes": sum(e.nbytes for e in self.entries.values()), "capacity_bytes": self.capacity_bytes,
-                "hits": self.hits, "misses": self.misses, "load_counts": dict(self.load_counts),
-                "load_seconds": dict(self.load_seconds)}
+                "bytes": self.entries.nbytes(), "capacity_bytes": self.entries.capacity_bytes,
+                "hits": self.hits, "misses": self.misses,
+                "load_counts": {a: load.loads for a, load in loads.items()},
+                "load_seconds": {a: load.seconds for a, load in loads.items()}}
 
 
 def adapter_residence(stats: dict) -> dict[str, dict]:
@@ -210,23 +203,21 @@ def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
     return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(base_config, sources)
 
 
-class RayAdapterCache:
+class RayAdapterCache(HeldAdapters):
     """The engine's adapter provider in serving: asks the cache actor, keeps a process-local copy.
 
-    Same interface as LocalAdapterCache (`get`, `in`, per-adapter load counts), so the engine does not
-    know which one it has. A call is retried once if the actor died in between (Ray restarts it).
+    An AdapterProvider (lora_cache/provider.py), as LocalAdapterCache is, so the engine does not know which one it
+    has; its load counts are fetches from the actor. A call is retried once if the actor died in between (Ray
+    restarts it).
     """
 
     def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver", follow_registry: bool = True):
         """follow_registry: keep this copy's view of adapters loaded at run time current, from a thread that
         long-polls the actor (a replica does; a driver that only fetches adapters need not)."""
-        self.actor = actor
+        self._actor = actor
         self.replica = replica
-        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # process-local copies by key, newest last
-        self.load_counts: dict[str, int] = {}
-        self.load_seconds: dict[str, float] = {}
-        self.max_local = 64
-        self._lock = threading.Lock()  # the engine's step thread fetches, the replica's report thread lists
+        # process-local copies by key (their tensors live in the object store's shared memory: a count bounds them)
+        self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, max_entries=MAX_LOCAL_COPIES)
         self._view = ray.get(actor.watch.remote(replica, -1))  # the current view at once: preloads need it
         self._stop = threading.Event()
         if follow_registry:
@@ -237,21 +228,21 @@ class RayAdapterCache:
         return self._view.key(name)
 
     def content_id(self, key: str) -> str | None:
-        adapter = self.adapters.get(key)
+        adapter = self._adapters.get(key)
         return adapter.content_id if adapter is not None else None
 
     async def register(self, name: str, lora_path: str) -> Registration:
         """Load `name` from `lora_path` in the cache actor; returns once every live replica serves the new key."""
-        registration = await self.actor.register.remote(name, lora_path)
-        await self.actor.wait_applied.remote(registration.version)
+        registration = await self._actor.register.remote(name, lora_path)
+        await self._actor.wait_applied.remote(registration.version)
         return registration
 
     async def unregister(self, name: str) -> None:
-        version = await self.actor.unregister.remote(name)
-        await self.actor.wait_applied.remote(version)
+        version = await self._actor.unregister.remote(name)
+        await self._actor.wait_applied.remote(version)
 
     async def merge(self, spec: MergeSpec) -> str:
-        return await self.actor.merge.remote(spec)
+        return await self._actor.merge.remote(spec)
 
     def _watch(self) -> None:
         """Long-poll the actor for registry changes; drop the copies of keys that are no longer current."""
@@ -265,14 +256,12 @@ class RayAdapterCache:
                 return
             if view is None:
                 return
-            with self._lock:
-                for key in [k for k in self.adapters if not view.is_current(k)]:
-                    del self.adapters[key]
-                self._view = view
+            self._adapters.discard([k for k in self._adapters.keys() if not view.is_current(k)])
+            self._view = view
 
     def _next_view(self) -> RegistryView | None:
         """The actor's next view, waited for in short slices so that close() stops the thread within one."""
-        ref = self.actor.watch.remote(self.replica, self._view.version)
+        ref = self._actor.watch.remote(self.replica, self._view.version)
         while not ray.wait([ref], timeout=2.0)[0]:
             if self._stop.is_set():
                 return None
@@ -283,24 +272,17 @@ class RayAdapterCache:
 
     def get(self, adapter_id: str) -> LoRAAdapter:
         """The adapter of a key (a name, for one never registered at run time)."""
-        adapter = self.adapters.get(adapter_id)
+        adapter = self._adapters.get(adapter_id)
         if adapter is None:
             start = time.perf_counter()
             adapter = self._fetch(adapter_id)
-            with self._lock:
-                self.adapters[adapter_id] = adapter
-                self.load_counts[adapter_id] = self.load_counts.get(adapter_id, 0) + 1
-                self.load_seconds[adapter_id] = self.load_seconds.get(adapter_id, 0.0) + time.perf_counter() - start
-                while len(self.adapters) > self.max_local:
-                    self.adapters.popitem(last=False)
-        with self._lock:
-            self.adapters.move_to_end(adapter_id)
+            self._adapters.put(adapter_id, adapter, time.perf_counter() - start)
         return adapter
 
     def _fetch(self, adapter_id: str) -> LoRAAdapter:
         for attempt in range(2):
             try:
-                [ref] = ray.get(self.actor.get.remote(adapter_id))
+                [ref] = ray.get(self._actor.get.remote(adapter_id))
                 return ray.get(ref)
             except ray.exceptions.RayTaskError as exc:  # the load itself failed: the adapter is bad
                 raise exc.as_instanceof_cause() from None
@@ -312,12 +294,7 @@ class RayAdapterCache:
     def report_residence(self, replica: str, device: list[str]) -> frozenset[str]:
         """Tell the cache actor which adapters this replica holds (device slots, and its CPU copy); return the ones
         other replicas hold. Blocks for one actor call: the replica's report thread calls it."""
-        with self._lock:
-            cpu = list(self.adapters)
         try:
-            return frozenset(ray.get(self.actor.report_residence.remote(replica, device, cpu)))
+            return frozenset(ray.get(self._actor.report_residence.remote(replica, device, self._adapters.keys())))
         except ray.exceptions.RayError:  # the actor is restarting: serve every adapter here until it answers
             return frozenset()
-
-    def __contains__(self, adapter_id: str) -> bool:
-        return adapter_id in self.adapters

@@ -25,7 +25,6 @@ from safetensors import safe_open
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 # Config keys (when set) for features that a plain x @ A.T @ B.T delta cannot express.
 UNSUPPORTED_FEATURES = {
@@ -86,40 +85,11 @@ class LoRAAdapter:
 
 
 def target_module_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """Module key -> (in_features, out_features) of the base model's LoRA-able linear layers."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type in LLAMA_FAMILY:
-        return _llama_shapes(hf_config)
-    if model_type == "gpt2":
-        return _gpt2_shapes(hf_config)
-    raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
-                     f"supported: gpt2, {', '.join(LLAMA_FAMILY)}")
+    """Module key -> (in_features, out_features) of the base model's LoRA-able linear layers (declared by the
+    engine's model class: engine/models/)."""
+    from engine.models import lora_shapes  # here: the engine package imports this one's sources at its import
 
-
-def _llama_shapes(c) -> dict[str, tuple[int, int]]:
-    hidden, heads = c.hidden_size, c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    q_size = heads * head_dim
-    kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
-    return {
-        "self_attn.q_proj": (hidden, q_size),
-        "self_attn.k_proj": (hidden, kv_size),
-        "self_attn.v_proj": (hidden, kv_size),
-        "self_attn.o_proj": (q_size, hidden),
-        "mlp.gate_proj": (hidden, c.intermediate_size),
-        "mlp.up_proj": (hidden, c.intermediate_size),
-        "mlp.down_proj": (c.intermediate_size, hidden),
-    }
-
-
-def _gpt2_shapes(c) -> dict[str, tuple[int, int]]:
-    inner = c.n_inner or 4 * c.n_embd
-    return {
-        "attn.c_attn": (c.n_embd, 3 * c.n_embd),
-        "attn.c_proj": (c.n_embd, c.n_embd),
-        "mlp.c_fc": (c.n_embd, inner),
-        "mlp.c_proj": (inner, c.n_embd),
-    }
+    return lora_shapes(hf_config)
 
 
 def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 << 30) -> LoRAAdapter:

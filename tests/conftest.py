@@ -1,10 +1,9 @@
-"""Shared fixtures: the embedded SmolLM2 model and tiny random-weight models built from configs."""
+"""Shared fixtures: the embedded SmolLM2 model and tiny random-weight models built from configs (helpers that are
+not fixtures: tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,49 +31,11 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "def fibonacci(n):",
-    "1, 2, 3, 4,",
-    "Quick brown fox",
-    "Write a haiku about the sea.",
-    "The meaning of life is",
-    "Hello",
-    "In 1969, the first humans landed on the",
-    "A recipe for pancakes: first, take",
-    "Translate to French: I like cheese.",
-    "The three primary colours are",
-    "Python is a programming language that",
-    "Dear diary, today I",
-    "The quick sort algorithm works by choosing a pivot element and then",
-    "Q: What is 12 times 12?\nA:",
-]
-
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_tiny_adapters(base_path, root: Path, names) -> Path:
-    """Random-weight rank-4 q,k,v,o PEFT adapters for the tiny model at base_path, one per name (seeds 0, 1, ...)."""
-    from transformers import AutoConfig
-
-    from benchmarks.lora_adapters import write_random_adapter
-
-    config = AutoConfig.from_pretrained(base_path)
-    for seed, name in enumerate(names):
-        write_random_adapter(root / name, config, rank=4, seed=seed)
-    return root
 
 @pytest.fixture(scope="session")
 def smollm2_path():
@@ -118,17 +79,3 @@ def tiny_gpt2_path(tmp_path_factory, tokenizer):
                         initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
                         bos_token_id=tokenizer.bos_token_id)
     return _save_tiny(GPT2LMHeadModel(config), tokenizer, tmp_path_factory.mktemp("tiny-gpt2"))
-
-
-def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
-    """Reference: transformers generate, one prompt at a time, fp32 greedy."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    results = []
-    for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=tok.eos_token_id, **generate_kwargs)
-        results.append(out[0, ids.shape[1]:].tolist())
-    return results

@@ -18,7 +18,7 @@ import requests
 from deployments.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
 from deployments.rate_limits import KeyLimiter, RateLimited, TokenBucket
 from engine import LLM, SamplingParams
-from tests.conftest import free_port, write_tiny_adapters
+from tests.helpers import free_port, write_tiny_adapters
 
 ADMIN, TEAM_A, SLOW, FRUGAL, SINGLE = ("admin-key-0123456789abcdef", "team-a-key-0123456789abcdef",
                                        "slow-key-0123456789abcdef", "frugal-key-0123456789abcdef",

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import AsyncEngine, SamplingParams
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 
 @pytest.fixture(scope="module")

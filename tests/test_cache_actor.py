@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter import AdapterError
 from lora_cache.sources import SourceConfig
-from tests.conftest import PROMPTS, write_tiny_adapters
+from tests.helpers import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, write_tiny_adapters
+from tests.helpers import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma")

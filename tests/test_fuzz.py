@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from deployments.llm_server import app
-from tests.conftest import free_port, write_tiny_adapters
+from tests.helpers import free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 25  # per route and mode: about 500 requests in all, under two minutes on 2 cores

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

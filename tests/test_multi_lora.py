@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, write_tiny_adapters
+from tests.helpers import PROMPTS, write_tiny_adapters
 
 LLAMA_ADAPTERS = {  # name -> (rank, target modules)
     "attn-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -8,7 +8,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams as Params
 from engine.sequence import Sequence
-from tests.conftest import PROMPTS, write_tiny_adapters
+from tests.helpers import PROMPTS, write_tiny_adapters
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 BASE = list(range(100, 140))  # 40 tokens: two full blocks of 16 and a partial one

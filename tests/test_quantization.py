@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.layers.linear import PrepackedLinear
 from engine.layers.lora import LoRALinear
 from engine.layers.quantized import dequantized_weight
-from tests.conftest import PROMPTS, write_tiny_adapters
+from tests.helpers import PROMPTS, write_tiny_adapters
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
 # Against the dequantized weights in fp32: int8 (LLM.int8) also rounds the activations to int8, and NF4 on an

@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from lora_cache.adapter import AdapterError
 from lora_cache.disk_tier import STAGING, DiskTier
 from lora_cache.sources import AdapterLocation, SourceConfig, make_source
-from tests.conftest import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
 
 ROOT = Path(__file__).parent.parent
 FILES = ("adapter_config.json", "adapter_model.safetensors")

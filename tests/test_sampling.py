@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, hf_greedy
 
 
 @pytest.fixture(scope="module")

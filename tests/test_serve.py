@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 METRICS = {}  # the Ray metrics endpoint of the module's server
@@ -410,13 +410,13 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
 
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
     from deployments.events import TokenEntry
-    from deployments.protocol import tgi_token
+    from deployments.protocol import TgiTokens
 
     eos = {"id": tokenizer.eos_token_id, "text": "", "logprob": -0.5}  # the generated text leaves EOS out
-    assert tgi_token(TokenEntry(**eos), tokenizer) == {**eos, "text": tokenizer.eos_token, "special": True}
+    assert TgiTokens(tokenizer).show(TokenEntry(**eos)) == {**eos, "text": tokenizer.eos_token, "special": True}
     (word,) = tokenizer.encode(" Paris")
     plain = {"id": word, "text": " Paris", "logprob": -0.2}
-    assert tgi_token(TokenEntry(**plain), tokenizer) == {**plain, "special": False}
+    assert TgiTokens(tokenizer).show(TokenEntry(**plain)) == {**plain, "special": False}
 
 
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},

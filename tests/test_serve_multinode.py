@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, constr
 from engine import LLM, SamplingParams
 from engine.grammar import SAFE_INTEGER, bounded_numbers
 from engine.sampling import ResponseFormat
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 pytestmark = pytest.mark.slow
 

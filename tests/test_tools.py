@@ -11,7 +11,7 @@ import requests
 
 from deployments.chat import ChatMessage, chat_prompt
 from deployments.tools import FunctionDefinition, ToolMode, ToolUse
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24},
                                              "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -22,6 +22,16 @@ BLOCK_N = 64  # context tokens per tile: 4 KV blocks of 16; large enough for the
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """tl.dot in full fp32 precision when IEEE (fp32 caches: TF32 would not match the reference), else as is."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_ot, stride_oh, stride_tb,
@@ -51,19 +61,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
                     + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + blocks[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + dims[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        scores = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         weights = tl.exp(scores - new_best[:, None])
         rescale = tl.exp(best - new_best)
         total = total * rescale + tl.sum(weights, 1)
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+        acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE)  # a no-op cast in fp32
         best = new_best
     out = acc / total[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],

@@ -27,6 +27,21 @@ class LoRASubModule:
     out_size: int
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """A LoRA-capable linear of the engine's model: its input width and the PEFT modules fused into it."""
+    in_features: int
+    subs: list[LoRASubModule]
+
+
+def fused_targets(shapes: dict[str, tuple[int, int]],
+                  fusions: dict[str, tuple[str, ...]]) -> dict[str, LoRATarget]:
+    """The engine's LoRA targets from a model's PEFT module shapes (key -> (in_features, out_features)) and
+    which modules each of its linears fuses, in output-column order."""
+    return {path: LoRATarget(shapes[keys[0]][0], [LoRASubModule(key, shapes[key][1]) for key in keys])
+            for path, keys in fusions.items()}
+
+
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, subs: list[LoRASubModule], state: LoRAStepState,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
@@ -127,10 +142,11 @@ def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, ma
     per_layer: list[dict[str, LoRALinear]] = []
     for layer, targets in zip(model.decoder_layers, model.lora_targets()):
         wrapped = {}
-        for path, (in_features, subs) in targets.items():
+        for path, target in targets.items():
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
-            lora = LoRALinear(getattr(parent, name), in_features, subs, state, max_loras, max_rank, dtype, device)
+            lora = LoRALinear(getattr(parent, name), target.in_features, target.subs, state, max_loras, max_rank,
+                              dtype, device)
             setattr(parent, name, lora)
             wrapped[path] = lora
         per_layer.append(wrapped)

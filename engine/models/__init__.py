@@ -22,6 +22,20 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
+LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+
+
+def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """PEFT module key -> (in_features, out_features) of the base model's LoRA-capable linears, as its model
+    class declares them."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in LORA_MODEL_TYPES:
+        raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
+                         f"supported: {', '.join(LORA_MODEL_TYPES)}")
+    return LORA_MODEL_TYPES[model_type].lora_shapes(hf_config)
+
+
 def model_class(hf_config) -> type[nn.Module]:
     for arch in hf_config.architectures or []:
         if arch in ARCHITECTURES:

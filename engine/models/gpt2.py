@@ -7,7 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.layers.lora import LoRASubModule
+from engine.layers.lora import LoRATarget, fused_targets
 
 
 class GPT2Attention(nn.Module):
@@ -82,12 +82,15 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def lora_targets(self) -> list[dict[str, tuple[int, list[LoRASubModule]]]]:
-        n, inner = self.config.n_embd, self.config.n_inner or 4 * self.config.n_embd
-        sub = LoRASubModule
-        targets = {"attn.c_attn": (n, [sub("attn.c_attn", 3 * n)]), "attn.c_proj": (n, [sub("attn.c_proj", n)]),
-                   "mlp.c_fc": (n, [sub("mlp.c_fc", inner)]), "mlp.c_proj": (inner, [sub("mlp.c_proj", n)])}
-        return [targets] * len(self.h)
+    @staticmethod
+    def lora_shapes(c) -> dict[str, tuple[int, int]]:
+        """PEFT module key -> (in_features, out_features) of each LoRA-capable linear (none fused)."""
+        n, inner = c.n_embd, c.n_inner or 4 * c.n_embd
+        return {"attn.c_attn": (n, 3 * n), "attn.c_proj": (n, n), "mlp.c_fc": (n, inner), "mlp.c_proj": (inner, n)}
+
+    def lora_targets(self) -> list[dict[str, LoRATarget]]:
+        shapes = self.lora_shapes(self.config)
+        return [fused_targets(shapes, {key: (key,) for key in shapes})] * len(self.h)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
         return name.removeprefix("transformer."), None

@@ -12,8 +12,14 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.layers.lora import LoRASubModule
+from engine.layers.lora import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+# The fused linears and the PEFT modules each holds, in output-column order
+LORA_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.down_proj": ("mlp.down_proj",)}
 
 
 class RMSNorm(nn.Module):
@@ -124,20 +130,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def lora_targets(self) -> list[dict[str, tuple[int, list[LoRASubModule]]]]:
-        """Per layer: linear path -> (in_features, the PEFT modules fused into it with their output columns)."""
-        attn, cfg = self.layers[0].self_attn, self.config
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        sub = LoRASubModule
-        targets = {
-            "self_attn.qkv_proj": (hidden, [sub("self_attn.q_proj", q), sub("self_attn.k_proj", kv),
-                                            sub("self_attn.v_proj", kv)]),
-            "self_attn.o_proj": (q, [sub("self_attn.o_proj", hidden)]),
-            "mlp.gate_up_proj": (hidden, [sub("mlp.gate_proj", inter), sub("mlp.up_proj", inter)]),
-            "mlp.down_proj": (inter, [sub("mlp.down_proj", hidden)]),
-        }
-        return [targets] * len(self.layers)
+    @staticmethod
+    def lora_shapes(c) -> dict[str, tuple[int, int]]:
+        """PEFT module key -> (in_features, out_features) of each LoRA-capable linear, from the config alone:
+        adapters are validated where no model is loaded (the cache actor)."""
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        q_size = heads * head_dim
+        kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+        hidden, inter = c.hidden_size, c.intermediate_size
+        return {"self_attn.q_proj": (hidden, q_size), "self_attn.k_proj": (hidden, kv_size),
+                "self_attn.v_proj": (hidden, kv_size), "self_attn.o_proj": (q_size, hidden),
+                "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+
+    def lora_targets(self) -> list[dict[str, LoRATarget]]:
+        """Per layer: linear path -> its LoRA target (the PEFT modules fused into it)."""
+        return [fused_targets(self.lora_shapes(self.config), LORA_FUSIONS)] * len(self.layers)
 
     def shard_offset(self, param_name: str, shard: int) -> int:
         """First row of shard `shard` inside a fused weight or bias."""

@@ -1,0 +1,183 @@
+"""Responses of the OpenAI-compatible API: completion and chat bodies, stream chunks, logprobs and usage.
+
+The request schemas (deployments/openai_protocol.py) say what a client asked for; a renderer, made per request,
+turns the engine's events into that API's JSON. The routes differ only in their renderer (CompletionRenderer,
+ChatRenderer), which also carries what the route needs to know: the default max_tokens and the id prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from dataclasses import dataclass
+
+from deployments.events import TokenEntry, TokenEvent
+from deployments.openai_protocol import ChatRequest, CompletionRequest, OpenAISampling
+from deployments.tools import Reply, ToolUse, plain_reply
+
+FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
+
+
+@dataclass
+class FinishedChoice:
+    """A finished choice, from its one event with every token: its text and its logprobs object."""
+    text: str
+    last: TokenEvent
+    logprobs: dict | None
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(lasts: list[TokenEvent], n: int) -> dict:
+    """Token counts of a request's choices (their last events), n per prompt: each prompt once, every choice's
+    completion."""
+    prompt = sum(last.final.prompt_tokens for last in lasts[::n])
+    completion = sum(last.final.generated_tokens for last in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _fingerprint(event: TokenEvent) -> str | None:
+    """system_fingerprint: the content id of the adapter weights that answered (None for the base model), on a
+    request's last chunk, once the replica knows it."""
+    return event.final.adapter_version if event.finished else None
+
+
+class Renderer:
+    """One request's responses; subclasses give the API's shapes."""
+    object: str  # the "object" of a whole response
+    chunk_object: str  # ... and of a stream chunk
+    id_prefix: str
+    default_max_tokens: int | None  # None: the output may fill the context
+
+    def __init__(self, request: OpenAISampling, tokenizer):
+        self.request = request
+        self.tokenizer = tokenizer
+
+    def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
+        """The response's `logprobs` for these generated tokens (None when not asked for); offsets count from
+        `offset` characters into the generated text."""
+        return None
+
+    def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
+        return FinishedChoice(last.final.generated_text, last, self.logprobs(last.entries(), 0))
+
+    def body(self, cid: str, finals: list[FinishedChoice], usage: dict) -> dict:
+        return {"id": cid, "object": self.object, "created": int(time.time()), "model": self.request.model,
+                "system_fingerprint": finals[0].last.final.adapter_version,
+                "choices": [self._choice(i, final) for i, final in enumerate(finals)], "usage": usage}
+
+    def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
+        """The stream chunk of one event of choice `index`, whose text is `text` (None: nothing to send yet)."""
+        raise NotImplementedError
+
+    def usage_chunk(self, cid: str, usage: dict) -> dict:
+        """stream_options.include_usage: the stream's last chunk."""
+        return {"id": cid, "object": self.chunk_object, "created": int(time.time()), "model": self.request.model,
+                "choices": [], "usage": usage}
+
+    def _chunk(self, cid: str, choice: dict, event: TokenEvent) -> dict:
+        return {"id": cid, "object": self.chunk_object, "created": int(time.time()), "model": self.request.model,
+                "system_fingerprint": _fingerprint(event), "choices": [choice]}
+
+    def _choice(self, index: int, final: FinishedChoice) -> dict:
+        raise NotImplementedError
+
+
+def _reason(event: TokenEvent) -> str | None:
+    return FINISH_REASONS[event.final.finish_reason] if event.finished else None
+
+
+class CompletionRenderer(Renderer):
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+    default_max_tokens = 16  # OpenAI's
+    request: CompletionRequest
+
+    def __init__(self, request: CompletionRequest, tokenizer):
+        super().__init__(request, tokenizer)
+        self._offsets: dict[int, int] = {}  # per choice: characters sent, where the next chunk's offsets start
+
+    def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
+        """The legacy completions shape."""
+        if self.request.logprobs is None:
+            return None
+        decode = self.tokenizer.decode
+        starts = itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=offset)
+        return {"tokens": [decode([t.id]) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.logprob is None else  # the first prompt token, echoed
+                                 {decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
+                "text_offset": list(starts) if tokens else []}
+
+    def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
+        if not self.request.echo:
+            return super().finished(last, prompt)
+        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
+        return FinishedChoice(prompt_text + last.final.generated_text, last,
+                              self.logprobs(prompt_tokens + last.entries(), 0))
+
+    def _choice(self, index: int, final: FinishedChoice) -> dict:
+        return {"index": index, "text": final.text, "logprobs": final.logprobs,
+                "finish_reason": FINISH_REASONS[final.last.final.finish_reason]}
+
+    def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
+        logprobs = self.logprobs(event.entries(), self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        return self._chunk(cid, {"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": _reason(event)}, event)
+
+
+def _with_chosen(token: TokenEntry) -> dict[int, float]:
+    """The alternatives and the chosen token (vLLM's completions include it, even when it is not among them)."""
+    return {**(token.top_logprobs or {}), token.id: token.logprob}
+
+
+class ChatRenderer(Renderer):
+    """With tools that the model may call, a choice's text is held until it finishes, then goes out as one delta
+    with its complete calls (the openai client joins a stream's deltas, so one serves)."""
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    default_max_tokens = None  # as vLLM: the answer may fill the context, up to max_tokens_limit
+    request: ChatRequest
+
+    def __init__(self, request: ChatRequest, tokenizer):
+        super().__init__(request, tokenizer)
+        self.tools: ToolUse | None = request.tool_use()
+        self._held: dict[int, str] | None = {} if request.calls_tools() else None  # per choice: text held back
+
+    def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        return {"content": [{**self._token(t.id, t.logprob),
+                             "top_logprobs": [self._token(i, lp) for i, lp in (t.top_logprobs or {}).items()]}
+                            for t in tokens]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _reply(self, text: str, last: TokenEvent) -> Reply:
+        reason = FINISH_REASONS[last.final.finish_reason]
+        return self.tools.reply(text, reason) if self.tools is not None else plain_reply(text, reason)
+
+    def _choice(self, index: int, final: FinishedChoice) -> dict:
+        reply = self._reply(final.text, final.last)
+        return {"index": index, "message": reply.message(), "logprobs": final.logprobs,
+                "finish_reason": reply.finish_reason}
+
+    def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
+        if self._held is None:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return self._chunk(cid, {"index": index, "delta": delta, "logprobs": self.logprobs(event.entries(), 0),
+                                     "finish_reason": _reason(event)}, event)
+        self._held[index] = self._held.get(index, "") + text
+        if not event.finished:
+            return None
+        reply = self._reply(self._held.pop(index), event)
+        return self._chunk(cid, {"index": index, "delta": reply.delta(), "logprobs": None,
+                                 "finish_reason": reply.finish_reason}, event)
