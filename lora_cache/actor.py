@@ -272,12 +272,7 @@ class RayAdapterCache(HeldAdapters):
 
     def get(self, adapter_id: str) -> LoRAAdapter:
         """The adapter of a key (a name, for one never registered at run time)."""
-        adapter = self._adapters.get(adapter_id)
-        if adapter is None:
-            start = time.perf_counter()
-            adapter = self._fetch(adapter_id)
-            self._adapters.put(adapter_id, adapter, time.perf_counter() - start)
-        return adapter
+        return self._adapters.get_or_load(adapter_id, lambda: self._fetch(adapter_id))
 
     def _fetch(self, adapter_id: str) -> LoRAAdapter:
         for attempt in range(2):

@@ -6,7 +6,6 @@ The offline engine uses it directly; in serving, the cluster-wide Ray cache acto
 from __future__ import annotations
 
 import threading
-import time
 
 from lora_cache.adapter import AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
 from lora_cache.lru import LRUByBytes
@@ -28,12 +27,7 @@ class LocalAdapterCache(HeldAdapters):
 
     def get(self, adapter_id: str) -> LoRAAdapter:
         with self._lock:
-            adapter = self._adapters.get(adapter_id)
-            if adapter is None:
-                start = time.perf_counter()
-                adapter = self._read(adapter_id)
-                self._adapters.put(adapter_id, adapter, time.perf_counter() - start)
-            return adapter
+            return self._adapters.get_or_load(adapter_id, lambda: self._read(adapter_id))
 
     def merge(self, spec: MergeSpec) -> str:
         """The key of the adapter that merges spec's adapters (merged on its first use)."""

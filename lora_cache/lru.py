@@ -10,6 +10,7 @@ larger than the budget is still served.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,15 @@ class LRUByBytes(Generic[V]):
             if value is not None:
                 self._entries.move_to_end(key)
             return value
+
+    def get_or_load(self, key: str, load: Callable[[], V]) -> V:
+        """The entry; on a miss, load() it (timed, without holding the lock: a load may read other entries)."""
+        value = self.get(key)
+        if value is None:
+            start = time.perf_counter()
+            value = load()
+            self.put(key, value, time.perf_counter() - start)
+        return value
 
     def put(self, key: str, value: V, load_seconds: float) -> None:
         """Keep a freshly loaded entry (counted as one load), evicting the least recently used beyond the limits."""
