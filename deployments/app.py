@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 from ray.serve import Application
 
+from deployments.strict import StrictModel
 from deployments.auth import ApiKeyConfig, KeyRing
 from deployments.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.llm_server import LLMServer
@@ -12,9 +13,7 @@ from deployments.openmp import replica_env_vars
 from engine import EngineConfig
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AppArgs(StrictModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
                                          "the server is open (deployments/auth.py)")

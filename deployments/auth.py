@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from deployments.strict import StrictModel
 
 BEARER = "bearer "
 
@@ -61,10 +63,8 @@ class ApiKey:
 OPEN = ApiKey("anonymous", b"", KeyScope(manage_adapters=True))  # every caller of a server without keys
 
 
-class ApiKeyConfig(BaseModel):
+class ApiKeyConfig(StrictModel):
     """One entry of `api_keys` in the app args or of an `api_keys_file` (YAML or JSON list)."""
-    model_config = ConfigDict(extra="forbid")
-
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     key: str | None = Field(None, min_length=16, description="the key itself (app args only)")
     key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")

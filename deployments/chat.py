@@ -14,37 +14,30 @@ import json
 from typing import Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from deployments.tools import FunctionName, ToolMode, ToolUse, check_template, renders_tools
+from deployments.strict import StrictModel
+from deployments.tools import FunctionName, ToolMode, ToolUse, check_template, is_json_object, renders_tools
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionCall(StrictModel):
     name: FunctionName
     arguments: str  # JSON text of an object
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(StrictModel):
     """A call an assistant message made, given back in the conversation."""
-    model_config = ConfigDict(extra="forbid")
-
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)  # passed to the template, which may show it
@@ -60,7 +53,7 @@ class ChatMessage(BaseModel):
         if self.content is None and not self.tool_calls:
             raise ValueError(f"a {self.role} message needs content")
         for call in self.tool_calls or []:
-            if not _json_object(call.function.arguments):
+            if not is_json_object(call.function.arguments):
                 raise ValueError(f"tool call {call.id!r}: arguments must be a JSON object, as text")
         return self
 
@@ -85,13 +78,6 @@ class ChatMessage(BaseModel):
                      for c in self.tool_calls]
             message["content"] = "\n".join(filter(None, [self.text(), json.dumps(calls)]))
         return message
-
-
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolUse | None) -> str:

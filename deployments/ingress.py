@@ -26,6 +26,7 @@ from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
+from deployments.token_texts import TokenTexts
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from lora_cache.actor import ACTOR_NAME, adapter_residence
@@ -138,7 +139,8 @@ class HttpRoutes:
         self.adapter_source = config.adapter_source
         self.lora_enabled = config.max_loras > 0
         self.tokenizer = tokenizer
-        self.tgi = TgiTokens(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
+        self.tgi = TgiTokens(self.token_texts)
 
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
@@ -285,7 +287,8 @@ class HttpRoutes:
 
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest, http: Request):
-        return await self._openai(request, _tenant(http), request.prompts, CompletionRenderer(request, self.tokenizer))
+        renderer = CompletionRenderer(request, self.token_texts)
+        return await self._openai(request, _tenant(http), request.prompts, renderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
@@ -293,7 +296,7 @@ class HttpRoutes:
             prompt = chat_prompt(self.tokenizer, request.messages, request.tool_use())
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
-        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.tokenizer))
+        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.token_texts))
 
     async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (a prompt's later choices find its KV blocks cached);

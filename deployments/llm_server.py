@@ -173,8 +173,7 @@ class LLMServer(HttpRoutes):
         """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
         if not out.prompt_logprobs:
             return None
-        decode = self.engine.tokenizer.decode
-        return [TokenEntry(t, decode([t]), logprob, top)
+        return [TokenEntry(t, self.token_texts.text(t), logprob, top)
                 for t, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)]
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:
@@ -188,10 +187,11 @@ class LLMServer(HttpRoutes):
 
     def stats(self) -> dict:
         s = self.engine.stats()
+        adapters = {adapter: dataclasses.asdict(usage) for adapter, usage in self.engine.adapter_stats().items()}
         return {"replica": self.replica, "node_id": self.node_id, "waiting": s.waiting, "running": s.running,
                 "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
                 "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
-                "resident_adapters": s.resident_adapters, "adapters": self.engine.adapter_stats(),
+                "resident_adapters": s.resident_adapters, "adapters": adapters,
                 "prefix_cache": _prefix_cache(s)}
 
     def _replica_info(self) -> dict:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
 
+from deployments.strict import StrictModel
 from deployments.chat import ChatMessage
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
@@ -30,10 +31,8 @@ class JSONSchemaSpec(BaseModel):
     strict: bool | None = None  # the output always follows the schema: strict or not
 
 
-class OpenAIResponseFormat(BaseModel):
+class OpenAIResponseFormat(StrictModel):
     """{"type": "text"}, {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {...}}."""
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaSpec | None = None
 
@@ -74,11 +73,9 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOIC
                     Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(StrictModel):
     """vLLM's structured_outputs: one of json (a JSON schema), regex (the whole output matches it), choice (the
     output is one of the strings), grammar (Lark, in llguidance's syntax) or json_object: true (any JSON object)."""
-    model_config = ConfigDict(extra="forbid")
-
     json_schema: Schema | None = Field(None, alias="json")  # a field named json would shadow BaseModel.json
     regex: Pattern | None = None
     choice: Choices | None = None
@@ -86,10 +83,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class OpenAISampling(BaseModel):
-    # A field this server does not implement is refused by name (400), never dropped without a word
-    model_config = ConfigDict(extra="forbid")
-
+class OpenAISampling(StrictModel):
     # OpenAI's bookkeeping fields: accepted, with no effect on the output
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -221,6 +215,8 @@ class ChatRequest(OpenAISampling):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Derived once, when the request is validated: the renderer, the prompt and each choice's grammar all ask
+    _tool_use: ToolUse | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -230,7 +226,8 @@ class ChatRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _tools_fit(self):
-        use = self.tool_use()  # ValueError for a tool_choice the tools do not allow
+        # ValueError for a tool_choice the tools do not allow
+        use = self._tool_use = tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
         if use is not None and use.response_format() is not None and self._structured():
             raise ValueError(f"tool_choice {self.tool_choice!r} sets the output's grammar: "
                              f"{', '.join(self._structured())} cannot be given with it")
@@ -239,7 +236,7 @@ class ChatRequest(OpenAISampling):
         return self
 
     def tool_use(self) -> ToolUse | None:
-        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return self._tool_use
 
     def calls_tools(self) -> bool:
         """Whether the model may answer with calls (tools given and tool_choice not "none")."""
@@ -254,17 +251,13 @@ class ChatRequest(OpenAISampling):
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(StrictModel):
     """vLLM's POST /v1/load_lora_adapter."""
-    model_config = ConfigDict(extra="forbid")
-
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096, description="an absolute local folder, "
                            "s3://bucket/prefix or hf://org/name[@revision]")
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(StrictModel):
     """vLLM's POST /v1/unload_lora_adapter (lora_int_id is vLLM's internal number: not taken)."""
-    model_config = ConfigDict(extra="forbid")
-
     lora_name: str = Field(min_length=1, max_length=256)

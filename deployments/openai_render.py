@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from deployments.events import TokenEntry, TokenEvent
 from deployments.openai_protocol import ChatRequest, CompletionRequest, OpenAISampling
+from deployments.token_texts import TokenTexts
 from deployments.tools import Reply, ToolUse, plain_reply
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
@@ -52,9 +53,9 @@ class Renderer:
     id_prefix: str
     default_max_tokens: int | None  # None: the output may fill the context
 
-    def __init__(self, request: OpenAISampling, tokenizer):
+    def __init__(self, request: OpenAISampling, texts: TokenTexts):
         self.request = request
-        self.tokenizer = tokenizer
+        self.texts = texts
 
     def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
         """The response's `logprobs` for these generated tokens (None when not asked for); offsets count from
@@ -96,26 +97,26 @@ class CompletionRenderer(Renderer):
     default_max_tokens = 16  # OpenAI's
     request: CompletionRequest
 
-    def __init__(self, request: CompletionRequest, tokenizer):
-        super().__init__(request, tokenizer)
+    def __init__(self, request: CompletionRequest, texts: TokenTexts):
+        super().__init__(request, texts)
         self._offsets: dict[int, int] = {}  # per choice: characters sent, where the next chunk's offsets start
 
     def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
         """The legacy completions shape."""
         if self.request.logprobs is None:
             return None
-        decode = self.tokenizer.decode
+        text = self.texts.text
         starts = itertools.accumulate((len(t.text) for t in tokens[:-1]), initial=offset)
-        return {"tokens": [decode([t.id]) for t in tokens],
+        return {"tokens": [text(t.id) for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [None if t.logprob is None else  # the first prompt token, echoed
-                                 {decode([i]): lp for i, lp in _with_chosen(t).items()} for t in tokens],
+                                 {text(i): lp for i, lp in _with_chosen(t).items()} for t in tokens],
                 "text_offset": list(starts) if tokens else []}
 
     def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
         if not self.request.echo:
             return super().finished(last, prompt)
-        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        prompt_text = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
         prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
         return FinishedChoice(prompt_text + last.final.generated_text, last,
                               self.logprobs(prompt_tokens + last.entries(), 0))
@@ -145,8 +146,8 @@ class ChatRenderer(Renderer):
     default_max_tokens = None  # as vLLM: the answer may fill the context, up to max_tokens_limit
     request: ChatRequest
 
-    def __init__(self, request: ChatRequest, tokenizer):
-        super().__init__(request, tokenizer)
+    def __init__(self, request: ChatRequest, texts: TokenTexts):
+        super().__init__(request, texts)
         self.tools: ToolUse | None = request.tool_use()
         self._held: dict[int, str] | None = {} if request.calls_tools() else None  # per choice: text held back
 
@@ -158,7 +159,7 @@ class ChatRenderer(Renderer):
                             for t in tokens]}
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.tokenizer.decode([token_id])
+        text = self.texts.text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _reply(self, text: str, last: TokenEvent) -> Reply:

@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.strict import StrictModel
 from deployments.events import TokenEntry
 from deployments.openai_protocol import MAX_STOP, StopString
+from deployments.token_texts import TokenTexts
 from engine.sampling import ResponseFormat, SamplingParams
 from lora_cache.merge import MergeSpec
 
@@ -23,10 +25,8 @@ class JSONResponseFormat(BaseModel):
         return ResponseFormat(self.json_schema) if self.json_schema is not None else ResponseFormat()
 
 
-class MergedAdapters(BaseModel):
+class MergedAdapters(StrictModel):
     """LoRAX's merged_adapters: these adapters merged into one (lora_cache/merge.py)."""
-    model_config = ConfigDict(extra="forbid")
-
     ids: list[str] = Field(min_length=1, max_length=16)
     weights: list[float] = Field(min_length=1, max_length=16)
     merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] = "linear"
@@ -38,9 +38,7 @@ class MergedAdapters(BaseModel):
                          self.majority_sign_method)
 
 
-class GenerateParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class GenerateParameters(StrictModel):
     max_new_tokens: int = Field(20, ge=1)
     do_sample: bool = False
     temperature: float | None = Field(None, ge=0)
@@ -101,9 +99,7 @@ class GenerateParameters(BaseModel):
         )
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class GenerateRequest(StrictModel):
     inputs: str = Field(min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
@@ -113,21 +109,19 @@ TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequ
 
 
 class TgiTokens:
-    """Generated tokens as TGI shows them. The tokenizer's special ids are taken once: transformers rebuilds
-    all_special_ids on every access, and this runs for every streamed token."""
+    """Generated tokens as TGI shows them."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.special_ids = frozenset(tokenizer.all_special_ids)
+    def __init__(self, texts: TokenTexts):
+        self.texts = texts
 
     def show(self, token: TokenEntry) -> dict:
         """Special tokens (EOS above all) are marked, with their text, which the generated text leaves out; with
         return_k_alternatives, LoRAX's alternative_tokens."""
         shown = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": False}
-        if token.id in self.special_ids:
-            shown.update(text=self.tokenizer.convert_ids_to_tokens(token.id), special=True)
+        if token.id in self.texts.special_ids:
+            shown.update(text=self.texts.piece(token.id), special=True)
         if token.top_logprobs:  # LoRAX's return_k_alternatives
-            texts = self.tokenizer.batch_decode([[i] for i in token.top_logprobs])
+            texts = self.texts.texts(token.top_logprobs)
             shown["alternative_tokens"] = [{"id": i, "text": text, "logprob": logprob}
                                            for (i, logprob), text in zip(token.top_logprobs.items(), texts)]
         return shown

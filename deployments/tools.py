@@ -25,8 +25,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from deployments.strict import StrictModel
 from engine.sampling import ResponseFormat
 
 MAX_TOOLS = 128  # as OpenAI
@@ -35,32 +36,24 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionDefinition(StrictModel):
     name: FunctionName
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None  # calls made through the grammar always follow the schema: strict or not
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionChoice(StrictModel):
     name: FunctionName
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["function"]
     function: FunctionChoice
 
@@ -133,7 +126,7 @@ class ToolUse:
         if finish_reason == "length" or self.mode is ToolMode.NONE:
             return plain_reply(text, finish_reason)
         if self.mode is ToolMode.NAMED:  # OpenAI finishes a forced function with "stop"
-            return Reply(None, [ToolCall(self.name, text)], finish_reason) if _is_object(text) else \
+            return Reply(None, [ToolCall(self.name, text)], finish_reason) if is_json_object(text) else \
                 plain_reply(text, finish_reason)
         calls = self._required_calls(text) if self.mode is ToolMode.REQUIRED else self._hermes_calls(text)
         if not calls:
@@ -179,7 +172,7 @@ class ToolUse:
             except ValueError:
                 return []
             arguments = call.get("arguments") if isinstance(call, dict) else None
-            if isinstance(arguments, str) and _is_object(arguments):
+            if isinstance(arguments, str) and is_json_object(arguments):
                 arguments = json.loads(arguments)
             if call.get("name") not in names or not isinstance(arguments, dict):
                 return []
@@ -187,7 +180,8 @@ class ToolUse:
         return calls
 
 
-def _is_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
+    """Whether text is JSON of an object (what a function call's arguments must be)."""
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:

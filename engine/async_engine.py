@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine, Prompt, RequestOutput
+from engine.llm_engine import AdapterStats, EngineStats, LLMEngine, Prompt, RequestOutput
 from engine.memory import MemoryReport
 from engine.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ class AsyncEngine:
     def memory(self) -> MemoryReport:
         return self.engine.memory()
 
-    def adapter_stats(self) -> dict[str, dict]:
+    def adapter_stats(self) -> dict[str, AdapterStats]:
         return self.engine.adapter_stats()
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,

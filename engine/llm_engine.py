@@ -91,6 +91,26 @@ class AdapterUsage:
     generated_tokens: int = 0
 
 
+@dataclass
+class AdapterStats:
+    """One adapter's use in this engine and where it resides now: "device" (a slot), "cpu" (the CPU tier) or
+    "source" (neither)."""
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    residence: str
+    source_loads: int
+    mean_load_s: float
+    slot_loads: int  # copies into a device slot
+
+
+@dataclass
+class TrackedRequest:
+    """A request the engine holds until it finishes: its sequence and the detokenizer of its text."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, adapter_provider: AdapterProvider | None = None):
         """adapter_provider: where adapters come from (lora_cache/provider.py); by default an in-process CPU
@@ -117,7 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapter_slots, config.max_adapter_wait_s)
         self.sampler = Sampler(config.torch_device, config.seed)
-        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
@@ -219,7 +239,7 @@ class LLMEngine:
     def add_prepared(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        self.requests[seq.request_id] = (seq, detok)
+        self.requests[seq.request_id] = TrackedRequest(seq, detok)
         self.scheduler.add(seq)
         if seq.adapter_id is not None:
             usage = self.adapter_usage.setdefault(seq.adapter_id, AdapterUsage())
@@ -250,9 +270,8 @@ class LLMEngine:
         entry = self.requests.pop(request_id, None)
         if entry is None:
             return None
-        seq, detok = entry
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq, detok, [], [], [])
+        self.scheduler.finish(entry.seq, "abort")
+        return self._output(entry.seq, entry.detokenizer, [], [], [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -272,7 +291,7 @@ class LLMEngine:
             prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=prefix.evictions)
 
-    def adapter_stats(self) -> dict[str, dict]:
+    def adapter_stats(self) -> dict[str, AdapterStats]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),
         source reads and their mean latency, copies into a device slot."""
         if self.adapters is None:
@@ -284,16 +303,15 @@ class LLMEngine:
             usage = self.adapter_usage.get(adapter_id, AdapterUsage())
             load = loads.get(adapter_id, LoadStats(0, 0.0))
             residence = "device" if adapter_id in on_device else "cpu" if adapter_id in cached else "source"
-            stats[adapter_id] = {
-                "requests": usage.requests, "prompt_tokens": usage.prompt_tokens,
-                "generated_tokens": usage.generated_tokens, "residence": residence, "source_loads": load.loads,
-                "mean_load_s": load.mean_seconds, "slot_loads": self.adapter_slots.load_counts.get(adapter_id, 0)}
+            stats[adapter_id] = AdapterStats(usage.requests, usage.prompt_tokens, usage.generated_tokens, residence,
+                                             load.loads, load.mean_seconds,
+                                             self.adapter_slots.load_counts.get(adapter_id, 0))
         return stats
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        for slot, adapter_id in plan.adapter_loads:
-            self.runner.load_adapter(slot, self.adapters.get(adapter_id))
+        for load in plan.adapter_loads:
+            self.runner.load_adapter(load.slot, self.adapters.get(load.adapter_id))
         if not plan.scheduled:
             return []
         masks = self._start_masks(plan.scheduled)
@@ -308,9 +326,9 @@ class LLMEngine:
         result = self.sampler(step.logits, [s.seq for s in step.sampling], masks.result() if masks else None)
         outputs = []
         for i, s in enumerate(step.sampling):
-            seq, detok = self.requests[s.seq.request_id]
+            detok = self.requests[s.seq.request_id].detokenizer
             top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else []
-            outputs.append(self._process_token(seq, detok, result.token_ids[i], result.logprobs[i], top))
+            outputs.append(self._process_token(s.seq, detok, result.token_ids[i], result.logprobs[i], top))
         return outputs
 
     def _start_masks(self, scheduled) -> Future[TokenMasks] | None:

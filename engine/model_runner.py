@@ -19,7 +19,7 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import AttentionMetadata, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_cpu_ops
 from engine.sampler import token_logprobs
@@ -56,7 +56,7 @@ class StepInputs:
     attention: AttentionMetadata
     sample_rows: list[int]  # the rows whose logits are sampled: the last of each chunk that completes its prompt
     sampling: list[ScheduledSeq]  # their sequences, in the same order
-    adapter_runs: list[tuple[int, int]]  # (adapter slot or -1 for the base model, tokens), row after row
+    adapter_runs: list[AdapterRun]  # row after row
     scoring: list[PromptChunkScoring]
 
 
@@ -240,7 +240,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        adapter_runs: list[tuple[int, int]] = []  # (adapter slot or -1 for the base model, tokens)
+        adapter_runs: list[AdapterRun] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
@@ -253,7 +253,7 @@ class ModelRunner:
             input_ids += seq.token_slice(start, end)
             positions += range(start, end)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            adapter_runs.append((-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
+            adapter_runs.append(AdapterRun(-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
             if self._is_decode(s):
                 decode.append(s)
             else:

@@ -37,10 +37,17 @@ class ScheduledSeq:
 
 
 @dataclass
+class AdapterLoad:
+    """An adapter the runner copies into a device slot before the step runs."""
+    slot: int
+    adapter_id: str
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     num_preempted: int
-    adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter id) to copy in first
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)  # copied in before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,31 +74,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled, budget, num_preempted = self._schedule_running(budget)
-        adapter_loads: list[tuple[int, str]] = []
-        if num_preempted == 0:
-            scheduled += self._admit_waiting(budget, adapter_loads)
-        return SchedulerOutput(scheduled, num_preempted, adapter_loads)
+        plan = SchedulerOutput([], 0)
+        budget = self._schedule_running(budget, plan)
+        if plan.num_preempted == 0:
+            plan.scheduled += self._admit_waiting(budget, plan.adapter_loads)
+        return plan
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], int, int]:
-        scheduled: list[ScheduledSeq] = []
-        num_preempted = 0
+    def _schedule_running(self, budget: int, plan: SchedulerOutput) -> int:
+        """Schedule the running sequences into plan (preempting the newest when blocks run out); returns the
+        token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
-                num_preempted += 1
+                plan.num_preempted += 1
                 if i >= len(self.running):  # seq itself was the newest and got preempted
-                    return scheduled, budget, num_preempted
+                    return budget
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            scheduled.append(ScheduledSeq(seq, n))
+            plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        return scheduled, budget, num_preempted
+        return budget
 
-    def _admit_waiting(self, budget: int, adapter_loads: list[tuple[int, str]]) -> list[ScheduledSeq]:
+    def _admit_waiting(self, budget: int, adapter_loads: list[AdapterLoad]) -> list[ScheduledSeq]:
         scheduled: list[ScheduledSeq] = []
         no_slot: list[Sequence] = []  # their adapter has no slot free now: they keep their place in line
         starving = self._starving_adapter()
@@ -133,13 +140,13 @@ class Scheduler:
         return sum(1 for seq in self.waiting
                    if seq.adapter_id is not None and seq.adapter_id not in self.adapter_slots.slot_of)
 
-    def _grant_slot(self, seq: Sequence, adapter_loads: list[tuple[int, str]]) -> bool:
+    def _grant_slot(self, seq: Sequence, adapter_loads: list[AdapterLoad]) -> bool:
         grant = self.adapter_slots.acquire(seq.adapter_id)
         if grant is None:
             return False
         seq.lora_slot = grant.slot
         if grant.needs_load:
-            adapter_loads.append((grant.slot, seq.adapter_id))
+            adapter_loads.append(AdapterLoad(grant.slot, seq.adapter_id))
         return True
 
     def _release_slot(self, seq: Sequence) -> None:

@@ -38,6 +38,14 @@ class _Entry:
     content_id: str
 
 
+@dataclass
+class _Residence:
+    """What one replica last reported holding, and when (monotonic seconds)."""
+    reported_at: float
+    device: list[str]
+    cpu: list[str]
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
     def __init__(self, base_config: dict, sources: SourceConfig, capacity_bytes: int = 4 << 30):
@@ -56,7 +64,7 @@ class LoRACacheActor:
         self.entries: LRUByBytes[_Entry] = LRUByBytes(lambda e: e.nbytes, capacity_bytes)
         self.inflight: dict[str, asyncio.Future] = {}
         self.hits = self.misses = 0
-        self.residence: dict[str, tuple[float, list[str], list[str]]] = {}  # replica -> (time, device, cpu)
+        self.residence: dict[str, _Residence] = {}  # replica id -> its last report
 
     async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
@@ -151,7 +159,7 @@ class LoRACacheActor:
 
     async def wait_applied(self, version: int, timeout_s: float = 5.0) -> list[str]:
         """Wait until every live replica has applied `version`; the replicas that did not in time."""
-        return await self.registry.wait_applied(version, list(self._replicas()), timeout_s)
+        return await self.registry.wait_applied(version, list(self._live_residence()), timeout_s)
 
     def _forget_older(self, name: str, keep: str | None) -> None:
         self.entries.discard([k for k in self.entries.keys() if key_name(k) == name and k != keep])
@@ -159,14 +167,18 @@ class LoRACacheActor:
     def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> list[str]:
         """A replica tells which adapters it holds in device slots and in its CPU copy; the answer is the adapters
         that the other live replicas hold (a replica forwards their requests there)."""
-        self.residence[replica] = (time.monotonic(), device, cpu)
-        others = [v for r, v in self._replicas().items() if r != replica]
-        return sorted({a for v in others for a in v["device"] + v["cpu"]})
+        self.residence[replica] = _Residence(time.monotonic(), device, cpu)
+        others = [v for r, v in self._live_residence().items() if r != replica]
+        return sorted({a for v in others for a in v.device + v.cpu})
+
+    def _live_residence(self) -> dict[str, _Residence]:
+        """The reports of the replicas that reported within RESIDENCE_TTL_S (the others are dropped)."""
+        now = time.monotonic()
+        self.residence = {r: v for r, v in self.residence.items() if now - v.reported_at < RESIDENCE_TTL_S}
+        return self.residence
 
     def _replicas(self) -> dict[str, dict]:
-        now = time.monotonic()
-        self.residence = {r: v for r, v in self.residence.items() if now - v[0] < RESIDENCE_TTL_S}
-        return {r: {"device": device, "cpu": cpu} for r, (_, device, cpu) in self.residence.items()}
+        return {r: {"device": v.device, "cpu": v.cpu} for r, v in self._live_residence().items()}
 
     def stats(self) -> dict:
         entries, loads = self.entries.snapshot(), self.entries.load_stats()

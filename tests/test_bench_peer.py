@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import peer_compare, peer_report
-from benchmarks.peer_compare import PeerJob, Sizes
-from benchmarks.peer_timing import Batch, Timing
+from benchmarks.peers import peer_compare, peer_report
+from benchmarks.peers.peer_compare import PeerJob, Sizes
+from benchmarks.peers.peer_timing import Batch, Timing
 
 SIZES = Sizes.quick()
 

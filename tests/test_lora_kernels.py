@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from engine.kernels.lora import lora_expand_, lora_shrink
 from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import LoRAStepState, build_lora_batch
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [])
@@ -132,7 +132,7 @@ def test_indexed_path_matches_grouped_path():
                                for i, out in enumerate(outs) if i != slot})  # some slots lack a sub-module
     slots = SLOTS
     x = torch.randn(len(slots), 64, generator=gen).to(DEVICE)
-    layer.state.batch = build_lora_batch([(slot, 1) for slot in slots], DEVICE)
+    layer.state.batch = build_lora_batch([AdapterRun(slot, 1) for slot in slots], DEVICE)
     grouped = layer(x)
     layer.state.batch = None
     layer.state.token_slots = torch.tensor(slots, device=DEVICE)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import LoRAStepState, build_lora_batch
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch
 
 CPU = torch.device("cpu")
 IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6
@@ -24,6 +24,11 @@ def _adapter(slot: int, gen: torch.Generator, outs=OUTS) -> dict:
     if len(outs) == 1:
         return {"m0": weights(outs[0])}
     return {f"m{i}": weights(out) for i, out in enumerate(outs) if (slot + i) % 3}  # each skips one sub-module
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[AdapterRun]:
+    """The tables below as (slot, tokens) pairs, for reading."""
+    return [AdapterRun(slot, tokens) for slot, tokens in pairs]
 
 
 def _layer(dtype=torch.float32, outs=OUTS):
@@ -67,7 +72,7 @@ RUN_SHAPES = {
 def test_batched_lora_equals_per_token_reference(runs):
     layer, state, adapters = _layer()
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(1))
-    state.batch = build_lora_batch(runs, CPU)
+    state.batch = build_lora_batch(_runs(runs), CPU)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
@@ -77,7 +82,7 @@ def test_batched_lora_equals_per_token_reference(runs):
 def test_a_linear_with_one_sub_module(runs):
     layer, state, adapters = _layer(outs=(16,))
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(5))
-    state.batch = build_lora_batch(runs, CPU, allowance=1000)
+    state.batch = build_lora_batch(_runs(runs), CPU, allowance=1000)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
@@ -86,18 +91,18 @@ def test_bf16_base_gets_the_same_delta():
     layer, state, adapters = _layer(torch.bfloat16)
     runs = RUN_SHAPES["prefill runs share a slot (padding)"]
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(2)).bfloat16()
-    state.batch = build_lora_batch(runs, CPU)
+    state.batch = build_lora_batch(_runs(runs), CPU)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x).float(), _reference(layer, adapters, x, runs), rtol=2e-2, atol=5e-2)
 
 
 def test_batch_shape_fast_paths():
-    assert build_lora_batch([(-1, 4)], CPU) is None  # no adapter tokens: the LoRA path is skipped
-    in_order = build_lora_batch([(0, 1), (1, 1), (2, 1)], CPU)
+    assert build_lora_batch(_runs([(-1, 4)]), CPU) is None  # no adapter tokens: the LoRA path is skipped
+    in_order = build_lora_batch(_runs([(0, 1), (1, 1), (2, 1)]), CPU)
     assert in_order.token_rows is None and in_order.valid_positions is None
     (group,) = in_order.groups
     assert group.gather_index is None and group.slots == slice(0, 3)
-    padded = build_lora_batch([(3, 2), (-1, 1), (1, 1)], CPU)
+    padded = build_lora_batch(_runs([(3, 2), (-1, 1), (1, 1)]), CPU)
     (group,) = padded.groups
     assert (group.segments, group.longest) == (2, 2)
     assert group.gather_index.tolist() == [0, 1, 3, 0]  # slot 3's rows; then slot 1's row, padded
@@ -107,34 +112,35 @@ def test_batch_shape_fast_paths():
 
 def test_runs_of_one_slot_are_segments_until_their_weight_copies_cost_more_than_a_gather():
     repeated = [(0, 4), (1, 8), (0, 4), (2, 8)]
-    (group,) = build_lora_batch(repeated, CPU, allowance=1000).groups  # cheap weights: a segment per run
+    (group,) = build_lora_batch(_runs(repeated), CPU, allowance=1000).groups  # cheap weights: a segment per run
     assert group.gather_index is not None and group.slots.tolist() == [1, 2, 0, 0]  # longest first
-    (group,) = build_lora_batch(repeated, CPU, allowance=4).groups  # dear weights: a segment per slot
+    (group,) = build_lora_batch(_runs(repeated), CPU, allowance=4).groups  # dear weights: a segment per slot
     assert group.slots == slice(0, 3) and (group.segments, group.longest) == (3, 8)
-    (group,) = build_lora_batch([(0, 8), (1, 8), (0, 8)], CPU, allowance=1000).groups
+    (group,) = build_lora_batch(_runs([(0, 8), (1, 8), (0, 8)]), CPU, allowance=1000).groups
     assert group.gather_index is None and group.slots.tolist() == [0, 1, 0]  # equal runs stay in batch order
-    (group,) = build_lora_batch([(2, 1), (2, 1), (1, 2)], CPU).groups  # adjacent runs of a slot merge
+    (group,) = build_lora_batch(_runs([(2, 1), (2, 1), (1, 2)]), CPU).groups  # adjacent runs of a slot merge
     assert group.segments == 2 and group.slots == slice(1, 3)  # sorted: the weights are a view
 
 
 def test_unequal_runs_are_cut_to_one_length_when_a_weight_copy_costs_less_than_the_padding():
     # Two adjacent requests of adapter 0 merge into one 16-token run; cut back to 8s, the batch is one in-order
     # group (no gather, no scatter, no padding) at the price of one more weight copy.
-    batch = build_lora_batch([(0, 8), (0, 8), (1, 8)], CPU, allowance=1000)
+    batch = build_lora_batch(_runs([(0, 8), (0, 8), (1, 8)]), CPU, allowance=1000)
     assert batch.in_order_group is not None and batch.valid_positions is None
     assert batch.in_order_group.slots.tolist() == [0, 0, 1] and batch.in_order_group.longest == 8
-    (group,) = build_lora_batch([(0, 2), (0, 2), (1, 3)], CPU, allowance=1000).groups  # 5 copies > 1 padded row
+    (group,) = build_lora_batch(_runs([(0, 2), (0, 2), (1, 3)]), CPU, allowance=1000).groups  # 5 copies > 1 padded row
     assert (group.segments, group.longest) == (2, 4) and group.gather_index is not None
-    (group,) = build_lora_batch([(0, 2), (1, 1), (2, 1)], CPU, allowance=1000).groups  # 1 copy = 8 rows > 2 padded
+    # 1 copy = 8 rows > 2 padded
+    (group,) = build_lora_batch(_runs([(0, 2), (1, 1), (2, 1)]), CPU, allowance=1000).groups
     assert (group.segments, group.longest) == (3, 2)
 
 
 def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():
     runs = [(slot, 1) for slot in range(8)] + [(8, 500)]
-    batch = build_lora_batch(runs, CPU)
+    batch = build_lora_batch(_runs(runs), CPU)
     assert [(g.segments, g.longest) for g in batch.groups] == [(1, 500), (8, 1)]  # the default allowance: 32
     assert batch.valid_positions is None  # neither group needs padding
-    assert build_lora_batch([(0, 3), (1, 2), (2, 3)], CPU).groups[0].longest == 3  # similar lengths: one group
+    assert build_lora_batch(_runs([(0, 3), (1, 2), (2, 3)]), CPU).groups[0].longest == 3  # similar lengths: one group
 
 
 @pytest.mark.parametrize("runs", [[(0, 40), (1, 1), (2, 1), (0, 1), (3, 17), (-1, 5), (4, 2)],
@@ -142,7 +148,7 @@ def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():
 def test_several_groups_equal_the_reference(runs):
     layer, state, adapters = _layer()
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(4))
-    state.batch = build_lora_batch(runs, CPU)
+    state.batch = build_lora_batch(_runs(runs), CPU)
     assert len(state.batch.groups) > 1
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
@@ -154,7 +160,7 @@ def test_reloading_a_slot_clears_modules_the_new_adapter_does_not_target():
     kept = {key: adapters[1][key]}
     layer.load_slot(1, kept)
     x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
-    state.batch = build_lora_batch([(1, 3)], CPU)
+    state.batch = build_lora_batch(_runs([(1, 3)]), CPU)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, {1: kept}, x, [(1, 3)]), rtol=1e-5, atol=1e-5)
     layer.load_slot(1, {})

@@ -138,9 +138,9 @@ def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
     llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False, adapters=["a", "a", "b", None])
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["c"])  # evicts the least recently used: a
     stats = llm.engine.adapter_stats()
-    assert stats["a"]["requests"] == 2 and stats["a"]["generated_tokens"] == 2 * GREEDY.max_tokens
-    assert stats["a"]["residence"] == "cpu" and stats["c"]["residence"] == "device"
-    assert stats["b"]["source_loads"] == 1 and stats["b"]["mean_load_s"] > 0
+    assert stats["a"].requests == 2 and stats["a"].generated_tokens == 2 * GREEDY.max_tokens
+    assert stats["a"].residence == "cpu" and stats["c"].residence == "device"
+    assert stats["b"].source_loads == 1 and stats["b"].mean_load_s > 0
     assert sorted(llm.engine.stats().resident_adapters) == ["b", "c"]
 
 
@@ -153,10 +153,10 @@ def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama
     params = SamplingParams(max_tokens=4, temperature=0)
     llm.generate([PROMPTS[0]], params, use_tqdm=False, adapters=["warm"])
     stats = engine.adapter_stats()
-    assert stats["warm"]["source_loads"] == 1 and stats["warm"]["slot_loads"] == 1  # nothing loaded on request
+    assert stats["warm"].source_loads == 1 and stats["warm"].slot_loads == 1  # nothing loaded on request
     for adapter in ("other1", "other2", "other1"):  # two adapters take turns in the one free slot
         llm.generate([PROMPTS[1]], params, use_tqdm=False, adapters=[adapter])
-    assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"]["slot_loads"] == 1
+    assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"].slot_loads == 1
     with pytest.raises(ValueError, match="leave none of the 2 device slots"):
         LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), pinned_adapters=["warm", "pinned"])
     with pytest.raises(ValueError, match="not found"):

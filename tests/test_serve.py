@@ -411,12 +411,14 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
     from deployments.events import TokenEntry
     from deployments.protocol import TgiTokens
+    from deployments.token_texts import TokenTexts
 
+    tgi = TgiTokens(TokenTexts(tokenizer))
     eos = {"id": tokenizer.eos_token_id, "text": "", "logprob": -0.5}  # the generated text leaves EOS out
-    assert TgiTokens(tokenizer).show(TokenEntry(**eos)) == {**eos, "text": tokenizer.eos_token, "special": True}
+    assert tgi.show(TokenEntry(**eos)) == {**eos, "text": tokenizer.eos_token, "special": True}
     (word,) = tokenizer.encode(" Paris")
     plain = {"id": word, "text": " Paris", "logprob": -0.2}
-    assert TgiTokens(tokenizer).show(TokenEntry(**plain)) == {**plain, "special": False}
+    assert tgi.show(TokenEntry(**plain)) == {**plain, "special": False}
 
 
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},

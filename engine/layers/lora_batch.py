@@ -25,6 +25,13 @@ WEIGHT_COPY_ROWS = 8
 
 
 @dataclass
+class AdapterRun:
+    """A stretch of adjacent tokens of the flat batch that share one adapter slot (-1: the base model only)."""
+    slot: int
+    tokens: int
+
+
+@dataclass
 class LoRAGroup:
     segments: int
     longest: int
@@ -63,8 +70,8 @@ def padding_allowance(row_flops: int) -> int:
     return max(1, GROUP_COST_FLOPS // row_flops)
 
 
-def build_lora_batch(runs: list[tuple[int, int]], device: torch.device, allowance: int = 32) -> LoRABatch | None:
-    """runs: (adapter slot, token count) for consecutive stretches of the flat batch; slot -1 is base-only.
+def build_lora_batch(runs: list[AdapterRun], device: torch.device, allowance: int = 32) -> LoRABatch | None:
+    """runs: the flat batch's consecutive stretches of one slot each, in order.
     allowance: padded rows a group may add before a new group pays off (see padding_allowance)."""
     segments, total = _segments(runs, allowance)
     if not segments:
@@ -93,7 +100,7 @@ def build_lora_batch(runs: list[tuple[int, int]], device: torch.device, allowanc
         None if in_order else tensors[-1])
 
 
-def _segments(runs: list[tuple[int, int]], allowance: int) -> tuple[list[tuple[int, list[int]]], int]:
+def _segments(runs: list[AdapterRun], allowance: int) -> tuple[list[tuple[int, list[int]]], int]:
     """(slot, token rows) per segment, and the batch's token count.
 
     A segment per run of adjacent tokens of one slot keeps the tokens in batch order (no gather, no
@@ -101,12 +108,13 @@ def _segments(runs: list[tuple[int, int]], allowance: int) -> tuple[list[tuple[i
     of one adapter) and the extra copies cost more than the allowance, a segment per slot instead."""
     by_run: list[tuple[int, list[int]]] = []
     total = 0
-    for slot, count in runs:
-        if slot >= 0 and by_run and by_run[-1][0] == slot and by_run[-1][1][-1] == total - 1:
-            by_run[-1][1].extend(range(total, total + count))
-        elif slot >= 0:
-            by_run.append((slot, list(range(total, total + count))))
-        total += count
+    for run in runs:
+        rows = range(total, total + run.tokens)
+        if run.slot >= 0 and by_run and by_run[-1][0] == run.slot and by_run[-1][1][-1] == total - 1:
+            by_run[-1][1].extend(rows)
+        elif run.slot >= 0:
+            by_run.append((run.slot, list(rows)))
+        total += run.tokens
     extra_copies = len(by_run) - len({slot for slot, _ in by_run})
     if extra_copies * WEIGHT_COPY_ROWS <= allowance:
         return _equal_lengths(by_run, allowance), total

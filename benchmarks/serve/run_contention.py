@@ -1,11 +1,11 @@
 """What another process's CPU costs the engine: the in-process engine at 32 streams beside a busy loop.
 
-    PYTHONPATH=. python -m benchmarks.run_contention            # about 7 minutes
-    PYTHONPATH=. python -m benchmarks.run_contention --quick
+    PYTHONPATH=. python -m benchmarks contention            # about 7 minutes
+    PYTHONPATH=. python -m benchmarks contention --quick
 
-Each cell (benchmarks/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
+Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
 tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime, while a busy loop in another
-process (benchmarks/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
+process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
 and Ray processes do.
 On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op and the other one
 waits for it at the op's end: the engine loses about twice the CPU the other process takes. With 1 engine thread
@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
-from benchmarks.http_servers import ROOT  # noqa: E402
+from benchmarks.serve.http_servers import ROOT  # noqa: E402
 from deployments.openmp import replica_env_vars  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
@@ -36,8 +36,8 @@ THREADS = (2, 1)
 
 def cell(threads: int, duty: float, requests: int) -> dict:
     env = {**os.environ, **replica_env_vars(), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "benchmarks.contention_worker", "--threads", str(threads), "--duty", str(duty),
-               "--requests", str(requests)]
+    command = [sys.executable, "-m", "benchmarks.serve.contention_worker", "--threads", str(threads),
+               "--duty", str(duty), "--requests", str(requests)]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args)}
     text = "\n".join([f"# Engine beside another process's CPU ({raw['mode']})", "",
-                      "Command: `PYTHONPATH=. python -m benchmarks.run_contention`  ", f"Date: {env['date']}  ",
+                      "Command: `PYTHONPATH=. python -m benchmarks contention`  ", f"Date: {env['date']}  ",
                       f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "",
                       f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, "
                       f"{raw['requests']} closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another "

@@ -1,7 +1,7 @@
 """Structured output: the cost of JSON-schema masks in a batch of 32, and the grammar libraries compared.
 
-    PYTHONPATH=. python -m benchmarks.run_structured            # about 4 minutes on 2 cores
-    PYTHONPATH=. python -m benchmarks.run_structured --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks structured            # about 4 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks structured --quick    # smoke test
 
 1. Grammar libraries on SmolLM2's 49,152-token vocabulary: time to compile a schema and to compute one
    request's mask, along a real token path through a JSON document; and a batch of 32 masks per step.

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks.peer_timing import Batch, Timing, VLLMWorker, run_lora_serve
+from benchmarks.peers.peer_timing import Batch, Timing, VLLMWorker, run_lora_serve
 from benchmarks.workloads import PROMPTS
 
 DTYPES = ("float32", "bfloat16")

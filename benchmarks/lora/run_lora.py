@@ -1,7 +1,7 @@
 """Multi-LoRA benchmark: the course's toy lesson, the engine with 0/1/8/32 adapters, cold loads and slot switches.
 
-    PYTHONPATH=. python -m benchmarks.run_lora            # full run
-    PYTHONPATH=. python -m benchmarks.run_lora --quick    # smoke test (under 2 minutes)
+    PYTHONPATH=. python -m benchmarks lora            # full run
+    PYTHONPATH=. python -m benchmarks lora --quick    # smoke test (under 2 minutes)
 
 Writes benchmarks/results/lora.md, lora.json, lora_course.png and lora_engine.png.
 """
@@ -23,13 +23,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks import course_lora  # noqa: E402
+from benchmarks.lora import course_lora  # noqa: E402
 from benchmarks.common import benchmark_args, check_lengths, environment, fmt, markdown_table  # noqa: E402
-from benchmarks.lora_latency import latency, latency_section  # noqa: E402
-from benchmarks.lora_setup import RANK, LoraPlan, generate, make_llm, write_adapters  # noqa: E402
+from benchmarks.lora.lora_latency import latency, latency_section  # noqa: E402
+from benchmarks.lora.lora_setup import RANK, LoraPlan, generate, make_llm, write_adapters  # noqa: E402
 from benchmarks.workloads import make_requests  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 DTYPES = ("float32", "bfloat16")
 OFF = "LoRA disabled (max_loras=0)"  # key of the base-only run on an engine without LoRA layers
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -38,7 +37,7 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 def code_version() -> dict:
     """The git commit and the engine files with uncommitted changes, as they were when this run started."""
     def git(*args):
-        out = subprocess.run(["git", *args], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parents[2], capture_output=True, text=True)
         return out.stdout if out.returncode == 0 else ""
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "engine", "lora_cache").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown", "uncommitted": dirty}
@@ -142,14 +141,14 @@ def engine_section(engine: dict, plan: dict) -> str:
     loads = ", ".join(f"{SHORT[d]} {r['slot_loads']} slot loads / {r['slot_evictions']} evictions"
                       for d, r in engine.items())
     lines.append(f"- Slot counters over the whole run (warm-up included): {loads}.")
-    lines.append("- vLLM with adapters: `benchmarks.run_engine --vllm-python ...` measures it in the same run as "
-                 "lora-serve (its \"(a) with 8 rank-8 adapters\" rows and the share of base kept).")
+    lines.append("- vLLM with adapters: `python -m benchmarks engine --vllm-python ...` measures it in the same run "
+                 "as lora-serve (its \"(a) with 8 rank-8 adapters\" rows and the share of base kept).")
     return "\n".join(lines)
 
 
 def markdown(raw: dict, images: list[Path]) -> str:
     env, quick = raw["environment"], raw["mode"] == "quick"
-    command = "PYTHONPATH=. python -m benchmarks.run_lora" + (" --quick" if quick else "")
+    command = "PYTHONPATH=. python -m benchmarks lora" + (" --quick" if quick else "")
     header = [
         "# lora-serve multi-LoRA benchmark: SmolLM2-135M-Instruct on CPU",
         "",

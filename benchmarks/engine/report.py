@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import systems
+from benchmarks.engine import systems
 from benchmarks.common import Result, fmt, markdown_table, ratio
 from benchmarks.workloads import Plan
 
@@ -51,7 +51,7 @@ def decode_section(results: list[Result]) -> str:
 
 
 def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path], peer: str) -> str:
-    command = "PYTHONPATH=. python -m benchmarks.run_engine" + (" --quick" if quick else "")
+    command = "PYTHONPATH=. python -m benchmarks engine" + (" --quick" if quick else "")
     parts = [
         "# lora-serve engine benchmark: SmolLM2-135M-Instruct on CPU",
         "> **Quick smoke run** (`--quick`): tiny workloads, numbers only show the pipeline works." if quick else "",

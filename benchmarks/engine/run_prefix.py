@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill on SmolLM2 (bf16).
 
-    PYTHONPATH=. python -m benchmarks.run_prefix            # about 4 minutes on 2 cores
-    PYTHONPATH=. python -m benchmarks.run_prefix --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks prefix            # about 4 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks prefix --quick    # smoke test
 
 1. 64 chat requests that share a ~300-token system prompt, each with its own question, 32 new tokens:
    time to first token and throughput with prefix caching on and off, and the hit rate; once as a

@@ -1,10 +1,10 @@
-"""One cell of benchmarks/run_contention: the engine serving a closed loop in-process while another process
+"""One cell of benchmarks/serve/run_contention: the engine serving a closed loop in-process while another process
 takes a share of a core.
 
-    python -m benchmarks.contention_worker --threads 2 --duty 0.25     # prints one JSON line
+    python -m benchmarks.serve.contention_worker --threads 2 --duty 0.25     # prints one JSON line
 
 The engine is an AsyncEngine (its step loop on its own thread, as in a replica), with no Ray and no HTTP, so what
-it loses here comes only from the CPU that the other process takes. The other process is benchmarks/busy_loop.py.
+it loses here comes only from the CPU that the other process takes. The other process is benchmarks/serve/busy_loop.py.
 Run it with the replica's OpenMP runtime (run_contention preloads it).
 """
 
@@ -58,7 +58,7 @@ async def closed_loop(engine: AsyncEngine, prompts: list[str], params: SamplingP
 
 
 def _start_busy_loop(duty: float) -> subprocess.Popen:
-    other = subprocess.Popen([sys.executable, "-m", "benchmarks.busy_loop", str(duty)], stdout=subprocess.PIPE,
+    other = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", str(duty)], stdout=subprocess.PIPE,
                              text=True)
     assert other.stdout.readline().strip() == "ready"
     return other

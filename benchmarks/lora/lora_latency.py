@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from benchmarks.common import fmt, markdown_table, timed
-from benchmarks.lora_setup import LoraPlan, make_llm
+from benchmarks.lora.lora_setup import LoraPlan, make_llm
 from benchmarks.workloads import PROMPTS
 from engine import LLM, SamplingParams
 from lora_cache.adapter import load_adapter

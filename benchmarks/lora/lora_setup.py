@@ -8,7 +8,7 @@ from pathlib import Path
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks import course_lora
+from benchmarks.lora import course_lora
 from benchmarks.common import timed
 from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams

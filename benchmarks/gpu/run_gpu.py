@@ -1,21 +1,20 @@
 """lora-serve on a GPU: batch-1 decode against the weight-read bound, throughput against transformers, 32 LoRA
 adapters against base, time to first token, and decode steps eager against CUDA graphs, all in one run.
 
-Models are typed-in shapes with random weights (benchmarks/gpu_models.py): speed depends on shapes, not values.
+Models are typed-in shapes with random weights (benchmarks/gpu/gpu_models.py): speed depends on shapes, not values.
 Every figure is a median after a warm-up, timed between device synchronisations. The weight-read bound of a
 batch-1 decode step is the bytes of weights it must read over the copy bandwidth measured in the same run.
 Prefix caching is off: the warm-ups and repeats reuse prompts, and a cache hit would time nothing.
 Each section runs on its own: one that fails is recorded with its traceback and the rest still run.
 
-    python -m benchmarks.run_gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 6 minutes
-    python -m benchmarks.run_gpu --device cpu --tiny                          # smoke run of every section
+    python -m benchmarks gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 6 minutes
+    python -m benchmarks gpu --device cpu --tiny                          # smoke run of every section
 
 Writes gpu.json, gpu.md and gpu.png (when matplotlib is present) to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -29,13 +28,13 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS, environment, markdown_table
-from benchmarks.gpu_models import build_model_dir, decode_weight_bytes, kv_bytes_per_token, shape
-from benchmarks.gpu_timing import copy_bandwidth, device_name, free_device, timed
-from benchmarks.hf_baselines import NO_EOS
+from benchmarks.common import benchmark_args, environment, markdown_table
+from benchmarks.gpu.gpu_models import build_model_dir, decode_weight_bytes, kv_bytes_per_token, shape
+from benchmarks.gpu.gpu_timing import copy_bandwidth, device_name, free_device, timed
+from benchmarks.engine.hf_baselines import NO_EOS
 from benchmarks.lora_adapters import write_random_adapter
 
-DEFAULT_TOKENIZERS = (Path(__file__).parent.parent / ".gpu/cache/models/smollm2-135m-instruct",
+DEFAULT_TOKENIZERS = (Path(__file__).parents[2] / ".gpu/cache/models/smollm2-135m-instruct",
                       Path.home() / ".cache/lora-serve/models/smollm2-135m-instruct")
 
 
@@ -454,19 +453,19 @@ def save(folder: Path, raw: dict, text: str) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer tokens per request (a shorter GPU run)")
+def _gpu_arguments(parser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny configs and workloads: a smoke run (CPU)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="folder with SmolLM2's tokenizer files (default: the first of "
                              + ", ".join(str(p) for p in DEFAULT_TOKENIZERS) + " that exists)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder (gpu.json, gpu.md, gpu.png)")
     parser.add_argument("--work", type=Path, default=None, help="folder for model folders and adapters (temp)")
     parser.add_argument("--sections", default="", help="comma-separated subset of: "
                         + ", ".join(n for n, _ in SECTIONS))
-    return parser.parse_args(argv)
+
+
+def parse_args(argv):
+    return benchmark_args(__doc__, "fewer tokens per request (a shorter GPU run)", argv, _gpu_arguments)
 
 
 def find_tokenizer(given: Path | None) -> Path:

@@ -1,12 +1,12 @@
 """Quantization: fp32, bf16, int8 and NF4 base weights of SmolLM2 side by side.
 
-    PYTHONPATH=. python -m benchmarks.run_quantization            # about 5 minutes on 2 cores
-    PYTHONPATH=. python -m benchmarks.run_quantization --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks quantization            # about 5 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks quantization --quick    # smoke test
 
 Per configuration: weight memory (the engine's own accounting), tokens/s at batch 1 (one stream of
 64 tokens) and batch 32 (32 x 32 tokens, EOS ignored), and greedy agreement with fp32 over 20 prompts
 x 32 tokens. Then the reconstruction error of every decoder linear of SmolLM2 under the course's
-per-tensor zero-point uint8 scheme (benchmarks/course_quantize.py) beside bitsandbytes' int8 and NF4.
+per-tensor zero-point uint8 scheme (benchmarks/engine/course_quantize.py) beside bitsandbytes' int8 and NF4.
 Writes benchmarks/results/quantization.md, quantization.json and quantization.png.
 """
 
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks import course_quantize  # noqa: E402
+from benchmarks.engine import course_quantize  # noqa: E402
 from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402

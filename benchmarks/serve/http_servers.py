@@ -24,9 +24,9 @@ import psutil
 import requests
 import yaml
 
-from benchmarks.vllm_env import vllm_env
+from benchmarks.peers.vllm_env import vllm_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("LoRACacheActor", "adapter cache actor"),
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
          ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),

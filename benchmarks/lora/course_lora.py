@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import fmt, markdown_table
 from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import LoRAStepState, build_lora_batch, padding_allowance
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
 
 COURSE_HIDDEN, WIDE_HIDDEN = 10, 1024
 VOCAB, SEQ_LEN, NUM_LORAS, RANK = 10, 8, 64, 2
@@ -80,7 +80,7 @@ def gathered_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices
 
 
 def build_step_batch(model: ToyMultiLoraModel, lora_indices: torch.Tensor) -> None:
-    runs = [(i, SEQ_LEN) for i in lora_indices.tolist()]
+    runs = [AdapterRun(i, SEQ_LEN) for i in lora_indices.tolist()]
     model.lora_state.batch = build_lora_batch(runs, CPU, padding_allowance(model.lora_linear.row_flops))
 
 

@@ -1,11 +1,11 @@
 """Benchmark lora-serve against vLLM's CPU build, the course's baseline loops and Hugging Face transformers on
 SmolLM2-135M (CPU).
 
-    PYTHONPATH=. python -m benchmarks.run_engine --vllm-python /work/vllm-venv/bin/python   # full run
-    PYTHONPATH=. python -m benchmarks.run_engine --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks engine --vllm-python /work/vllm-venv/bin/python   # full run
+    PYTHONPATH=. python -m benchmarks engine --quick    # smoke test
 
 vLLM runs when its virtual environment is given (--vllm-python or $VLLM_PYTHON; benchmarks/peers/install_vllm.sh
-makes one), on the same requests with rounds interleaved (benchmarks/peer_compare.py); without it the report
+makes one), on the same requests with rounds interleaved (benchmarks/peers/peer_compare.py); without it the report
 says it was not measured. Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
 """
 
@@ -20,12 +20,12 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks import peer_compare, peer_report, plots, report, systems
+from benchmarks.engine import plots, report, systems
+from benchmarks.peers import peer_compare, peer_report
 from benchmarks.common import Result, benchmark_args, check_lengths, environment, timed
-from benchmarks.vllm_env import NOT_INSTALLED, describe_openmp, vllm_env, vllm_python
+from benchmarks.peers.vllm_env import NOT_INSTALLED, describe_openmp, vllm_env, vllm_python
 from benchmarks.workloads import Plan, make_requests
 
-RESULTS = Path(__file__).parent / "results"
 WARMUP = make_requests(2, 4)
 
 

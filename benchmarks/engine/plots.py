@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks import systems  # noqa: E402
+from benchmarks.engine import systems  # noqa: E402
 from benchmarks.common import Result  # noqa: E402
 
 

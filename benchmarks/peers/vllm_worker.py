@@ -3,7 +3,7 @@
 It imports only the standard library and vLLM. One worker holds one `vllm.LLM` (one dtype, LoRA on or off) for
 the whole run, so vLLM compiles and warms up once. Jobs arrive as JSON lines on stdin and each answers one JSON
 line on stdout, opened by MARK (vLLM logs to stdout too). A job's requests all arrive at once and are stepped through
-vLLM's engine the way lora-serve's are (benchmarks/peer_timing.py): the time each request first gets a token
+vLLM's engine the way lora-serve's are (benchmarks/peers/peer_timing.py): the time each request first gets a token
 is recorded, so a workload's prefill (until the last first token) and its decode (after it) are timed apart
 from one run.
 

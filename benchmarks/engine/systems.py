@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks import course_loops, hf_baselines
+from benchmarks.engine import course_loops, hf_baselines
 from engine import LLM, SamplingParams
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model

@@ -1,8 +1,8 @@
 """Soak: `serve run serve_config.yaml` under a mixed load with adapter churn, for half an hour; does anything grow?
 
-    PYTHONPATH=. python -m benchmarks.run_soak                # 30 minutes
-    PYTHONPATH=. python -m benchmarks.run_soak --minutes 5
-    PYTHONPATH=. python -m benchmarks.run_soak --quick        # 2 minutes, a smoke run
+    PYTHONPATH=. python -m benchmarks soak                # 30 minutes
+    PYTHONPATH=. python -m benchmarks soak --minutes 5
+    PYTHONPATH=. python -m benchmarks soak --quick        # 2 minutes, a smoke run
 
 The shipped config, as a user starts it (SmolLM2 bf16, the shipped pirate adapter). CLIENTS concurrent clients
 send, in turn: a streamed base completion, a pirate chat, a structured-output chat (a JSON schema), a stream the
@@ -38,7 +38,7 @@ import requests  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
-from benchmarks.http_servers import ROOT, Server, role, start_lora_serve  # noqa: E402
+from benchmarks.serve.http_servers import ROOT, Server, role, start_lora_serve  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 
 CLIENTS = 8

@@ -1,6 +1,6 @@
 """Another process's CPU, in short bursts: spin for `duty` of every PERIOD_S, sleep for the rest.
 
-    python -m benchmarks.busy_loop 0.25
+    python -m benchmarks.serve.busy_loop 0.25
 
 Standard library only, so it starts in milliseconds; it prints "ready" once it loops. The HTTP proxy, the ingress
 and Ray's own processes take the CPU this way: they wake for a little work many times a second.

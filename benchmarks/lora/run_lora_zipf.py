@@ -1,7 +1,7 @@
 """200 registered adapters with Zipf popularity, max_loras=8: throughput, latency by popularity, slot churn.
 
-    PYTHONPATH=. python -m benchmarks.run_lora_zipf            # about 3 minutes on 2 cores
-    PYTHONPATH=. python -m benchmarks.run_lora_zipf --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks lora_zipf            # about 3 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks lora_zipf --quick    # smoke test
 
 Writes benchmarks/results/lora_zipf.md, lora_zipf.json and lora_zipf.png.
 """
@@ -29,7 +29,6 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m-instruct"
 
 

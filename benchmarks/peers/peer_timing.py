@@ -1,4 +1,4 @@
-"""One timed batch of requests, run the same way on lora-serve and on vLLM (benchmarks/vllm_worker.py).
+"""One timed batch of requests, run the same way on lora-serve and on vLLM (benchmarks/peers/vllm_worker.py).
 
 All requests arrive at once; the driver steps the engine until every one is done and records when each got
 its first token. From one run that gives throughput (new tokens / wall time), the prefill (until the last
@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.vllm_env import vllm_env
-from benchmarks.vllm_worker import MARK
+from benchmarks.peers.vllm_env import vllm_env
+from benchmarks.peers.vllm_worker import MARK
 
 
 @dataclass(frozen=True)

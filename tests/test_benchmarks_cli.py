@@ -1,0 +1,60 @@
+"""The one command line of the benchmarks (`python -m benchmarks NAME`) and the per-replica token texts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments.token_texts import TokenTexts
+
+ROOT = Path(__file__).parent.parent
+
+
+def _benchmarks(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_cli_lists_every_entry_point_of_every_subject():
+    listed = _benchmarks()
+    assert listed.returncode == 0
+    entry_points = sorted(ROOT.glob("benchmarks/*/run_*.py"))
+    assert len(entry_points) >= 10
+    for path in entry_points:
+        name = path.stem.removeprefix("run_")
+        assert f"benchmarks.{path.parent.name}.{path.stem}" in listed.stderr, name
+
+
+def test_the_cli_refuses_an_unknown_benchmark_by_name_and_passes_options_on():
+    unknown = _benchmarks("nope")
+    assert unknown.returncode == 2 and "unknown benchmark 'nope'" in unknown.stderr
+    helped = _benchmarks("soak", "--help")
+    assert helped.returncode == 0 and "--minutes" in helped.stdout
+    refused = _benchmarks("soak", "--no-such-option")
+    assert refused.returncode == 2 and "--no-such-option" in refused.stderr
+
+
+def test_token_texts_decode_as_the_tokenizer_and_once(tokenizer):
+    texts = TokenTexts(tokenizer)
+    ids = [0, 1, 2, 42, 1000, 42, tokenizer.eos_token_id]
+    assert texts.texts(ids) == [tokenizer.decode([i]) for i in ids]
+    assert texts.piece(tokenizer.eos_token_id) == tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+    assert tokenizer.eos_token_id in texts.special_ids
+    assert texts.decode([42, 1000]) == tokenizer.decode([42, 1000])
+    calls = []
+    texts_counted = TokenTexts(_Counting(tokenizer, calls))
+    texts_counted.texts([5, 5, 6, 5])
+    assert calls == [[5], [6]]  # each token decoded once
+
+
+class _Counting:
+    """The tokenizer, recording the ids each decode call got."""
+
+    def __init__(self, tokenizer, calls: list):
+        self.tokenizer, self.calls = tokenizer, calls
+        self.all_special_ids = tokenizer.all_special_ids
+
+    def decode(self, ids):
+        self.calls.append(list(ids))
+        return self.tokenizer.decode(ids)
