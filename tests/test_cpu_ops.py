@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,47 @@ def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim):
     sin = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
     got = ops.rotary(x, cos, sin)
     assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 576), (300, 96), (2, 3, 40)])
+def test_add_rms_norm_adds_in_place_and_norms_as_the_pytorch_path(dtype, shape):
+    """The fused residual addition: the residual equals residual + delta bitwise, the output the PyTorch path's
+    norm of it (its own rounding bounds as above); 300 rows run on both threads."""
+    ops = cpu_ops.load()
+    assert ops is not None, "the C++ CPU operators did not build"
+    gen = torch.Generator().manual_seed(shape[-1] + 1)
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen) * 0.5 + 1)
+    residual = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    delta = torch.randn(shape, generator=gen).to(dtype)
+    want_residual = residual + delta
+    want = norm(want_residual)
+    norm.cpu_ops = ops
+    got = norm.add_and_norm(delta, residual)
+    assert torch.equal(residual, want_residual)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got == want).float().mean() > 0.99
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, width", [(1, 1536), (37, 500), (3, 35), (64, 1536)])
+def test_silu_and_mul_is_bitwise_the_pytorch_mlp(dtype, tokens, width):
+    """silu(gate) * up from the fused gate_up output, bitwise as the eager MLP computes it in every dtype, widths
+    that leave ATen's vector loop a scalar tail included."""
+    from engine.models.llama import LlamaMLP
+
+    ops = cpu_ops.load()
+    assert ops is not None, "the C++ CPU operators did not build"
+    gen = torch.Generator().manual_seed(tokens * width)
+    gate_up = (torch.randn(tokens, 2 * width, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
+    config = SimpleNamespace(hidden_size=8, intermediate_size=width, hidden_act="silu")
+    assert torch.equal(ops.silu_and_mul(gate_up), LlamaMLP(config).act(gate) * up)
 
 
 def test_a_build_killed_half_way_does_not_block_later_starts():

@@ -38,6 +38,13 @@ class RMSNorm(nn.Module):
         # lost enough precision here to turn SmolLM2's "Paris" into nonsense.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place, rounded as `residual + delta` rounds), then its norm: on CPU one call of the
+        C++ operators instead of an addition and a norm."""
+        if self.cpu_ops is not None:
+            return self.cpu_ops.add_rms_norm(delta, residual, self.weight, self.eps)
+        return self(residual.add_(delta))
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool):
@@ -70,9 +77,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
+        self.cpu_ops = None  # on CPU the C++ operators (set by use_cpu_ops): silu(gate) * up in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None and self.silu:
+            return self.down_proj(self.cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -84,9 +96,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, delta, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """h: the residual stream, updated in place; delta: the previous layer's MLP output, not yet added to it
+        (None in the first layer). Returns this layer's MLP output, for the next norm to add: each residual
+        addition then runs inside a norm (RMSNorm.add_and_norm), as vLLM's fused add-norm does."""
+        x = self.input_layernorm(h) if delta is None else self.input_layernorm.add_and_norm(delta, h)
+        attn = self.self_attn(x, cos, sin, cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,11 +137,12 @@ class LlamaForCausalLM(nn.Module):
         return len(self.layers), attn.num_kv_heads, attn.head_dim
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids)  # a new tensor: the residual stream the layers add into in place
+        delta = None
         cos, sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, cache, meta)
-        return self.norm(h)
+            delta = layer(h, delta, cos, sin, cache, meta)
+        return self.norm.add_and_norm(delta, h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -9,4 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_width", &vector_width, "floats per vector register: the attention block size is a multiple of it");
   m.def("rotary", &rotary, "rotary position embedding, transformers' rounding (CPU)");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then weight * rms_norm(residual) (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding (CPU)");
 }

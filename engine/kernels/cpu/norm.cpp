@@ -1,5 +1,7 @@
 // RMSNorm in one pass per row, for the batch-1 step where each of the eager version's ~8 small ops costs more
-// than its arithmetic (about 31 us a call there, for a 576-wide row).
+// than its arithmetic (about 31 us a call there, for a 576-wide row). add_rms_norm first adds a sublayer's output
+// into the residual stream, in place, in the same pass: the decoder's two residual additions a layer are then no
+// ops of their own.
 //
 // Rounding follows transformers' LlamaRMSNorm exactly: the row is normalised in float32, rounded to the model
 // dtype, then multiplied by the weight in float32 and rounded again (for fp32 both roundings are exact).
@@ -32,28 +34,58 @@ void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t d, fl
   }
 }
 
+// residual += delta, rounded to the dtype as PyTorch's addition rounds it
 template <typename scalar_t>
-void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+void add_row(scalar_t* residual, const scalar_t* delta, int64_t d) {
+  for (int64_t j = 0; j < d; ++j)
+    residual[j] = static_cast<scalar_t>(static_cast<float>(residual[j]) + static_cast<float>(delta[j]));
+}
+
+// delta: nullptr for a plain norm of x; else x (the residual) += delta first, in place
+template <typename scalar_t>
+void run(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t d = x.size(-1), rows = x.numel() / d;
-  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* dp = delta == nullptr ? nullptr : delta->data_ptr<scalar_t>();
   const scalar_t* wp = w.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   // a row is a few thousand floats at most: a thread needs dozens of rows to pay for waking it
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+    for (int64_t r = begin; r < end; ++r) {
+      if (dp != nullptr) add_row(xp + r * d, dp + r * d, d);
+      norm_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+    }
   });
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must be [hidden] for x [..., hidden]");
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
-  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must be [hidden] for x [..., hidden]");
+  check_weight(x, weight);
   const auto input = x.contiguous();
   const auto w = weight.contiguous();
   auto out = at::empty_like(input);
   lora_serve::dispatch_float_types(input.scalar_type(), "rms_norm", [&](auto type) {
-    run<decltype(type)>(input, w, out, eps);
+    run<decltype(type)>(input, nullptr, w, out, eps);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& delta, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_weight(residual, weight);
+  TORCH_CHECK(residual.is_contiguous(), "the residual is updated in place: it must be contiguous");
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
+              "delta and residual must share a shape and a dtype");
+  const auto d = delta.contiguous();
+  const auto w = weight.contiguous();
+  auto out = at::empty_like(residual);
+  lora_serve::dispatch_float_types(residual.scalar_type(), "add_rms_norm", [&](auto type) {
+    run<decltype(type)>(residual, &d, w, out, eps);
   });
   return out;
 }
