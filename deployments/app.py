@@ -5,11 +5,11 @@ from __future__ import annotations
 from pydantic import Field, ValidationError
 from ray.serve import Application
 
-from deployments.strict import StrictModel
 from deployments.auth import ApiKeyConfig, KeyRing
 from deployments.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
+from deployments.strict import StrictModel
 from engine import EngineConfig
 
 

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
 
-from deployments.strict import StrictModel
 from deployments.chat import ChatMessage
+from deployments.strict import StrictModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
                              MAX_SCHEMA_DEPTH, ResponseFormat, SamplingParams)

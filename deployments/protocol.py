@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deployments.strict import StrictModel
 from deployments.events import TokenEntry
 from deployments.openai_protocol import MAX_STOP, StopString
+from deployments.strict import StrictModel
 from deployments.token_texts import TokenTexts
 from engine.sampling import ResponseFormat, SamplingParams
 from lora_cache.merge import MergeSpec

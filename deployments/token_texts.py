@@ -1,10 +1,10 @@
 """The text of single tokens, as the HTTP responses show them, cached per replica.
 
-Logprobs show every chosen token and each of its alternatives as text, and TGI marks special tokens: per
-streamed token that was one tokenizer call per alternative (and transformers rebuilds `all_special_ids` on every
-access). A token's text never changes, so each is decoded once and kept; the cache is bounded by the vocabulary
-(SmolLM2: 49,152 short strings, a few MiB at most). Reads and writes of a dict are atomic under the GIL, and a
-race only decodes a token twice.
+Logprobs show every chosen token and each of its alternatives as text, and TGI marks special tokens: without a
+cache, one tokenizer call per alternative per streamed token (and transformers rebuilds `all_special_ids` on every
+access, so the special ids are taken once). A token's text never changes, so each is decoded once and kept; the
+cache is bounded by the vocabulary (SmolLM2: 49,152 short strings, a few MiB at most). Reads and writes of a dict
+are atomic under the GIL, and a race only decodes a token twice.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class Scheduler:
         plan = SchedulerOutput([], 0)
         budget = self._schedule_running(budget, plan)
         if plan.num_preempted == 0:
-            plan.scheduled += self._admit_waiting(budget, plan.adapter_loads)
+            self._admit_waiting(budget, plan)
         return plan
 
     def _schedule_running(self, budget: int, plan: SchedulerOutput) -> int:
@@ -98,8 +98,8 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, budget: int, adapter_loads: list[AdapterLoad]) -> list[ScheduledSeq]:
-        scheduled: list[ScheduledSeq] = []
+    def _admit_waiting(self, budget: int, plan: SchedulerOutput) -> None:
+        """Admit waiting sequences into plan while the budget, max_num_seqs and the free blocks allow."""
         no_slot: list[Sequence] = []  # their adapter has no slot free now: they keep their place in line
         starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -110,7 +110,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, computed + n, prefix):
                 break
             may_pass = starving is None or seq.adapter_id in (None, starving)
-            if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, adapter_loads)):
+            if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, plan.adapter_loads)):
                 no_slot.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -118,10 +118,9 @@ class Scheduler:
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
+            plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(no_slot))
-        return scheduled
 
     def _starving_adapter(self) -> str | None:
         """The adapter of the oldest waiting request that has no slot and has waited too long, if any."""
