@@ -136,7 +136,7 @@ class LLMEngine:
             self._adapter_cache(config, hf_config) if config.max_loras else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapter_slots, config.max_adapter_wait_s)
-        self.sampler = Sampler(config.torch_device, config.seed)
+        self.sampler = Sampler(config.torch_device, config.seed, self.runner.cpu_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request

@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
-from engine.layers.attention import AttentionMetadata, PrefillSegment, block_rows
+from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
 from engine.memory import MemoryReport, weight_bytes
@@ -78,6 +78,15 @@ class DecodeTables:
 
 
 @dataclass
+class InPlaceChunk:
+    """A decode token or short prompt chunk that the CPU kernel attends by reading the cache in place."""
+    block_table: list[int]
+    context_len: int  # tokens in the cache once this step's are written
+    row: int  # its first token's row in the flat batch
+    length: int
+
+
+@dataclass
 class KVLayout:
     num_layers: int
     num_kv_heads: int
@@ -111,6 +120,7 @@ class ModelRunner:
         if self.cpu_ops is not None:
             use_cpu_ops(self.model, self.cpu_ops)
         self.paged_decode = self._reads_cache_in_place()
+        self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
         self.lora_state = LoRAStepState()
         self.lora_layers = []
         if config.max_loras:
@@ -119,6 +129,7 @@ class ModelRunner:
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         self.graphs = self._decode_graphs(config, max_model_len)
+        self._logits_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float_logits)
 
     def _reads_cache_in_place(self) -> bool:
         """Whether decode attention reads the cache in place (CUDA: Triton; CPU: the C++ kernel, where it builds
@@ -189,7 +200,7 @@ class ModelRunner:
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
         if self._fits_graph(ordered):
             hidden = self.graphs.run(self._decode_inputs(ordered))
-            return StepResult(self.model.compute_logits(hidden).float(), ordered, [])
+            return StepResult(self._float_logits(self.model.compute_logits(hidden)), ordered, [])
         step = self._prepare(ordered)
         if self.lora_layers:
             self.lora_state.batch = build_lora_batch(step.adapter_runs, self.device, self.lora_padding)
@@ -201,7 +212,18 @@ class ModelRunner:
         if not step.sample_rows:
             return StepResult(torch.empty(0, device=self.device), [], scores)
         rows = torch.tensor(step.sample_rows, device=self.device)
-        return StepResult(self.model.compute_logits(hidden[rows]).float(), step.sampling, scores)
+        return StepResult(self._float_logits(self.model.compute_logits(hidden[rows])), step.sampling, scores)
+
+    def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits in float32. On CPU they are widened into a buffer kept from step to step: a
+        fresh 12 MB tensor a step (64 rows of 49,152) took 1.5 ms of page faults, the copy alone 0.35 ms. The
+        sampler reads them within the step, and the next step overwrites them."""
+        if logits.dtype == torch.float32 or self.device.type != "cpu":
+            return logits.float()
+        rows, vocab = logits.shape
+        if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
+            self._logits_buffer = torch.empty(rows, vocab, dtype=torch.float32)
+        return self._logits_buffer[:rows].copy_(logits)
 
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
         logprobs: list[float] = []
@@ -244,6 +266,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
         decode: list[ScheduledSeq] = []
+        in_place: list[InPlaceChunk] = []
         prefills: list[PrefillSegment] = []
         scoring: list[PromptChunkScoring] = []
         for s in ordered:
@@ -257,20 +280,49 @@ class ModelRunner:
             if self._is_decode(s):
                 decode.append(s)
             else:
-                table = self._tensor(seq.block_table) if start > 0 else None
-                rows = self._block_rows(table) if table is not None else None
-                prefills.append(PrefillSegment(row, s.num_new_tokens, end, table, rows))
-                scored_end = min(end, len(seq.prompt_token_ids) - 1)  # positions whose next token is the prompt's
-                if seq.params.prompt_logprobs is not None and scored_end > start:
-                    scoring.append(PromptChunkScoring(seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1]))
+                scoring += self._prompt_scoring(seq, row, start, end)
+            if self.in_place and (self._is_decode(s) or s.num_new_tokens < IN_PLACE_CHUNK):
+                in_place.append(InPlaceChunk(seq.block_table, end, row, s.num_new_tokens))
+            elif not self._is_decode(s):
+                prefills.append(self._prefill_segment(seq, row, start, end))
             if s.completes_prompt:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
-        tables = self._decode_tables(decode)
-        meta = AttentionMetadata(self._tensor(slots), len(decode), tables.block_tables, tables.mask, prefills,
-                                 tables.context_lens, tables.rows)
+        meta = self._attention_metadata(self._tensor(slots), decode, prefills, in_place)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs,
                           scoring)
+
+    @staticmethod
+    def _prompt_scoring(seq: Sequence, row: int, start: int, end: int) -> list[PromptChunkScoring]:
+        """The chunk's prompt logprobs to compute, if its request asked for them (else none)."""
+        scored_end = min(end, len(seq.prompt_token_ids) - 1)  # positions whose next token is the prompt's
+        if seq.params.prompt_logprobs is None or scored_end <= start:
+            return []
+        return [PromptChunkScoring(seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1])]
+
+    def _prefill_segment(self, seq: Sequence, row: int, start: int, end: int) -> PrefillSegment:
+        table = self._tensor(seq.block_table) if start > 0 else None
+        rows = self._block_rows(table) if table is not None else None
+        return PrefillSegment(row, end - start, end, table, rows)
+
+    def _attention_metadata(self, slots: torch.Tensor, decode: list[ScheduledSeq], prefills: list[PrefillSegment],
+                            in_place: list[InPlaceChunk]) -> AttentionMetadata:
+        if self.in_place:
+            queries = self._in_place_queries(in_place)
+            return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries)
+        tables = self._decode_tables(decode)
+        return AttentionMetadata(slots, len(decode), tables.block_tables, tables.mask, prefills, tables.context_lens,
+                                 tables.rows)
+
+    def _in_place_queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
+        """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);
+        None when every chunk of the step is long."""
+        if not chunks:
+            return None
+        widest = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (widest - len(c.block_table)) for c in chunks]
+        return InPlaceQueries(self._tensor(tables), self._tensor([c.context_len for c in chunks]),
+                              self._tensor([c.row for c in chunks]), self._tensor([c.length for c in chunks]))
 
     def _decode_tables(self, decode: list[ScheduledSeq]) -> DecodeTables:
         if not decode:

@@ -31,22 +31,30 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, cpu_ops=None):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.cpu_ops = cpu_ops  # the C++ CPU operators (engine/kernels/cpu_ops.py), or None: PyTorch's argmax
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SamplerOutput:
         raw_logits = logits
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
         logits = _process_rows(logits, seqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = self._argmax(logits)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
         return SamplerOutput(tokens.tolist(), *self._logprobs(raw_logits, tokens, seqs))
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop: 2-3.7 ms for 64 rows
+        of SmolLM2's 49,152 logits, against about 0.1 ms), with the same ties and NaN handling."""
+        if self.cpu_ops is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return logits.argmax(dim=-1)
+        return self.cpu_ops.argmax_rows(logits)
 
     def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor,
                   seqs: list[Sequence]) -> tuple[list[float | None], list[dict[int, float] | None]]:

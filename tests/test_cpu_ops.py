@@ -109,3 +109,40 @@ def test_a_build_killed_half_way_does_not_block_later_starts():
     code = "from engine.kernels import cpu_ops; assert cpu_ops.load() is not None"
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, timeout=120, check=True)
     assert not (folder / "lock").exists()
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 17])
+def test_argmax_rows_matches_torch(vocab):
+    """First maximal index, as torch.argmax: random rows, ties, a NaN (which wins), a row of -inf, and widths that
+    leave a scalar tail after the vector loop; 64 rows run on both threads."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=gen)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0  # a tie: the first wins
+    logits[2, vocab - 1] = 50.0  # the maximum in the scalar tail
+    logits[3, vocab // 2] = float("nan")
+    logits[4] = float("-inf")
+    torch.testing.assert_close(module.argmax_rows(logits), logits.argmax(-1), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.argmax_rows(logits.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_index_copy(dtype):
+    """The same cache as the PyTorch write (index_copy_ per tensor), from a strided view of a fused projection;
+    a slot outside the cache is refused with the reason, not written."""
+    from engine.layers.attention import _write
+
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, blocks, block, dim, tokens = 3, 48, 16, 64, 700
+    fused = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(dtype)
+    k, v = (part.view(tokens, kv_heads, dim) for part in fused[:, kv_heads * dim:].split(kv_heads * dim, dim=-1))
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    caches = [torch.zeros(kv_heads, blocks, block, dim, dtype=dtype) for _ in range(4)]
+    module.write_kv_cache(k, v, caches[0], caches[1], slots)
+    _write(caches[2], k, slots)
+    _write(caches[3], v, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        module.write_kv_cache(k[:1], v[:1], caches[0], caches[1], torch.tensor([blocks * block]))

@@ -76,3 +76,40 @@ def test_cpu_kernel_matches_reference(dtype, heads, kv_heads, dim, block):
     want = _reference(q, k_cache, v_cache, tables, lens)
     error = (out.double() - want).norm() / want.norm()
     assert out.dtype == dtype and error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts):
+    """Each sequence's queries one at a time, as decodes of their own causal prefix."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, (start, length, context) in enumerate(zip(starts.tolist(), lens.tolist(), contexts.tolist())):
+        for j in range(length):
+            row = start + j
+            out[row] = _reference(q[row:row + 1], k_cache, v_cache, tables[i:i + 1],
+                                  torch.tensor([context - length + j + 1]))[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", CPU_SHAPES[:3])
+def test_cpu_kernel_attends_prompt_chunks_causally(dtype, heads, kv_heads, dim, block):
+    """Decodes and prompt chunks of several sequences in one call: fresh prompts, chunks after a cached prefix,
+    chunks longer than one tile of 16 queries; q a strided view, and rows of out outside the call left alone."""
+    from engine.kernels import cpu_attention
+
+    gen = torch.Generator().manual_seed(7 * heads + dim)
+    lens = torch.tensor([1, 5, 1, 40, 17, 3])  # queries per sequence
+    contexts = torch.tensor([9, 5, 3 * block + 2, 40, 17 + 2 * block, 70])  # cached before them: context - len
+    starts = torch.cumsum(lens, 0) - lens + 2  # rows 0 and 1 belong to no sequence
+    width = int((contexts.max() + block - 1) // block) + 1
+    num_blocks = len(lens) * width + 2
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    rows = int(starts[-1] + lens[-1])
+    q = torch.randn(rows, heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
+    out = torch.full((rows, heads, dim), 7.0, dtype=dtype)
+    cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out)
+    want = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts)
+    error = (out[2:].double() - want[2:]).norm() / want[2:].norm()
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+    assert (out[:2] == 7.0).all()

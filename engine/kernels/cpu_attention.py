@@ -1,9 +1,12 @@
-"""Decode attention that reads the paged KV cache in place on CPU (C++: cpu/paged_attention.cpp).
+"""Attention that reads the paged KV cache in place on CPU (C++: cpu/paged_attention.cpp), for decode tokens and
+short prompt chunks of many sequences in one call.
 
-The same contract as the Triton kernel for CUDA (paged_attention.py): q [B, heads, D], the head-major cache,
-block tables and context lengths in, [B, heads, D] out. It replaces, per layer and step, the gather of every
-block of every sequence into a copy plus the masked grouped matmuls: that path's cost grew with the widest
-block table, and its small ops dominated a batch-1 step.
+Decodes keep the same contract as the Triton kernel for CUDA (paged_attention.py): q [B, heads, D], the head-major
+cache, block tables and context lengths in, [B, heads, D] out. A prompt chunk is more queries of one sequence, the
+last of its context, attending causally. This replaces, per layer and step, the gather of every block of every
+sequence into a copy plus the masked grouped matmuls (whose cost grew with the widest block table), and the ~10
+small ops per prompt and layer of short prompts' attention (200 of the 260 ms of a step that prefills 64 prompts
+of 5-40 tokens, bf16 on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,8 +22,22 @@ def usable(block_size: int, head_dim: int) -> bool:
     return module is not None and block_size % module.vector_width() == 0 and head_dim % 4 == 0
 
 
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """q [T, heads, D] (heads contiguous within a token: a view of the fused projection will do), out like q and
+    contiguous; caches [kv_heads, blocks, block_size, D], contiguous, this step's keys and
+    values already written. Sequence i's queries are rows query_starts[i] .. + query_lens[i] of q, the last
+    positions of its context_lens[i]; its blocks are row i of block_tables [S, >= ceil(len / block_size)]. All
+    int64. Writes those rows of out; leaves the others."""
+    cpu_ops.load().paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens, out)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q [B, heads, D]; caches [kv_heads, blocks, block_size, D], contiguous; block_tables [B, >= ceil(len /
-    block_size)] int64; context_lens [B] int64 (the new token included, already written). Returns [B, heads, D]."""
-    return cpu_ops.load().paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, context_lens)
+    """One query per sequence: q [B, heads, D] -> [B, heads, D] (the CUDA kernel's contract)."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rows = torch.arange(q.shape[0], dtype=torch.long)
+    paged_attention(q, k_cache, v_cache, block_tables, context_lens, rows, torch.ones_like(rows), out)
+    return out

@@ -1,12 +1,13 @@
 """Attention over the paged KV cache for one flat batch of prefill and decode tokens.
 
 The cache of one layer is a pair of tensors [kv_heads, num_blocks, block_size, head_dim]. New keys
-and values are written at their slots; decode tokens (one new token per sequence, placed first in
-the flat batch) attend in one batched call to a kernel that reads their blocks in place (Triton on
-CUDA, C++ on CPU: engine/kernels/), or, on CPU without the kernel, to SDPA or grouped matmuls over
-gathered copies of the blocks;
-prompt chunks attend one sequence at a time, causally, without any padding (on CPU in tiles of queries
-that skip the keys a tile cannot see: _tiled_causal_attention).
+and values are written at their slots. On CPU with the C++ kernel (engine/kernels/cpu_attention.py),
+every decode token and every prompt chunk shorter than IN_PLACE_CHUNK attend in one call that reads
+their blocks in place; longer chunks attend one sequence at a time in tiles of queries that skip the
+keys a tile cannot see (_tiled_causal_attention), on oneDNN's bf16 matmuls. On CUDA, decode tokens
+(one new token per sequence, placed first in the flat batch) attend in one call to a Triton kernel
+that reads their blocks in place, and prompt chunks take SDPA one sequence at a time. On CPU without
+the kernel, decodes take SDPA or grouped matmuls over gathered copies of the blocks.
 
 Why head-major: a sequence's blocks gathered for one KV head are one contiguous [tokens, head_dim]
 run, so the gathered K/V feed the batched matmuls as they are. With the token-major layout
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_attention
+
 
 @dataclass
 class PrefillSegment:
@@ -34,6 +37,16 @@ class PrefillSegment:
 
 
 @dataclass
+class InPlaceQueries:
+    """The tokens the CPU kernel serves in one call, reading the cache in place: sequence i's queries are rows
+    query_starts[i] .. + query_lens[i] of the flat batch, the last positions of its context_lens[i] tokens."""
+    block_tables: torch.Tensor  # [S, widest]
+    context_lens: torch.Tensor  # [S]
+    query_starts: torch.Tensor  # [S]
+    query_lens: torch.Tensor  # [S]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens]: cache slot of each new token
     num_decode: int  # the first num_decode tokens are single-token decodes
@@ -42,6 +55,7 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included (CUDA kernel)
     decode_rows: torch.Tensor | None = None  # block_rows() of decode_block_tables (CPU path), once per step
+    in_place: InPlaceQueries | None = None  # CPU kernel: the decodes and short chunks; `prefills` the rest
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -50,14 +64,21 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 # the tiles there (bf16: 0.18 against 0.20 ms at 64 tokens) and faster than SDPA's causal kernel (0.24 ms).
 PROMPT_TILE = 128  # queries per tile of prompt attention on CPU (64 to 256 measured within 10% of it)
 MIN_TILED = 64  # fresh prompts from this length, and every chunk after a cached prefix, take the tiles
+IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the cache in place with the decodes
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
+                    meta: AttentionMetadata, cpu_ops=None) -> torch.Tensor:
+    """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]. cpu_ops: the C++ CPU operators
+    (engine/kernels/cpu_ops.py), which write K and V into the cache in one call, or None."""
     k_cache, v_cache = cache
-    _write(k_cache, k, meta.slot_mapping)
-    _write(v_cache, v, meta.slot_mapping)
+    if cpu_ops is not None:
+        cpu_ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        _write(k_cache, k, meta.slot_mapping)
+        _write(v_cache, v, meta.slot_mapping)
+    if meta.in_place is not None:
+        return _in_place(q, k, v, k_cache, v_cache, meta).flatten(1)
     if meta.num_decode == q.shape[0]:  # decode-only step: no scatter into a shared output
         return _decode(q, k_cache, v_cache, meta).flatten(1)
     out = torch.empty_like(q)
@@ -69,6 +90,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     return out.flatten(1)
 
 
+def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+    """The kernel's tokens in one call, then the long chunks in tiles, into one [T, heads, D] output."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = meta.in_place
+    cpu_attention.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts,
+                                  batch.query_lens, out)
+    for seg in meta.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+    return out
+
+
 def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """new [T, kv_heads, D] into the cache's slots (slot = block * block_size + offset)."""
     kv_heads, head_dim = cache.shape[0], cache.shape[-1]
@@ -76,8 +110,10 @@ def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    if meta.decode_mask is None:  # the runner chose a kernel that reads the blocks in place
-        return _paged_decode_kernel(q.device)(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
+    if meta.decode_mask is None:  # CUDA: the Triton kernel reads the blocks in place (imported there only)
+        from engine.kernels.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows)  # [kv_heads, B, L, D]
@@ -91,15 +127,6 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1).contiguous()
     out = _explicit_attention(grouped, keys.transpose(-1, -2), values, meta.decode_mask.transpose(0, 1))
     return out.transpose(0, 1).reshape(batch, heads, head_dim)
-
-
-def _paged_decode_kernel(device: torch.device):
-    """Triton on CUDA (imported there only), C++ on CPU: the same contract, see engine/kernels/."""
-    if device.type == "cuda":
-        from engine.kernels.paged_attention import paged_decode_attention
-    else:
-        from engine.kernels.cpu_attention import paged_decode_attention
-    return paged_decode_attention
 
 
 def block_rows(block_table: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:

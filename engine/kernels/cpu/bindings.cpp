@@ -4,11 +4,13 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention reading the paged KV cache in place (CPU)");
+  m.def("paged_attention", &paged_attention,
+        "causal attention of decodes and prompt chunks, reading the paged KV cache in place (CPU)");
   m.def("vector_width", &vector_width, "floats per vector register: the attention block size is a multiple of it");
   m.def("rotary", &rotary, "rotary position embedding, transformers' rounding (CPU)");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then weight * rms_norm(residual) (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding (CPU)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(-1) (CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "a step's new keys and values into their cache slots (CPU)");
 }

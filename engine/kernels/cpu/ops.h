@@ -3,9 +3,12 @@
 
 #include <ATen/ATen.h>
 
-// Decode attention reading the paged KV cache in place (paged_attention.cpp).
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens);
+// Causal attention reading the paged KV cache in place, into out [T, heads, D]: sequence i's queries are rows
+// [query_starts[i], + query_lens[i]) of q, the last of its context_lens[i] positions, its blocks row i of
+// block_tables (paged_attention.cpp).
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, at::Tensor& out);
 
 // Floats per vector register of this build: a block size the attention kernel takes is a multiple of it.
 int64_t vector_width();
@@ -23,3 +26,11 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // Rotary embedding of x [tokens, heads, D] (any token and head strides) with cos/sin [tokens, (1,) D], rounded as
 // transformers rounds; returns a contiguous [tokens, heads, D] (rotary.cpp).
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The first index of each row's maximum in float32 logits [rows, vocab], as torch.argmax(-1) gives it (argmax.cpp).
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+// k, v [tokens, kv_heads, head_dim] (head_dim contiguous) into their slots of one layer's caches [kv_heads, blocks,
+// block_size, head_dim]; slot = block * block_size + offset (kv_write.cpp).
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping);
