@@ -102,7 +102,7 @@ def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
     port = free_port()
     spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
     folder = tmp / name.replace(" ", "-")
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, "RAY_TMPDIR": str(folder / "ray"), "PYTHONPATH": str(ROOT)}
     log = folder / "serve.log"

