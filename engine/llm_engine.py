@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
 import threading
@@ -145,6 +146,7 @@ class LLMEngine:
                              if config.torch_device.type == "cuda" else None)
         self._preload(config.preload_adapters, pin=False)
         self._preload(config.pinned_adapters, pin=True)
+        _freeze_startup_objects()
         if config.log_stats:
             quantized = f", {config.quantization}" if config.quantization != "none" else ""
             print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}): "
@@ -448,3 +450,12 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _freeze_startup_objects() -> None:
+    """Move every object alive after start-up (modules, the tokenizer's tables, the model's Python objects) out of
+    the garbage collector's reach. Steps create many short-lived objects, and each collection of the oldest
+    generation walked all of these again: the collector took about 4% of a 32-sequence bf16 decode step on 2
+    cores (perf), as vLLM also found and fixes the same way."""
+    gc.collect()
+    gc.freeze()
