@@ -277,13 +277,14 @@ class ModelRunner:
             positions += range(start, end)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             adapter_runs.append(AdapterRun(-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
-            if self._is_decode(s):
+            is_decode = self._is_decode(s)
+            if is_decode:
                 decode.append(s)
             else:
                 scoring += self._prompt_scoring(seq, row, start, end)
-            if self.in_place and (self._is_decode(s) or s.num_new_tokens < IN_PLACE_CHUNK):
+            if self.in_place and (is_decode or s.num_new_tokens < IN_PLACE_CHUNK):
                 in_place.append(InPlaceChunk(seq.block_table, end, row, s.num_new_tokens))
-            elif not self._is_decode(s):
+            elif not is_decode:
                 prefills.append(self._prefill_segment(seq, row, start, end))
             if s.completes_prompt:
                 sample_rows.append(len(input_ids) - 1)

@@ -102,35 +102,6 @@ inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, flo
   for (int64_t t = rows; t < width; ++t) scores[t] = -std::numeric_limits<float>::infinity();
 }
 
-// acc[0:CHUNKS vectors] = acc * rescale + sum over the block's rows of p[t] * V[t]; the accumulators stay in
-// registers, one independent chain per vector of the head dimension.
-template <int CHUNKS>
-inline void accumulate(float* acc, float rescale, const float* p, const float* values, int64_t rows) {
-  Vec out[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) out[c] = Vec::loadu(acc + c * Vec::size()) * Vec(rescale);
-  for (int64_t t = 0; t < rows; ++t) {
-    const Vec weight(p[t]);
-    for (int c = 0; c < CHUNKS; ++c)
-      out[c] = at::vec::fmadd(weight, Vec::loadu(values + t * CHUNKS * Vec::size() + c * Vec::size()), out[c]);
-  }
-  for (int c = 0; c < CHUNKS; ++c) out[c].store(acc + c * Vec::size());
-}
-
-inline void accumulate_any(float* acc, float rescale, const float* p, const float* values, int64_t rows,
-                           int64_t d) {
-  switch (d / Vec::size()) {
-    case 2: return accumulate<2>(acc, rescale, p, values, rows);
-    case 4: return accumulate<4>(acc, rescale, p, values, rows);
-    case 8: return accumulate<8>(acc, rescale, p, values, rows);
-    case 16: return accumulate<16>(acc, rescale, p, values, rows);
-  }
-  for (int64_t i = 0; i < d; ++i) {  // other head dims: scalar
-    float out = acc[i] * rescale;
-    for (int64_t t = 0; t < rows; ++t) out += p[t] * values[t * d + i];
-    acc[i] = out;
-  }
-}
-
 // acc rows [N, CHUNKS vectors] = acc * rescale + sum over the block's tokens of p[row][t] * V[t]: each V row is
 // loaded once for the N query heads that share it; the accumulators stay in registers.
 template <int CHUNKS, int N>
@@ -150,6 +121,22 @@ inline void accumulate_rows(float* acc, const float* rescale, const float* p, in
   }
   for (int n = 0; n < N; ++n)
     for (int c = 0; c < CHUNKS; ++c) out[n][c].store(acc + n * width + c * Vec::size());
+}
+
+// One row: acc[0:d] = acc * rescale + sum over the block's rows of p[t] * V[t].
+inline void accumulate_any(float* acc, float rescale, const float* p, const float* values, int64_t rows,
+                           int64_t d) {
+  switch (d / Vec::size()) {
+    case 2: return accumulate_rows<2, 1>(acc, &rescale, p, 0, values, rows);
+    case 4: return accumulate_rows<4, 1>(acc, &rescale, p, 0, values, rows);
+    case 8: return accumulate_rows<8, 1>(acc, &rescale, p, 0, values, rows);
+    case 16: return accumulate_rows<16, 1>(acc, &rescale, p, 0, values, rows);
+  }
+  for (int64_t i = 0; i < d; ++i) {  // other head dims: scalar
+    float out = acc[i] * rescale;
+    for (int64_t t = 0; t < rows; ++t) out += p[t] * values[t * d + i];
+    acc[i] = out;
+  }
 }
 
 template <int CHUNKS>
@@ -221,8 +208,9 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
   const int64_t d = s.head_dim, run = s.block_size * d, width = s.group * d, stride = s.heads * d;
   const bool bf16_scores = scores_in_bf16<scalar_t>(s);
   const int64_t rows_used = tile.count * s.group, context = tile.position + tile.count;
-  for (int64_t t = 0; t < tile.count; ++t)
-    for (int64_t i = 0; i < width; ++i) w.query[t * width + i] = static_cast<float>(q[t * s.q_stride + i]) * s.scale;
+  if (!bf16_scores)  // the float32 path scores scaled, widened queries; the bf16 one reads q as it is
+    for (int64_t t = 0; t < tile.count; ++t)
+      for (int64_t i = 0; i < width; ++i) w.query[t * width + i] = static_cast<float>(q[t * s.q_stride + i]) * s.scale;
   std::fill(w.acc.begin(), w.acc.begin() + rows_used * d, 0.f);
   std::fill(w.best.begin(), w.best.begin() + rows_used, -std::numeric_limits<float>::infinity());
   std::fill(w.total.begin(), w.total.begin() + rows_used, 0.f);
