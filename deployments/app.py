@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.auth import ApiKeyConfig, KeyRing
 from deployments.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
+from deployments.request_router import router_config
+from deployments.routing import RoutingPolicy
 from deployments.strict import StrictModel
 from engine import EngineConfig
+
+
+class RoutingArgs(StrictModel):
+    """How requests find a replica (deployments/routing.py)."""
+    router: Literal["lora_aware", "multiplex"] = Field(
+        "lora_aware", description="lora_aware: by adapter residence, cached prefix and load; multiplex: Ray "
+        "Serve's own router (power of two choices, preferring replicas that loaded the adapter named in the "
+        "serve_multiplexed_model_id header), each request served where it lands")
+    imbalance: int = Field(8, ge=0, description="requests above the least loaded replica's that adapter "
+                           "residence and a cached prefix may outweigh")
+    hot_adapter_requests: int = Field(16, ge=1, description="an adapter's requests on every replica holding it "
+                                      "past which it spreads to another replica")
+    kv_high: float = Field(0.9, gt=0, le=1, description="a replica whose KV cache is this full ranks last")
+
+    def policy(self) -> RoutingPolicy | None:
+        if self.router != "lora_aware":
+            return None
+        return RoutingPolicy(self.imbalance, self.hot_adapter_requests, self.kv_high)
 
 
 class AppArgs(StrictModel):
@@ -19,6 +42,7 @@ class AppArgs(StrictModel):
                                          "the server is open (deployments/auth.py)")
     api_keys_file: str | None = Field(None, description="a YAML or JSON list of keys given by key_sha256")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1024, description="a larger request body gets 413")
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
@@ -32,7 +56,10 @@ def build_app(args: dict | None = None) -> Application:
         gate = parsed.gate()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
-    return LLMServer.options(ray_actor_options=_engine_actor_options()).bind(parsed.engine, gate=gate)
+    policy = parsed.routing.policy()
+    router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
+    return LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
+        parsed.engine, gate=gate, routing=policy)
 
 
 def _engine_actor_options() -> dict:

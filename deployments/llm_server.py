@@ -1,12 +1,15 @@
 """Engine replica: one AsyncEngine per replica, behind the HTTP routes (deployments/ingress.py) in the same process.
 
-Serve's HTTP proxy hands each request to a replica by load, so an adapter request may reach a replica that does
-not hold its adapter. Where another replica holds it (the cluster's cache actor says which, every few seconds),
-the replica forwards the request through a handle to its own deployment, with the adapter as Ray Serve's
-multiplexed model id: the router then prefers replicas that hold it. Otherwise the replica serves it itself, and
-fetches the adapter from the cache actor; a replica added by scale-up reaches every adapter through it at once.
-Every few seconds the replica publishes its engine gauges and tells the cache actor which adapters it holds
-(shown by /info and /v1/models).
+Serve's HTTP proxy hands each request to a replica with the deployment's router (deployments/request_router.py),
+which knows a request's adapter only from the `serve_multiplexed_model_id` header. The replica that parses the
+request knows its adapter and prompt: it ranks itself and its peers by adapter residence, cached prefix and load
+(deployments/routing.py, deployments/peer_view.py), serves the request itself when it is among the best, and
+forwards it otherwise, through a handle to its own deployment whose router sends it to the chosen peer. A
+forwarded request is served where it lands. A replica added by scale-up reaches every adapter through the
+cluster's cache actor at once.
+Every second the replica builds its report (lora_cache/replica_report.py: adapters in device slots and in its
+CPU copy, prefix-cache digests, load), sends it to the cache actor, which answers with its peers' reports, and
+hands it to Serve's routers through record_routing_stats; it also publishes its engine gauges.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import ray
@@ -31,15 +35,20 @@ from deployments.ingress import HttpRoutes, app
 from deployments.metrics import ServingMetrics
 from deployments.openmp import intel_openmp_loaded
 from deployments.pacing import EventPacer
+from deployments.peer_view import PeerView
+from deployments.request_router import ROUTING_STATS_KEY, router_config
+from deployments.routing import RouteRequest, RoutingPolicy
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
+from engine.block_manager import prompt_digests
 from engine.model_files import resolve_model
 from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
 from lora_cache.adapter import AdapterNotFoundError
 from lora_cache.merge import MergeSpec
 from lora_cache.registry import Registration, key_name
+from lora_cache.replica_report import ReplicaReport
 
-REPORT_INTERVAL_S = 2.0
+REPORT_INTERVAL_S = 1.0
 
 
 class _LocalEvents:
@@ -63,11 +72,14 @@ class _LocalEvents:
 # first: ongoing requests allow more than max_num_seqs + max_waiting_requests. Past Serve's own queue the proxy
 # answers 503 with Retry-After in plain text.
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, health_check_period_s=10,
-                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S))
+                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S),
+                  request_router_config=router_config(RoutingPolicy()))
 @serve.ingress(app)
 class LLMServer(HttpRoutes):
     def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20,
-                 gate: GateConfig = GateConfig()):
+                 gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy()):
+        """routing: how this replica places the requests it parses (deployments/routing.py); None serves each
+        where Serve's router put it (plain multiplexing, for comparison)."""
         self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate.py
         config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -80,8 +92,11 @@ class LLMServer(HttpRoutes):
         self.metrics = ServingMetrics(top_adapters)
         self.pacer = EventPacer()
         self.metrics.memory(self.engine.memory())
-        self._peers = None  # a handle to this deployment, for adapters that other replicas hold
-        self._held_elsewhere: frozenset[str] = frozenset()  # adapters other replicas hold, from the cache actor
+        self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
+        self._peers = PeerView(routing) if routing is not None else None
+        self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
+        self._report = ReplicaReport(self.replica)
+        self._node_store: frozenset[str] = frozenset()  # adapters in this node's object store, per the cache actor
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
@@ -98,23 +113,33 @@ class LLMServer(HttpRoutes):
 
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        """Served here, unless only other replicas hold the adapter: then forwarded to them through Serve's
-        router (a forwarded request is always served where it lands). The adapter travels as its current key
-        (lora_cache/registry.py): the name, or a new key once it was loaded at run time."""
+        """Served here, unless a peer ranks better for this request (deployments/peer_view.py): then forwarded
+        through Serve's router. The adapter travels as its current key (lora_cache/registry.py): the name, or a
+        new key once it was loaded at run time."""
         key = self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
-        if key is not None and key in self._held_elsewhere and key not in self.adapter_cache:
-            if self._peers is None:
-                self._peers = serve.get_deployment_handle(*self._deployment).options(stream=True)
-            return self._peers.options(multiplexed_model_id=key).forwarded.remote(prompt, params, stream)
+        route = self._forward_route(prompt, key)
+        if route is not None:
+            if self._peer_handle is None:
+                self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
+            return self._peer_handle.forwarded.remote(route, prompt, params, stream)
         request_id = uuid.uuid4().hex
         return _LocalEvents(self._generate(request_id, prompt, params, key, stream),
                             lambda: self.engine.abort(request_id))
 
-    async def forwarded(self, prompt: str | list[int], params: SamplingParams,
+    def _forward_route(self, prompt: str | list[int], key: str | None) -> RouteRequest | None:
+        """The request with the peer to forward it to, or None to serve it here. The prompt is tokenized for its
+        prefix digests only when there are peers to compare."""
+        if self._peers is None or not self._peers.has_peers:
+            return None
+        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        digests = prompt_digests(token_ids, key, self.config.block_size) if self.config.enable_prefix_caching else []
+        own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0)
+        return self._peers.choose(RouteRequest(key, tuple(digests)), own)
+
+    async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
                         stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        """A request forwarded by another replica, its adapter's key as the multiplexed model id."""
-        key = serve.get_multiplexed_model_id() or None
-        async for event in self._generate(uuid.uuid4().hex, prompt, params, key, stream):
+        """A request another replica forwarded here (Serve's router reads `route`: deployments/request_router.py)."""
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, route.adapter, stream):
             yield event
 
     async def _register(self, name: str, lora_path: str) -> Registration:
@@ -138,6 +163,17 @@ class LLMServer(HttpRoutes):
         see deployments/pacing.py); the last one carries the Final. With stream=False, one event with every
         token. A request the engine refuses yields one Refusal instead."""
         timer = self.metrics.start(key_name(adapter) if adapter is not None else None)
+        self._in_flight[adapter] += 1
+        try:
+            async for event in self._serve(request_id, prompt, params, adapter, stream, timer):
+                yield event
+        finally:
+            self._in_flight[adapter] -= 1
+            if not self._in_flight[adapter]:
+                del self._in_flight[adapter]
+
+    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                     stream: bool, timer) -> AsyncIterator[TokenEvent | Refusal]:
         try:
             if adapter is not None:
                 await self._fetch_adapter(adapter, timer)
@@ -196,22 +232,41 @@ class LLMServer(HttpRoutes):
 
     def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
-        adapter slot bytes), prefix-cache counts, and requests and KV blocks in use, all of this one replica."""
+        adapter slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, all of this
+        one replica, named."""
         s = self.engine.stats()
-        return {"memory": self.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
-                "running": s.running, "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
+        hits = s.adapter_slot_acquisitions - s.adapter_slot_loads
+        slots = {"acquisitions": s.adapter_slot_acquisitions, "loads": s.adapter_slot_loads,
+                 "hit_rate": hits / s.adapter_slot_acquisitions if s.adapter_slot_acquisitions else 0.0}
+        return {"replica": self.replica, "memory": self.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
+                "adapter_slots": slots, "running": s.running, "waiting": s.waiting,
+                "kv_blocks_used": s.kv_blocks_used}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.autoscaling.EngineLoadPolicy."""
         s = self.engine.stats()
         return {"waiting": float(s.waiting), "running": float(s.running), "kv_utilisation": s.kv_utilisation}
 
+    def record_routing_stats(self) -> dict:
+        """This replica's last report, for Serve's routers (deployments/request_router.py)."""
+        return {ROUTING_STATS_KEY: self._report}
+
     def _report_loop(self) -> None:
         while not self._stop.wait(REPORT_INTERVAL_S):
             stats = self.engine.stats()
             self.metrics.engine_state(stats)
+            self._report = self._build_report(stats)
             if self.adapter_cache is not None:
-                self._held_elsewhere = self.adapter_cache.report_residence(self.replica, stats.resident_adapters)
+                view = self.adapter_cache.report(self._report)
+                self._node_store = view.node_store(self.node_id) if view is not None else frozenset()
+                if self._peers is not None:
+                    self._peers.update(view.peers if view is not None else None)
+
+    def _build_report(self, s: EngineStats) -> ReplicaReport:
+        in_flight = {a: n for a, n in dict(self._in_flight).items() if a is not None and n > 0}
+        cpu = self.adapter_cache.held() if self.adapter_cache is not None else ()
+        return ReplicaReport(self.replica, tuple(s.resident_adapters), cpu, self._node_store,
+                             self.engine.cached_prefix_digests(), s.running, s.waiting, s.kv_utilisation, in_flight)
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

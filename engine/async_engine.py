@@ -70,6 +70,9 @@ class AsyncEngine:
     def adapter_stats(self) -> dict[str, AdapterStats]:
         return self.engine.adapter_stats()
 
+    def cached_prefix_digests(self) -> frozenset[int]:
+        return self.engine.cached_prefix_digests()
+
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request (of the base model, or of LoRA adapter `adapter`);

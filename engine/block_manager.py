@@ -1,8 +1,11 @@
 """Paged KV cache bookkeeping: fixed-size blocks, reference counted, with automatic prefix caching.
 
-A full block whose K/V are computed is keyed by (its parent block's key hash, its token ids, the
+A full block whose K/V are computed is keyed by (its parent block's digest, its token ids, the
 sequence's adapter id): the same tokens after the same prefix under the same adapter have the same
-K/V, and a prefix computed under one adapter is never reused under another. A new sequence takes
+K/V, and a prefix computed under one adapter is never reused under another. A block's digest chains
+its parent's digest, its tokens and a CRC of its adapter id through the hash of a tuple of ints, which,
+unlike the hash of a string, is the same in every process: a router computes a prompt's digests with
+`prompt_digests` and compares them with the ones a replica reports (`cached_digests`). A new sequence takes
 the cached blocks of its longest matching prefix by reference instead of recomputing them. A block
 whose last owner finishes goes back to the free list but keeps its key, so it can still be matched
 until its space is needed; the free list hands out the least recently freed block first (and frees
@@ -11,14 +14,38 @@ a sequence's tail blocks before its head, which more sequences share).
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
 
+REPORTED_DEPTH = 64  # cached_digests reports blocks among the first this many of a prompt (1,024 tokens at 16)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
+
+
+def adapter_code(adapter_id: str | None) -> int:
+    return zlib.crc32(adapter_id.encode()) if adapter_id is not None else 0
+
+
+def chain_digest(parent: int, tokens: tuple[int, ...], adapter: int) -> int:
+    """A block's digest: the same in every process for the same tokens after the same prefix and adapter."""
+    return hash((parent, tokens, adapter))
+
+
+def prompt_digests(token_ids: list[int], adapter_id: str | None, block_size: int,
+                   max_blocks: int = REPORTED_DEPTH) -> list[int]:
+    """The digests of the prompt blocks a sequence could take from a prefix cache (its last token always
+    computed), as far as `max_blocks`."""
+    code, parent, digests = adapter_code(adapter_id), 0, []
+    for i in range(min(max_blocks, (len(token_ids) - 1) // block_size)):
+        parent = chain_digest(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), code)
+        digests.append(parent)
+    return digests
 
 
 @dataclass
@@ -37,6 +64,8 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.cached: dict[tuple, int] = {}  # block key -> block holding those K/V
         self.key_of: list[tuple | None] = [None] * num_blocks
+        self.digest_of = [0] * num_blocks  # chain_digest of the block's key, while it has one
+        self.depth_of = [0] * num_blocks  # the block's index in the sequence that keyed it
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -76,13 +105,13 @@ class BlockManager:
         must be computed for its logits). Takes nothing yet."""
         if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        blocks, parent = [], None
+        blocks, parent = [], 0
         for i in range((seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(self._key(seq, i, parent))
             if block is None:
                 break
             blocks.append(block)
-            parent = self.key_of[block]
+            parent = self.digest_of[block]
         return blocks
 
     def take_prefix(self, seq: Sequence, prefix: list[int]) -> None:
@@ -102,17 +131,28 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        code = adapter_code(seq.adapter_id)
         for i in range(seq.num_hashed_blocks, full):
             block = seq.block_table[i]
-            parent = self.key_of[seq.block_table[i - 1]] if i else None
+            parent = self.digest_of[seq.block_table[i - 1]] if i else 0
             key = self._key(seq, i, parent)
             self.key_of[block] = key  # a duplicate of a cached block keeps the key too: its children chain from it
+            self.digest_of[block] = chain_digest(parent, key[1], code)
+            self.depth_of[block] = i
             self.cached.setdefault(key, block)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
-    def _key(self, seq: Sequence, index: int, parent: tuple | None) -> tuple:
+    def cached_digests(self) -> frozenset[int]:
+        """The digests of cached blocks among the first REPORTED_DEPTH of their prompts, for routing. Safe from
+        another thread: list() copies the dict's values without letting the engine thread run."""
+        blocks = list(self.cached.values())
+        return frozenset(self.digest_of[b] for b in blocks if self.depth_of[b] < REPORTED_DEPTH)
+
+    def _key(self, seq: Sequence, index: int, parent: int) -> tuple:
+        """(the parent block's digest, the block's tokens, the adapter id): the id itself, not its CRC, so two
+        adapters never share K/V."""
         start = index * self.block_size
-        return hash(parent), tuple(seq.token_slice(start, start + self.block_size)), seq.adapter_id
+        return parent, tuple(seq.token_slice(start, start + self.block_size)), seq.adapter_id
 
     def _forget(self, block: int) -> None:
         key = self.key_of[block]

@@ -74,6 +74,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # of those, read from cached blocks instead of computed
     prefix_cache_blocks: int = 0  # blocks holding a cached prefix now
     prefix_cache_evictions: int = 0  # cached blocks reused for other tokens (cumulative)
+    adapter_slot_acquisitions: int = 0  # adapter requests given a device slot (cumulative)
+    adapter_slot_loads: int = 0  # of those, the ones whose adapter had to be copied into the slot
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -291,7 +293,13 @@ class LLMEngine:
             waiting_for_adapter=self.scheduler.num_waiting_for_adapter(),
             resident_adapters=self.adapter_slots.resident() if self.adapter_slots else [],
             prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=prefix.evictions)
+            prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=prefix.evictions,
+            adapter_slot_acquisitions=self.adapter_slots.acquisitions if self.adapter_slots else 0,
+            adapter_slot_loads=self.adapter_slots.loads if self.adapter_slots else 0)
+
+    def cached_prefix_digests(self) -> frozenset[int]:
+        """Digests of the prompt blocks in the prefix cache (engine/block_manager.py), for a router."""
+        return self.block_manager.cached_digests() if self.block_manager.enable_prefix_caching else frozenset()
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),

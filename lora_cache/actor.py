@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from lora_cache.lru import LRUByBytes
 from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
 from lora_cache.provider import HeldAdapters
 from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
+from lora_cache.replica_report import ClusterView, ReplicaReport
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
                                 validate_adapter_id)
 
 ACTOR_NAME = "lora-serve-adapter-cache"
 MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
-RESIDENCE_TTL_S = 30.0  # a replica that has not reported for this long is gone
+RESIDENCE_TTL_S = 10.0  # a replica that has not reported for this long is gone (replicas report every second)
 
 
 @dataclass
@@ -36,14 +38,6 @@ class _Entry:
     ref: ray.ObjectRef
     nbytes: int
     content_id: str
-
-
-@dataclass
-class _Residence:
-    """What one replica last reported holding, and when (monotonic seconds)."""
-    reported_at: float
-    device: list[str]
-    cpu: list[str]
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
@@ -64,7 +58,8 @@ class LoRACacheActor:
         self.entries: LRUByBytes[_Entry] = LRUByBytes(lambda e: e.nbytes, capacity_bytes)
         self.inflight: dict[str, asyncio.Future] = {}
         self.hits = self.misses = 0
-        self.residence: dict[str, _Residence] = {}  # replica id -> its last report
+        self.residence: dict[str, ReplicaReport] = {}  # replica id -> its last report
+        self.node_id = ray.get_runtime_context().get_node_id()  # where put() stores the adapters
 
     async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
@@ -164,21 +159,22 @@ class LoRACacheActor:
     def _forget_older(self, name: str, keep: str | None) -> None:
         self.entries.discard([k for k in self.entries.keys() if key_name(k) == name and k != keep])
 
-    def report_residence(self, replica: str, device: list[str], cpu: list[str]) -> list[str]:
-        """A replica tells which adapters it holds in device slots and in its CPU copy; the answer is the adapters
-        that the other live replicas hold (a replica forwards their requests there)."""
-        self.residence[replica] = _Residence(time.monotonic(), device, cpu)
-        others = [v for r, v in self._live_residence().items() if r != replica]
-        return sorted({a for v in others for a in v.device + v.cpu})
+    def report(self, report: ReplicaReport) -> ClusterView:
+        """A replica tells where its adapters reside, what its prefix cache holds and its load; the answer is the
+        other live replicas' reports and what the object store holds (a replica routes requests by them:
+        deployments/routing.py)."""
+        self.residence[report.replica] = dataclasses.replace(report, reported_at=time.monotonic())
+        peers = [v for r, v in self._live_residence().items() if r != report.replica]
+        return ClusterView(peers, frozenset(self.entries.keys()), self.node_id)
 
-    def _live_residence(self) -> dict[str, _Residence]:
+    def _live_residence(self) -> dict[str, ReplicaReport]:
         """The reports of the replicas that reported within RESIDENCE_TTL_S (the others are dropped)."""
         now = time.monotonic()
         self.residence = {r: v for r, v in self.residence.items() if now - v.reported_at < RESIDENCE_TTL_S}
         return self.residence
 
     def _replicas(self) -> dict[str, dict]:
-        return {r: {"device": v.device, "cpu": v.cpu} for r, v in self._live_residence().items()}
+        return {r: {"device": list(v.device), "cpu": list(v.cpu)} for r, v in self._live_residence().items()}
 
     def stats(self) -> dict:
         entries, loads = self.entries.snapshot(), self.entries.load_stats()
@@ -298,10 +294,14 @@ class RayAdapterCache(HeldAdapters):
                     raise
         raise AssertionError("unreachable")
 
-    def report_residence(self, replica: str, device: list[str]) -> frozenset[str]:
-        """Tell the cache actor which adapters this replica holds (device slots, and its CPU copy); return the ones
-        other replicas hold. Blocks for one actor call: the replica's report thread calls it."""
+    def held(self) -> tuple[str, ...]:
+        """The adapter keys in this replica's CPU copy."""
+        return tuple(self._adapters.keys())
+
+    def report(self, report: ReplicaReport) -> ClusterView | None:
+        """Send this replica's report to the cache actor; its view of the cluster, or None while the actor
+        restarts. Blocks for one actor call: the replica's report thread calls it."""
         try:
-            return frozenset(ray.get(self._actor.report_residence.remote(replica, device, self._adapters.keys())))
-        except ray.exceptions.RayError:  # the actor is restarting: serve every adapter here until it answers
-            return frozenset()
+            return ray.get(self._actor.report.remote(report))
+        except ray.exceptions.RayError:
+            return None

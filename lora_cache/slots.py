@@ -22,7 +22,8 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self.pins = [0] * max_loras
-        self.loads = 0
+        self.acquisitions = 0  # requests given a slot
+        self.loads = 0  # of those, the ones whose adapter had to be copied in
         self.evictions = 0
         self.load_counts: defaultdict[str, int] = defaultdict(int)  # per adapter: copies into a slot
 
@@ -35,10 +36,12 @@ class AdapterSlots:
             slot = self.slot_of[adapter_id]
             self.slot_of.move_to_end(adapter_id)
             self.pins[slot] += 1
+            self.acquisitions += 1
             return SlotGrant(slot, needs_load=False)
         slot = self._free_or_evictable_slot()
         if slot is None:
             return None
+        self.acquisitions += 1
         self.slot_of[adapter_id] = slot
         self.pins[slot] = 1
         self.loads += 1

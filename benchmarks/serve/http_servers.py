@@ -71,7 +71,9 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log}")
+                tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; the end of {self.log}:\n"
+                                   f"{tail}")
             try:
                 if requests.get(f"{self.url}{path}", timeout=2).status_code == 200:
                     return

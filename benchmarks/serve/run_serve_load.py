@@ -75,11 +75,13 @@ class Scenario:
     cores: dict | None = None
 
 
-async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str, max_tokens: int) -> Timing:
+async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str, max_tokens: int,
+                     model: str | None = None, headers: dict | None = None) -> Timing:
+    """One streamed completion of the server's model (or of `model`, an adapter), timed."""
     timing = Timing(time.perf_counter())
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    body = {"model": model or server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    async with session.post(f"{server.url}/v1/completions", json=body) as response:
+    async with session.post(f"{server.url}/v1/completions", json=body, headers=headers) as response:
         timing.status = response.status
         async for line in response.content:
             if not line.startswith(b"data: {"):
@@ -252,7 +254,7 @@ def cpu_table(raw: dict) -> str:
     rows = []
     for system in raw["systems"]:
         cores = _of(raw, system, top)[0]["cores"] or {}
-        busy = sum(v for k, v in cores.items() if not k.startswith("idle") and k != "outside")
+        busy = sum(v for k, v in cores.items() if k != "outside")
         parts = ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
         rows.append([system, f"{busy:.2f}", parts])
     return markdown_table(["server", f"busy cores at {top} concurrent (of 2)", "by process"], rows)

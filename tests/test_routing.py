@@ -1,0 +1,109 @@
+"""The routing policy (deployments/routing.py), a replica's view of its peers, and the prefix digests the engine
+reports against the ones a router computes for a prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.peer_view import PeerView
+from deployments.routing import RouteRequest, RoutingPolicy, rank
+from engine import LLM, SamplingParams
+from engine.block_manager import prompt_digests
+from lora_cache.replica_report import AdapterTier, ClusterView, ReplicaReport
+
+POLICY = RoutingPolicy(imbalance=8, hot_adapter_requests=4)
+
+
+def _names(ranks: list[list[ReplicaReport]]) -> list[set[str]]:
+    return [{r.replica for r in group} for group in ranks]
+
+
+def test_adapter_tier_orders_slot_then_cpu_then_node_store_then_cold():
+    reports = [ReplicaReport("cold"), ReplicaReport("cpu", cpu=("a",)), ReplicaReport("slot", device=("a",)),
+               ReplicaReport("store", node_store=frozenset({"a"}))]
+    assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"slot"}, {"cpu"}, {"store"}, {"cold"}]
+    assert reports[1].tier("a") is AdapterTier.CPU and reports[0].tier(None) is AdapterTier.SLOT
+    view = ClusterView([], frozenset({"a"}), "node-1")
+    assert view.node_store("node-1") == {"a"} and view.node_store("node-2") == frozenset()
+
+
+def test_longest_cached_prefix_ranks_first_after_residence():
+    digests = (11, 12, 13)
+    reports = [ReplicaReport("one", prefix_digests=frozenset({11})),
+               ReplicaReport("two", prefix_digests=frozenset({11, 12, 99})),
+               ReplicaReport("gap", prefix_digests=frozenset({12, 13})),  # no first block: nothing usable
+               ReplicaReport("slot", device=("a",))]
+    assert _names(rank(RouteRequest(None, digests), reports, POLICY)) == [{"two"}, {"one"}, {"gap", "slot"}]
+    assert _names(rank(RouteRequest("a", digests), reports, POLICY))[0] == {"slot"}  # residence before prefix
+
+
+def test_load_band_puts_overloaded_replicas_last_least_loaded_first():
+    reports = [ReplicaReport("holder", device=("a",), running=20), ReplicaReport("idle"),
+               ReplicaReport("busy", running=30), ReplicaReport("near", running=8)]
+    assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"idle", "near"}, {"holder"}, {"busy"}]
+
+
+def test_a_replica_with_a_full_kv_cache_ranks_last():
+    reports = [ReplicaReport("holder", device=("a",), kv_utilisation=0.95), ReplicaReport("other", running=3)]
+    assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"other"}, {"holder"}]
+    full = [ReplicaReport("a", running=2, kv_utilisation=0.97), ReplicaReport("b", running=1, kv_utilisation=0.99)]
+    assert _names(rank(RouteRequest(), full, POLICY)) == [{"b"}, {"a"}]  # all full: least loaded first
+
+
+def test_hot_adapter_loses_its_residence_preference():
+    cool = [ReplicaReport("holder", device=("a",), running=3, adapter_requests={"a": 3}), ReplicaReport("other")]
+    assert _names(rank(RouteRequest("a"), cool, POLICY))[0] == {"holder"}
+    hot = [ReplicaReport("holder", device=("a",), running=4, adapter_requests={"a": 4}), ReplicaReport("other")]
+    assert _names(rank(RouteRequest("a"), hot, POLICY)) == [{"holder", "other"}]
+    two_holders = hot + [ReplicaReport("second", cpu=("a",), running=1, adapter_requests={"a": 1})]
+    assert _names(rank(RouteRequest("a"), two_holders, POLICY))[0] == {"holder"}  # one holder is not busy
+
+
+def test_a_rank_of_equals_is_cut_to_two_at_random():
+    reports = [ReplicaReport(f"r{i}") for i in range(6)]
+    seen = set()
+    for _ in range(50):
+        [group] = rank(RouteRequest(), reports, POLICY)
+        assert len(group) == 2
+        seen |= {r.replica for r in group}
+    assert seen == {r.replica for r in reports}
+
+
+def test_target_goes_first_unless_outside_the_band():
+    reports = [ReplicaReport("slot", device=("a",)), ReplicaReport("chosen", running=2)]
+    assert _names(rank(RouteRequest("a", target="chosen"), reports, POLICY))[0] == {"chosen"}
+    reports[1] = ReplicaReport("chosen", running=40)
+    assert _names(rank(RouteRequest("a", target="chosen"), reports, POLICY)) == [{"slot"}, {"chosen"}]
+
+
+def test_policy_refuses_bad_values():
+    with pytest.raises(ValueError, match="hot_adapter_requests"):
+        RoutingPolicy(imbalance=-1)
+    with pytest.raises(ValueError, match="kv_high"):
+        RoutingPolicy(kv_high=1.5)
+
+
+def test_peer_view_serves_here_when_among_the_best_and_spreads_a_burst():
+    view = PeerView(POLICY)
+    own = ReplicaReport("me")
+    assert view.choose(RouteRequest("a"), own) is None  # no peers yet
+    view.update([ReplicaReport("peer", cpu=("a",), node_store=frozenset({"a", "b"}))])
+    assert view.choose(RouteRequest("c"), own) is None  # nobody holds c: equal, served here
+    targets = [view.choose(RouteRequest("a"), own) for _ in range(12)]
+    forwarded = [t for t in targets if t is not None]
+    assert forwarded and all(t.target == "peer" and t.adapter == "a" for t in forwarded)
+    assert len(forwarded) == POLICY.imbalance + 1  # then the peer's counted load leaves the band
+    view.update(None)  # the cache actor restarts
+    assert view.choose(RouteRequest("a"), own) is None
+
+
+def test_engine_reports_the_digests_a_router_computes_for_its_prompt(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), block_size=4, log_stats=False)
+    prompt = list(range(5, 31))  # 26 tokens: 6 full blocks that a later prompt can take
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    cached = llm.engine.cached_prefix_digests()
+    digests = prompt_digests(prompt, None, 4)
+    assert len(digests) == 6 and set(digests) <= cached
+    report = ReplicaReport("r", prefix_digests=cached)
+    assert report.cached_blocks(prompt_digests(prompt[:13] + [1, 2, 3, 4], None, 4)) == 3
+    assert report.cached_blocks(prompt_digests(prompt, "an-adapter", 4)) == 0  # another adapter's K/V differ

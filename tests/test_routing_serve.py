@@ -1,0 +1,146 @@
+"""Routing on a local cluster with two replicas of a tiny model behind Serve's HTTP proxy: an adapter's requests
+go to the replica holding it in a device slot, a shared prompt prefix goes to the replica that cached it, a flood
+for one adapter spreads over both, and a replica that dies is routed around."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+
+pytestmark = pytest.mark.slow
+ADAPTERS = ("alpha", "beta", "gamma")
+HOT_ADAPTER_REQUESTS = 3
+SETTLE_S = 2.5  # a replica's report reaches its peers within two report intervals
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deployments.llm_server import LLMServer
+    from deployments.request_router import router_config
+    from deployments.routing import RoutingPolicy
+
+    root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("routing-adapters"), ADAPTERS)
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # A wide load band: only the hot-adapter rule may spread an adapter that one replica holds.
+    policy = RoutingPolicy(imbalance=100, hot_adapter_requests=HOT_ADAPTER_REQUESTS)
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
+              "adapters_root": str(root)}
+    llm = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1},
+                            request_router_config=router_config(policy))
+    serve.run(llm.bind(engine, routing=policy), name="lora-serve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _replicas() -> dict[str, dict]:
+    """Each live replica's stats, by replica."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    seen: dict[str, dict] = {}
+    for _ in range(40):
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica"]] = stats
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2, "the handle reached one replica only"
+    return seen
+
+
+def _requests_of(adapter: str) -> dict[str, int]:
+    return {r: s["adapters"].get(adapter, {}).get("requests", 0) for r, s in _replicas().items()}
+
+
+def _generate(url: str, prompt: str, adapter: str | None = None, tokens: int = 4) -> None:
+    parameters = {"max_new_tokens": tokens, "ignore_eos_token": True, **({"adapter_id": adapter} if adapter else {})}
+    r = requests.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_adapter_requests_go_to_the_replica_holding_it_in_a_slot(server):
+    _generate(server, PROMPTS[0], "alpha")
+    time.sleep(SETTLE_S)
+    [holder] = [r for r, s in _replicas().items() if "alpha" in s["resident_adapters"]]
+    for i in range(10):
+        _generate(server, PROMPTS[i % len(PROMPTS)], "alpha")
+    assert _requests_of("alpha") == {r: 11 if r == holder else 0 for r in _replicas()}
+    _through_serve_router("alpha", 6)  # Serve's router alone, from the reports it collects
+    assert _requests_of("alpha") == {r: 17 if r == holder else 0 for r in _replicas()}
+
+
+def _through_serve_router(adapter: str, n: int) -> None:
+    """Requests sent through a handle, as a replica forwards them but naming no replica: Serve's router
+    (deployments/request_router.py) places them by the reports alone."""
+    from ray import serve
+
+    from deployments.routing import RouteRequest
+    from engine import SamplingParams
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve").options(stream=True)
+    for i in range(n):
+        events = list(handle.forwarded.remote(RouteRequest(adapter), PROMPTS[i], SamplingParams(max_tokens=2), False))
+        assert events[-1].final is not None
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_cached_it(server):
+    prefix = " ".join(PROMPTS) * 2  # well over ten 16-token blocks
+    before = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    _generate(server, prefix + " first")
+    time.sleep(SETTLE_S)
+    middle = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    [cacher] = [r for r in middle if middle[r]["queried_tokens"] > before[r]["queried_tokens"]]
+    for i in range(8):
+        _generate(server, f"{prefix} question {i}")
+    after = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    other = next(r for r in after if r != cacher)
+    assert after[other]["queried_tokens"] == middle[other]["queried_tokens"]  # nothing reached the other one
+    assert after[cacher]["hit_tokens"] - middle[cacher]["hit_tokens"] >= 8 * 10 * 16
+
+
+def test_a_flood_for_one_adapter_spreads_over_replicas(server):
+    _generate(server, PROMPTS[1], "beta")
+    time.sleep(SETTLE_S)
+    stop = threading.Event()
+
+    def worker(i: int) -> int:
+        sent = 0
+        while not stop.is_set():
+            _generate(server, PROMPTS[(i + sent) % len(PROMPTS)], "beta", tokens=32)
+            sent += 1
+        return sent
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(worker, i) for i in range(8)]
+        time.sleep(6)
+        stop.set()
+        sent = sum(f.result(timeout=120) for f in futures)
+    served = _requests_of("beta")
+    assert sum(served.values()) == sent + 1
+    assert min(served.values()) >= sent // 10, served  # the second replica took a real share
+
+
+def test_a_replica_that_dies_is_routed_around(server):
+    import ray
+
+    _generate(server, PROMPTS[2], "gamma")
+    time.sleep(SETTLE_S)
+    [holder] = [r for r, s in _replicas().items() if "gamma" in s["resident_adapters"]]
+    [actor] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "LLMServer" in a["name"] and holder.split("@")[0] in a["name"]]
+    ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
+    start = time.monotonic()
+    for i in range(6):  # its peer still holds the dead replica's report, which named gamma
+        _generate(server, PROMPTS[i % len(PROMPTS)], "gamma")
+    assert time.monotonic() - start < 60
