@@ -27,8 +27,9 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     torch.manual_seed(num_decode)
     gen = torch.Generator().manual_seed(0)
     contexts = [int(x) for x in torch.randint(1, 30, (num_decode,), generator=gen)]
-    prefills = [(5, 0), (7, 9)]  # (new tokens, tokens already cached): a fresh prompt and a chunk with history
-    num_blocks = 200
+    # (new tokens, tokens already cached): fresh prompts and chunks with history, short and over many query blocks
+    prefills = [(5, 0), (7, 9), (300, 0), (200, 150)]
+    num_blocks = 400
     k_cache = torch.zeros(KV_HEADS, num_blocks, BLOCK, DIM, dtype=dtype)  # the engine's head-major layout
     v_cache = torch.zeros_like(k_cache)
     free = iter(torch.randperm(num_blocks).tolist())
@@ -63,14 +64,3 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompts_in_tiles_of_two_queries(monkeypatch, dtype):
-    """Every prompt chunk, fresh or after cached tokens, split into tiles of 2 queries (odd lengths leave
-    a short last tile), against the reference."""
-    from engine.layers import attention
-
-    monkeypatch.setattr(attention, "PROMPT_TILE", 2)
-    monkeypatch.setattr(attention, "MIN_TILED", 1)
-    test_paged_attention_matches_reference(dtype, 16)
