@@ -13,9 +13,11 @@ vLLM's API server and engine core); cores = CPU seconds / wall seconds.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,7 @@ class Server:
     model: str
     process: subprocess.Popen
     log: Path
+    scratch: Path | None = None  # a folder of its own, removed when it stops
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -96,6 +99,8 @@ class Server:
                 p.kill()
             except psutil.Error:
                 pass
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
@@ -106,12 +111,14 @@ def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
     folder = tmp / name.replace(" ", "-")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "RAY_TMPDIR": str(folder / "ray"), "PYTHONPATH": str(ROOT)}
+    # Ray's sockets live under RAY_TMPDIR, and AF_UNIX paths may not exceed 107 bytes: a short folder of its own
+    ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    env = {**os.environ, "RAY_TMPDIR": str(ray_dir), "PYTHONPATH": str(ROOT)}
     log = folder / "serve.log"
     process = subprocess.Popen(["serve", "run", str(folder / "config.yaml")], cwd=ROOT, env=env,
                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     model = spec["applications"][0]["args"]["engine"]["model"]
-    return Server(name, f"http://127.0.0.1:{port}", model, process, log)
+    return Server(name, f"http://127.0.0.1:{port}", model, process, log, ray_dir)
 
 
 def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:

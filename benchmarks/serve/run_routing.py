@@ -174,7 +174,7 @@ async def closed_loop(server: Server, load: list[tuple[str, str]]) -> tuple[list
 
 def run_router(router: str, kv_cache_mib: int, config: Path, tmp: Path, rnd: int,
                load: list[tuple[str, str]]) -> Scenario:
-    server = start_lora_serve(f"{router}-{kv_cache_mib}", config, tmp)  # short: Ray's socket paths have a limit
+    server = start_lora_serve(f"{router}-{kv_cache_mib}", config, tmp)
     try:
         server.wait_healthy(600)
         wait_ready(server)

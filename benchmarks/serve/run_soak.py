@@ -228,13 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     args = benchmark_args(__doc__, "2 minutes", argv, lambda p: p.add_argument("--minutes", type=float, default=30))
     seconds = 120.0 if args.quick else args.minutes * 60
     warmup = min(WARMUP_S, seconds / 3)
-    with tempfile.TemporaryDirectory(prefix="sk-", dir="/tmp") as tmp:  # short: Ray's socket paths
+    with tempfile.TemporaryDirectory(prefix="sk-", dir="/tmp") as tmp:
         tmp = Path(tmp)
         folders = write_churn_adapters(tmp / "churn")
         server = start_lora_serve("lora-serve", ROOT / "serve_config.yaml", tmp)
         try:
             server.wait_healthy(600, "/v1/models")
-            samples, outcomes = soak(server, tmp / "lora-serve" / "ray", folders, seconds)
+            samples, outcomes = soak(server, server.scratch, folders, seconds)
         finally:
             server.stop()
     table = markdown_table(["", "after warm-up", "end (idle)", "peak", "change"], rows(samples, warmup))
