@@ -235,11 +235,8 @@ class LLMServer(HttpRoutes):
         adapter slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, all of this
         one replica, named."""
         s = self.engine.stats()
-        hits = s.adapter_slot_acquisitions - s.adapter_slot_loads
-        slots = {"acquisitions": s.adapter_slot_acquisitions, "loads": s.adapter_slot_loads,
-                 "hit_rate": hits / s.adapter_slot_acquisitions if s.adapter_slot_acquisitions else 0.0}
         return {"replica": self.replica, "memory": self.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
-                "adapter_slots": slots, "running": s.running, "waiting": s.waiting,
+                "adapter_slots": _adapter_slots(s), "running": s.running, "waiting": s.waiting,
                 "kv_blocks_used": s.kv_blocks_used}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -282,6 +279,11 @@ def _prefix_cache(s: EngineStats) -> dict:
     return {"queried_tokens": s.prefix_cache_queried_tokens, "hit_tokens": s.prefix_cache_hit_tokens,
             "hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.prefix_cache_blocks,
             "evictions": s.prefix_cache_evictions}
+
+
+def _adapter_slots(s: EngineStats) -> dict:
+    return {"acquisitions": s.adapter_slot_acquisitions, "loads": s.adapter_slot_loads,
+            "hit_rate": s.adapter_slot_hit_rate}
 
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:

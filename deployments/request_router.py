@@ -34,9 +34,9 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every candidate is ranked each time
-        by_name = {_report(r).replica: r for r in candidate_replicas}
-        ranks = rank(_route_request(pending_request), [_report(r) for r in candidate_replicas],
-                     self.policy)
+        reports = [_report(r) for r in candidate_replicas]
+        by_name = {report.replica: r for report, r in zip(reports, candidate_replicas)}
+        ranks = rank(_route_request(pending_request), reports, self.policy)
         return [[by_name[report.replica] for report in group] for group in ranks]
 
 

@@ -71,7 +71,7 @@ def _ranks(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingP
     groups: dict[tuple[int, int], list[ReplicaReport]] = {}
     for r in reports:
         tier = AdapterTier.COLD if hot else r.tier(request.adapter)
-        groups.setdefault((-tier, -r.cached_blocks(list(request.prompt_digests))), []).append(r)
+        groups.setdefault((-tier, -r.cached_blocks(request.prompt_digests)), []).append(r)
     return [_two_at_random(groups[score]) for score in sorted(groups)]
 
 

@@ -83,6 +83,12 @@ class EngineStats:
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
     @property
+    def adapter_slot_hit_rate(self) -> float:
+        """Adapter requests whose adapter was already in a device slot, of all given one."""
+        acquired = self.adapter_slot_acquisitions
+        return (acquired - self.adapter_slot_loads) / acquired if acquired else 0.0
+
+    @property
     def kv_utilisation(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total
 

@@ -10,6 +10,7 @@ these reports.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -46,7 +47,7 @@ class ReplicaReport:
             return AdapterTier.CPU
         return AdapterTier.OBJECT_STORE if adapter in self.node_store else AdapterTier.COLD
 
-    def cached_blocks(self, digests: list[int]) -> int:
+    def cached_blocks(self, digests: Sequence[int]) -> int:
         """How many leading blocks of a prompt with these digests this replica's prefix cache holds."""
         count = 0
         for digest in digests:

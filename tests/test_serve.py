@@ -530,7 +530,7 @@ def test_info_and_models_show_where_adapters_reside(server):
         alpha = requests.get(f"{server}/info", timeout=10).json()["adapters"].get("alpha", {})
         return alpha if alpha.get("device_replicas") else None
 
-    alpha = _poll(alpha_on_device)  # replicas report every 2 s
+    alpha = _poll(alpha_on_device)  # replicas report every second
     assert alpha["object_store"] and alpha["source_loads"] == 1 and alpha["cpu_replicas"]
     models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
     assert models["alpha"]["residence"]["device_replicas"] == alpha["device_replicas"]
@@ -540,6 +540,9 @@ def test_info_and_models_show_where_adapters_reside(server):
     assert memory["kv_bytes"] == memory["kv_bytes_per_token"] * memory["kv_token_capacity"] > 0
     assert memory["adapter_slot_bytes"] > 0
     assert set(info["prefix_cache"]) == {"queried_tokens", "hit_tokens", "hit_rate", "cached_blocks", "evictions"}
+    slots = info["adapter_slots"]  # alpha's request above took a slot
+    assert slots["acquisitions"] >= slots["loads"] >= 1
+    assert slots["hit_rate"] == pytest.approx((slots["acquisitions"] - slots["loads"]) / slots["acquisitions"])
 
 
 def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
