@@ -101,6 +101,21 @@ def fmt(value, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
 
 
+def value_range(values: list[float | None], digits: int = 1) -> str:
+    """The spread of a figure over rounds, for tables: "lo-hi", one number when they print alike, "-" for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return fmt(lo, digits) if round(lo, digits) == round(hi, digits) else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
+
+
+def report_header(title: str, name: str, quick: bool, env: dict) -> list[str]:
+    """The first lines of a results file: its title, the command that made it, the date and the CPU."""
+    return [f"# {title}", "", f"Command: `PYTHONPATH=. python -m benchmarks {name}{' --quick' if quick else ''}`  ",
+            f"Date: {env['date']}  ", f"CPU: {env['cpu']} ({env['cpu_count']} cores)", ""]
+
+
 def ratio(value, reference):
     """value / reference, elementwise over (lo, hi) ranges; None when either side is missing."""
     if value is None or reference is None or isinstance(reference, tuple):

@@ -26,7 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import (benchmark_args, environment, fmt, markdown_table, report_header,  # noqa: E402
+                               save_results)
 from benchmarks.serve.http_servers import ROOT  # noqa: E402
 from deployments.openmp import replica_env_vars  # noqa: E402
 
@@ -98,13 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     args = benchmark_args(__doc__, "32 requests per cell", argv, add_arguments)
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args)}
-    text = "\n".join([f"# Engine beside another process's CPU ({raw['mode']})", "",
-                      "Command: `PYTHONPATH=. python -m benchmarks contention`  ", f"Date: {env['date']}  ",
-                      f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "",
-                      f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, "
-                      f"{raw['requests']} closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another "
-                      f"process spins for a share of every 10 ms; {raw['rounds']} interleaved rounds, medians.", "",
-                      table(raw), "", "![contention](contention.png)", ""])
+    method = (f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, {raw['requests']} "
+              f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another process spins for a share "
+              f"of every 10 ms; {raw['rounds']} interleaved rounds, medians.")
+    title = f"Engine beside another process's CPU ({raw['mode']})"
+    text = "\n".join(report_header(title, "contention", args.quick, env)
+                     + [method, "", table(raw), "", "![contention](contention.png)", ""])
     save_results(args.out, "contention", raw, plot, text)
 
 

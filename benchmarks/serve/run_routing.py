@@ -42,7 +42,8 @@ import requests  # noqa: E402
 import yaml  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import benchmark_args, environment, markdown_table, save_results  # noqa: E402
+from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
+                               save_results, value_range)
 from benchmarks.serve.http_servers import ROOT, Server, start_lora_serve  # noqa: E402
 from benchmarks.serve.run_serve_load import Timing, stream_one  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
@@ -217,19 +218,14 @@ def run(args) -> dict:
             "scenarios": [asdict(r) for r in results]}
 
 
-def _span(values: list[float], fmt: str) -> str:
-    lo, hi = min(values), max(values)
-    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
-
-
 def table(raw: dict) -> str:
     rows = []
     for kv, router in ((kv, r) for kv in raw["kv_cache_mib"] for r in ROUTERS):
         runs = [s for s in raw["scenarios"] if s["router"] == router and s["kv_cache_mib"] == kv]
         col = lambda key: [s[key] for s in runs]  # noqa: E731
-        rows.append([f"{kv} MiB", router, _span([100 * v for v in col("slot_hit_rate")], ".0f") + "%",
-                     _span([100 * v for v in col("prefix_hit_rate")], ".0f") + "%",
-                     _span(col("ttft_ms_p50"), ".0f"), _span(col("ttft_ms_p99"), ".0f"), _span(col("tok_s"), ".1f"),
+        rows.append([f"{kv} MiB", router, value_range([100 * v for v in col("slot_hit_rate")], 0) + "%",
+                     value_range([100 * v for v in col("prefix_hit_rate")], 0) + "%",
+                     value_range(col("ttft_ms_p50"), 0), value_range(col("ttft_ms_p99"), 0), value_range(col("tok_s")),
                      "; ".join("/".join(str(n) for n in s["requests_per_replica"]) for s in runs),
                      f"{sum(s['ok'] for s in runs)}/{sum(s['requests'] for s in runs)}"])
     return markdown_table(["KV cache per replica", "router", "device-slot hit rate", "prefix-cache hit rate",
@@ -279,10 +275,9 @@ def main(argv: list[str] | None = None) -> None:
             f"closed loop, adapter in the body and the serve_multiplexed_model_id header; {raw['rounds']} "
             f"interleaved rounds, each server started alone; ranges over rounds. Hit rates from the replicas' /info "
             f"counters over the timed load.")
-    text = "\n".join([f"# Routing: lora-serve's router against plain multiplexing ({raw['mode']})", "",
-                      f"Command: `PYTHONPATH=. python -m benchmarks routing{' --quick' if args.quick else ''}`  ",
-                      f"Date: {env['date']}  ", f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "", note, "",
-                      table(raw), "", "![routing](routing.png)", ""])
+    title = f"Routing: lora-serve's router against plain multiplexing ({raw['mode']})"
+    text = "\n".join(report_header(title, "routing", args.quick, env)
+                     + [note, "", table(raw), "", "![routing](routing.png)", ""])
     save_results(args.out, "routing", raw, plot, text)
 
 

@@ -38,7 +38,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import benchmark_args, environment, fmt, markdown_table, save_results  # noqa: E402
+from benchmarks.common import (benchmark_args, environment, fmt, markdown_table, report_header,  # noqa: E402
+                               save_results, value_range)
 from benchmarks.serve.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -205,14 +206,6 @@ def run(args) -> dict:
             "systems": [s.name for s in specs], "scenarios": [asdict(r) for r in results]}
 
 
-def _range(values: list[float], digits: int = 1) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    lo, hi = min(values), max(values)
-    return fmt(lo, digits) if round(lo, digits) == round(hi, digits) else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
-
-
 def _of(raw: dict, system: str, concurrency: int | None = None) -> list[dict]:
     return [s for s in raw["scenarios"] if s["system"] == system
             and (concurrency is None or s["concurrency"] == concurrency)]
@@ -228,9 +221,9 @@ def table(raw: dict) -> str:
             runs = _of(raw, system, c)
             ratio = "-"
             if peer and system != peer:
-                ratio = _range([a["tok_s"] / b["tok_s"] for a, b in zip(runs, _of(raw, peer, c))], 2) + "x"
-            rows.append([c, system, _range([r["tok_s"] for r in runs]), ratio,
-                         _range([r["ttft_ms_p50"] for r in runs], 0), _range([r["tpot_ms_p50"] for r in runs]),
+                ratio = value_range([a["tok_s"] / b["tok_s"] for a, b in zip(runs, _of(raw, peer, c))], 2) + "x"
+            rows.append([c, system, value_range([r["tok_s"] for r in runs]), ratio,
+                         value_range([r["ttft_ms_p50"] for r in runs], 0), value_range([r["tpot_ms_p50"] for r in runs]),
                          f"{sum(r['ok'] for r in runs)} / {sum(r['requests'] for r in runs)}"])
     return markdown_table(header, rows)
 
@@ -242,8 +235,8 @@ def share_table(raw: dict) -> str:
     rows = []
     for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
         shares = [h["tok_s"] / o["tok_s"] for h, o in zip(_of(raw, system, top), offline_runs)]
-        rows.append([system, _range([o["tok_s"] for o in offline_runs]), _range([h["tok_s"] for h in
-                     _of(raw, system, top)]), _range([s * 100 for s in shares], 0) + "%"])
+        rows.append([system, value_range([o["tok_s"] for o in offline_runs]), value_range([h["tok_s"] for h in
+                     _of(raw, system, top)]), value_range([s * 100 for s in shares], 0) + "%"])
     return markdown_table(["server", "offline tok/s (same requests at once)", f"HTTP tok/s at {top}",
                            "HTTP share"], rows)
 
@@ -301,11 +294,9 @@ def main(argv: list[str] | None = None) -> None:
             f"round; ranges over rounds. lora-serve: "
             f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, bf16, both cores bound, Intel "
             f"OpenMP). TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / (tokens - 1).")
-    text = "\n".join([f"# HTTP load: lora-serve against vLLM ({raw['mode']})", "",
-                      f"Command: `PYTHONPATH=. python -m benchmarks serve_load"
-                      f"{' --quick' if args.quick else ''}`  ", f"Date: {env['date']}  ",
-                      f"CPU: {env['cpu']} ({env['cpu_count']} cores)", "", note, "", table(raw), "",
-                      share_table(raw), "", cpu_table(raw), "", "![serve load](serve_load.png)", ""])
+    text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", "serve_load", args.quick, env)
+                     + [note, "", table(raw), "", share_table(raw), "", cpu_table(raw), "",
+                        "![serve load](serve_load.png)", ""])
     save_results(args.out, "serve_load", raw, plot, text)
 
 
