@@ -58,11 +58,19 @@ TOKENS = 16
 
 @dataclass(frozen=True)
 class Counters:
-    """The /info counters of every replica, summed."""
+    """A replica's /info counters (or several replicas' summed)."""
     slot_acquisitions: int = 0
     slot_loads: int = 0
     queried_tokens: int = 0
     hit_tokens: int = 0
+
+    @classmethod
+    def of(cls, info: dict) -> Counters:
+        slots, prefix = info["adapter_slots"], info["prefix_cache"]
+        return cls(slots["acquisitions"], slots["loads"], prefix["queried_tokens"], prefix["hit_tokens"])
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
@@ -128,21 +136,15 @@ def workload(names: list[str], num: int, seed: int) -> list[tuple[str, str]]:
     return [(names[k], f"{system[k]}\nQuestion {i}: {PROMPTS[i % len(PROMPTS)]}") for i, k in enumerate(drawn)]
 
 
-def replica_counters(server: Server) -> tuple[Counters, dict[str, int]]:
-    """Every replica's /info counters (the proxy spreads /info over both), summed; and slot acquisitions per
-    replica."""
-    seen: dict[str, dict] = {}
+def replica_counters(server: Server) -> dict[str, Counters]:
+    """Each replica's /info counters, by replica (the proxy spreads /info over both)."""
+    seen: dict[str, Counters] = {}
     for _ in range(100):
         info = requests.get(f"{server.url}/info", timeout=30).json()
-        seen[info["replica"]] = info
+        seen[info["replica"]] = Counters.of(info)
         if len(seen) == 2:
-            break
-    if len(seen) != 2:
-        raise RuntimeError(f"/info reached {len(seen)} replica(s) only")
-    total = Counters(*(sum(v) for v in zip(*[(i["adapter_slots"]["acquisitions"], i["adapter_slots"]["loads"],
-                                              i["prefix_cache"]["queried_tokens"], i["prefix_cache"]["hit_tokens"])
-                                             for i in seen.values()])))
-    return total, {r: i["adapter_slots"]["acquisitions"] for r, i in seen.items()}
+            return seen
+    raise RuntimeError(f"/info reached {len(seen)} replica(s) only")
 
 
 def wait_ready(server: Server, timeout_s: float = 300) -> None:
@@ -181,19 +183,20 @@ def run_router(router: str, kv_cache_mib: int, config: Path, tmp: Path, rnd: int
         wait_ready(server)
         asyncio.run(closed_loop(server, [("smollm2-135m-instruct", p) for p in PROMPTS[:8]]))  # warm-up, no adapter
         time.sleep(2.5)  # the replicas' first reports
-        before, per_before = replica_counters(server)
+        before = replica_counters(server)
         timings, seconds = asyncio.run(closed_loop(server, load))
-        after, per_after = replica_counters(server)
+        after = replica_counters(server)
     finally:
         server.stop()
-    delta = after - before
+    per_replica = {r: after[r] - before.get(r, Counters()) for r in after}
+    delta = sum(per_replica.values(), Counters())
     ok = [t for t in timings if t.status == 200 and t.first is not None]
     ttft = sorted((t.first - t.start) * 1000 for t in ok)
     return Scenario(router, kv_cache_mib, rnd, len(timings), len(ok), seconds, sum(t.tokens for t in ok) / seconds,
                     1 - delta.slot_loads / max(1, delta.slot_acquisitions),
                     delta.hit_tokens / max(1, delta.queried_tokens), statistics.median(ttft),
                     ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-                    sorted(per_after[r] - per_before.get(r, 0) for r in per_after),
+                    sorted(c.slot_acquisitions for c in per_replica.values()),
                     dict(Counter("cut" if t.status == 200 else str(t.status) for t in timings if t not in ok)))
 
 
