@@ -85,8 +85,11 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s; see {self.log}")
 
-    def stop(self) -> None:
-        """SIGTERM to the started process (Serve and its Ray shut down cleanly), SIGKILL to what outlives it."""
+    def stop(self, keep_logs_in: Path | None = None) -> None:
+        """SIGTERM to the started process (Serve and its Ray shut down cleanly), SIGKILL to what outlives it.
+        keep_logs_in: a folder to copy its log and its Ray session's logs (the replicas' tracebacks) into first."""
+        if keep_logs_in is not None:
+            self.keep_logs(keep_logs_in)
         survivors = self.tree()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -101,6 +104,14 @@ class Server:
                 pass
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+    def keep_logs(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.log, folder / self.log.name)
+        session = self.scratch / "session_latest" / "logs" if self.scratch is not None else None
+        if session is not None and session.is_dir():
+            shutil.copytree(session, folder / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True)
 
 
 def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:

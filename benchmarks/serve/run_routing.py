@@ -176,7 +176,8 @@ async def closed_loop(server: Server, load: list[tuple[str, str]]) -> tuple[list
 
 
 def run_router(router: str, kv_cache_mib: int, config: Path, tmp: Path, rnd: int,
-               load: list[tuple[str, str]]) -> Scenario:
+               load: list[tuple[str, str]], logs: Path) -> Scenario:
+    """logs: where a server's logs are kept when any of its requests failed."""
     server = start_lora_serve(f"{router}-{kv_cache_mib}", config, tmp)
     try:
         server.wait_healthy(600)
@@ -186,6 +187,10 @@ def run_router(router: str, kv_cache_mib: int, config: Path, tmp: Path, rnd: int
         before = replica_counters(server)
         timings, seconds = asyncio.run(closed_loop(server, load))
         after = replica_counters(server)
+        failed = [t for t in timings if t.status != 200 or t.first is None]
+        for t in failed[:3]:
+            tqdm.write(f"{server.name}: HTTP {t.status}: {t.error}")
+        server.stop(keep_logs_in=logs / f"{server.name}-round{rnd}" if failed else None)
     finally:
         server.stop()
     per_replica = {r: after[r] - before.get(r, Counters()) for r in after}
@@ -213,7 +218,8 @@ def run(args) -> dict:
             for kv in kv_sizes:
                 for router in ROUTERS[rnd % 2:] + ROUTERS[:rnd % 2]:  # who goes first alternates
                     config = write_config(router, kv, Path(folder) / "adapters", Path(folder), policy)
-                    results.append(run_router(router, kv, config, Path(folder) / f"r{rnd}", rnd, load))
+                    results.append(run_router(router, kv, config, Path(folder) / f"r{rnd}", rnd, load,
+                                              args.out / "routing-logs"))
                     bar.update()
                     tqdm.write(f"round {rnd} {router} {kv} MiB: {asdict(results[-1])}")
     return {"requests": num, "tokens": TOKENS, "concurrency": CONCURRENCY, "adapters": ADAPTERS,

@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from benchmarks.common import (benchmark_args, environment, fmt, markdown_table, report_header,  # noqa: E402
+from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
                                save_results, value_range)
 from benchmarks.serve.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
@@ -57,6 +57,7 @@ class Timing:
     end: float | None = None
     tokens: int = 0
     status: int = 0
+    error: str | None = None  # the body of a refusal, or an error event in the stream (the first 300 characters)
 
 
 @dataclass
@@ -84,11 +85,15 @@ async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(f"{server.url}/v1/completions", json=body, headers=headers) as response:
         timing.status = response.status
+        if response.status != 200:
+            timing.error = (await response.text())[:300]
         async for line in response.content:
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[len(b"data: "):])
-            if chunk.get("usage"):
+            if "error" in chunk:
+                timing.error = json.dumps(chunk["error"])[:300]
+            elif chunk.get("usage"):
                 timing.tokens = chunk["usage"]["completion_tokens"]
             elif timing.first is None and chunk["choices"] and chunk["choices"][0]["text"]:
                 timing.first = time.perf_counter()
@@ -180,6 +185,8 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
+        if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks
+            server.stop(keep_logs_in=args.out / "serve_load-logs" / f"{server.name.replace(' ', '-')}-round{rnd}")
         return scenarios
     finally:
         server.stop()
@@ -223,7 +230,8 @@ def table(raw: dict) -> str:
             if peer and system != peer:
                 ratio = value_range([a["tok_s"] / b["tok_s"] for a, b in zip(runs, _of(raw, peer, c))], 2) + "x"
             rows.append([c, system, value_range([r["tok_s"] for r in runs]), ratio,
-                         value_range([r["ttft_ms_p50"] for r in runs], 0), value_range([r["tpot_ms_p50"] for r in runs]),
+                         value_range([r["ttft_ms_p50"] for r in runs], 0),
+                         value_range([r["tpot_ms_p50"] for r in runs]),
                          f"{sum(r['ok'] for r in runs)} / {sum(r['requests'] for r in runs)}"])
     return markdown_table(header, rows)
 
