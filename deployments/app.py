@@ -9,6 +9,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.auth import ApiKeyConfig, KeyRing
+from deployments.direct_ingress import direct_ingress_env
 from deployments.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
@@ -63,7 +64,8 @@ def build_app(args: dict | None = None) -> Application:
 
 
 def _engine_actor_options() -> dict:
-    """One CPU per engine replica, and its process started on Intel's OpenMP runtime (deployments/openmp.py). A
-    serve config's ray_actor_options for LLMServer replace these: keep the runtime_env there."""
-    env_vars = replica_env_vars()
+    """One CPU per engine replica, its process started on Intel's OpenMP runtime (deployments/openmp.py), and
+    Serve's direct-ingress settings when the controller has them (deployments/direct_ingress.py). A serve
+    config's ray_actor_options for LLMServer replace these: keep the runtime_env there."""
+    env_vars = {**replica_env_vars(), **direct_ingress_env()}
     return {"num_cpus": 1, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

@@ -37,3 +37,9 @@ def test_serve_configs_are_valid_and_name_only_known_options(path):
 def test_serve_config_slows_the_serve_controller_loop():
     config = _validated(CONFIGS[0])
     assert float(config.controller_options.runtime_env["env_vars"]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]) > 0
+
+
+def test_serve_config_gives_each_engine_replica_its_own_port():
+    env = _validated(CONFIGS[0]).controller_options.runtime_env["env_vars"]
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) < int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])

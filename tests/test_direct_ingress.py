@@ -1,0 +1,76 @@
+"""Direct ingress on a local cluster: with Serve's direct-ingress settings in the controller's environment, the
+app that build_app makes serves HTTP on its replica's own port too, with the same routes, streams and errors as
+through Serve's proxy (deployments/direct_ingress.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.helpers import PROMPTS, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def urls(tiny_llama_path, tmp_path_factory):
+    """(proxy URL, replica URL) of one replica of the tiny model."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    direct_port, proxy_port = free_port(), free_port()
+    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port),
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(direct_port + 1),
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():  # Ray's processes inherit them: the controller reads them, build_app too
+            patch.setenv(name, value)
+        ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 0}
+        serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
+        yield f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{direct_port}"
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _complete(url: str, prompt: str, stream: bool = False) -> requests.Response:
+    body = {"model": _model(url), "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
+
+
+def _model(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_the_replica_port_answers_as_the_proxy_does(urls):
+    proxy, direct = urls
+    assert _model(direct) == _model(proxy)
+    for prompt in PROMPTS[:3]:
+        through_proxy = _complete(proxy, prompt).json()["choices"][0]["text"]
+        response = _complete(direct, prompt)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == through_proxy
+
+
+def test_the_replica_port_streams(urls):
+    proxy, direct = urls
+    expected = _complete(proxy, PROMPTS[0]).json()["choices"][0]["text"]
+    response = _complete(direct, PROMPTS[0], stream=True)
+    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == expected
+
+
+def test_the_replica_port_refuses_bad_requests_as_the_proxy_does(urls):
+    for url in urls:
+        response = requests.post(f"{url}/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": -1},
+                                 timeout=30)
+        assert response.status_code == 400
+        assert "max_tokens" in response.json()["error"]["message"]
