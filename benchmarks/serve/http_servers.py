@@ -27,6 +27,7 @@ import requests
 import yaml
 
 from benchmarks.peers.vllm_env import vllm_env
+from deployments.direct_ingress import ENABLE as DIRECT_INGRESS
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("LoRACacheActor", "adapter cache actor"),
@@ -85,11 +86,8 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s; see {self.log}")
 
-    def stop(self, keep_logs_in: Path | None = None) -> None:
-        """SIGTERM to the started process (Serve and its Ray shut down cleanly), SIGKILL to what outlives it.
-        keep_logs_in: a folder to copy its log and its Ray session's logs (the replicas' tracebacks) into first."""
-        if keep_logs_in is not None:
-            self.keep_logs(keep_logs_in)
+    def stop(self) -> None:
+        """SIGTERM to the started process (Serve and its Ray shut down cleanly), SIGKILL to what outlives it."""
         survivors = self.tree()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -105,11 +103,11 @@ class Server:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
-
     def keep_logs(self, folder: Path) -> None:
+        """Copy its log and its Ray session's logs (the replicas' tracebacks) into `folder`, before stop()."""
         folder.mkdir(parents=True, exist_ok=True)
         shutil.copy(self.log, folder / self.log.name)
-        session = self.scratch / "session_latest" / "logs" if self.scratch is not None else None
+        session = self.scratch / "ray" / "session_latest" / "logs" if self.scratch is not None else None
         if session is not None and session.is_dir():
             shutil.copytree(session, folder / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True)
 
@@ -120,10 +118,13 @@ def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False) -
     spec = yaml.safe_load(config.read_text())
     port = free_port()
     spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
-    if direct:  # Serve allocates replica ports from [MIN, MAX), in order: the first replica gets this one
-        port = free_port()
-        direct_ingress_env(spec).update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-                                         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4)})
+    if direct:
+        if not _enables_direct_ingress(spec):
+            raise ValueError(f"{config} does not enable direct ingress (controller_options.runtime_env.env_vars."
+                             f"{DIRECT_INGRESS}: \"1\"): its replicas have no port of their own")
+        port = free_port()  # Serve allocates replica ports from [MIN, MAX), in order: the first replica gets it
+        _controller_env(spec).update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+                                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4)})
     folder = tmp / name.replace(" ", "-")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(spec))
@@ -138,17 +139,16 @@ def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False) -
 
 
 def enables_direct_ingress(config: Path) -> bool:
-    env = yaml.safe_load(config.read_text()).get("controller_options", {}).get("runtime_env", {}).get("env_vars", {})
-    return env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    return _enables_direct_ingress(yaml.safe_load(config.read_text()))
 
 
-def direct_ingress_env(spec: dict) -> dict:
-    """The Serve controller's env_vars in a serve config, which must enable direct ingress."""
-    env = spec.setdefault("controller_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
-    if env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
-        raise ValueError("this serve config does not enable direct ingress (controller_options.runtime_env."
-                         "env_vars.RAY_SERVE_ENABLE_DIRECT_INGRESS: \"1\"): replicas have no port of their own")
-    return env
+def _enables_direct_ingress(spec: dict) -> bool:
+    return _controller_env(spec).get(DIRECT_INGRESS) == "1"
+
+
+def _controller_env(spec: dict) -> dict:
+    """The Serve controller's env_vars in a serve config (created empty when it has none)."""
+    return spec.setdefault("controller_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
 
 
 def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:

@@ -190,7 +190,8 @@ def run_router(router: str, kv_cache_mib: int, config: Path, tmp: Path, rnd: int
         failed = [t for t in timings if t.status != 200 or t.first is None]
         for t in failed[:3]:
             tqdm.write(f"{server.name}: HTTP {t.status}: {t.error}")
-        server.stop(keep_logs_in=logs / f"{server.name}-round{rnd}" if failed else None)
+        if failed:
+            server.keep_logs(logs / f"{server.name}-round{rnd}")
     finally:
         server.stop()
     per_replica = {r: after[r] - before.get(r, Counters()) for r in after}

@@ -192,7 +192,7 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
         if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks
-            server.stop(keep_logs_in=args.out / "serve_load-logs" / f"{server.name.replace(' ', '-')}-round{rnd}")
+            server.keep_logs(args.out / "serve_load-logs" / f"{server.name.replace(' ', '-')}-round{rnd}")
         return scenarios
     finally:
         server.stop()
