@@ -121,6 +121,8 @@ class ModelRunner:
             use_cpu_ops(self.model, self.cpu_ops)
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
+        self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
+                              and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim))
         self.lora_state = LoRAStepState()
         self.lora_layers = []
         if config.max_loras:
@@ -302,18 +304,22 @@ class ModelRunner:
         return [PromptChunkScoring(seq, row, start, seq.prompt_token_ids[start + 1:scored_end + 1])]
 
     def _prefill_segment(self, seq: Sequence, row: int, start: int, end: int) -> PrefillSegment:
+        if self.prompt_kernel:  # it reads the whole context from the cache: no block rows to gather
+            return PrefillSegment(row, end - start, end, self._tensor(seq.block_table))
         table = self._tensor(seq.block_table) if start > 0 else None
         rows = self._block_rows(table) if table is not None else None
         return PrefillSegment(row, end - start, end, table, rows)
 
     def _attention_metadata(self, slots: torch.Tensor, decode: list[ScheduledSeq], prefills: list[PrefillSegment],
                             in_place: list[InPlaceChunk]) -> AttentionMetadata:
+        write = self.cpu_ops is not None
         if self.in_place:
             queries = self._in_place_queries(in_place)
-            return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries)
+            return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries, cpu_kv_write=write,
+                                     cpu_prompt_kernel=self.prompt_kernel)
         tables = self._decode_tables(decode)
         return AttentionMetadata(slots, len(decode), tables.block_tables, tables.mask, prefills, tables.context_lens,
-                                 tables.rows)
+                                 tables.rows, cpu_kv_write=write, cpu_prompt_kernel=self.prompt_kernel)
 
     def _in_place_queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
         """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);

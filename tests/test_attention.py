@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_ops
 from engine.layers.attention import AttentionMetadata, PrefillSegment, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -21,9 +22,13 @@ def _reference(q, keys, values):
     return F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=visible).transpose(0, 1)
 
 
+WRITES = [False, pytest.param(True, marks=pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ operators"))]
+
+
+@pytest.mark.parametrize("cpu_kv_write", WRITES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_decode", [1, 16, 21])
-def test_paged_attention_matches_reference(dtype, num_decode):
+def test_paged_attention_matches_reference(dtype, num_decode, cpu_kv_write):
     torch.manual_seed(num_decode)
     gen = torch.Generator().manual_seed(0)
     contexts = [int(x) for x in torch.randint(1, 30, (num_decode,), generator=gen)]
@@ -35,11 +40,11 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     free = iter(torch.randperm(num_blocks).tolist())
     seqs = [(ctx, 1) for ctx in contexts] + [(cached + new, new) for new, cached in prefills]
     tables, full_k, full_v = [], [], []
-    for total, _ in seqs:  # fill each sequence's history into scattered blocks
+    for total, new in seqs:  # history into scattered blocks; the new tokens are paged_attention's to write
         table = [next(free) for _ in range((total + BLOCK - 1) // BLOCK)]
         keys = torch.randn(total, KV_HEADS, DIM).to(dtype)
         values = torch.randn(total, KV_HEADS, DIM).to(dtype)
-        for pos in range(total):
+        for pos in range(total - new):
             k_cache[:, table[pos // BLOCK], pos % BLOCK] = keys[pos]
             v_cache[:, table[pos // BLOCK], pos % BLOCK] = values[pos]
         tables.append(table)
@@ -59,7 +64,7 @@ def test_paged_attention_matches_reference(dtype, num_decode):
     decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]])
     visible = torch.arange(max_blocks * BLOCK)[None, :] < torch.tensor(contexts)[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))[:, None, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments)
+    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments, cpu_kv_write=cpu_kv_write)
     out = paged_attention(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), (k_cache, v_cache), meta)
     expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2

@@ -146,3 +146,31 @@ def test_write_kv_cache_matches_index_copy(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="outside the cache"):
         module.write_kv_cache(k[:1], v[:1], caches[0], caches[1], torch.tensor([blocks * block]))
+
+
+@pytest.mark.skipif(not (cpu_ops.load() is not None and cpu_ops.load().bf16_prompt_attention()),
+                    reason="the prompt kernel needs a build for a CPU with AVX-512 BF16")
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("new, cached", [(64, 0), (77, 0), (300, 0), (130, 45), (17, 200), (1, 40)])
+def test_prompt_attention_matches_float32_attention(heads, kv_heads, dim, new, cached):
+    """A prompt chunk (fresh, or after cached tokens) read from scattered cache blocks, against causal attention in
+    float32 on the same bf16 inputs: within bf16's rounding of the probabilities and the output."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(new * 7 + cached + dim)
+    context, block = new + cached, 16
+    blocks = (context + block - 1) // block
+    k_cache = torch.randn(kv_heads, blocks + 5, block, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, blocks + 5, block, dim, generator=gen).bfloat16()
+    table = torch.randperm(blocks + 5, generator=gen)[:blocks]
+    fused = torch.randn(new, heads + 2 * kv_heads, dim, generator=gen).bfloat16()  # q as a view of a projection
+    q = fused[:, :heads]
+    out = module.prompt_attention(q, k_cache, v_cache, table, context)
+    keys = k_cache[:, table].flatten(1, 2)[:, :context].float().repeat_interleave(heads // kv_heads, 0)
+    values = v_cache[:, table].flatten(1, 2)[:, :context].float().repeat_interleave(heads // kv_heads, 0)
+    visible = torch.arange(context)[None, :] <= torch.arange(new)[:, None] + cached
+    want = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values,
+                                                            attn_mask=visible).transpose(0, 1)
+    assert out.dtype == torch.bfloat16 and out.shape == (new, heads, dim)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        module.prompt_attention(q.float(), k_cache, v_cache, table, context)

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +40,11 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def has_cpu_flag(flag: str) -> bool:
+    """Whether this CPU reports an instruction-set flag of /proc/cpuinfo (avx512_bf16, amx_bf16, ...)."""
+    return flag in _cpu_flags().split()
 
 
 def build_name() -> str:
@@ -88,9 +94,17 @@ def load():
         name = build_name()
         folder = build_directory(name)
         with exclusive_build(folder):
-            return load_extension(name, [str(p) for p in SOURCES], extra_cflags=flags, build_directory=str(folder),
-                                  verbose=False)
+            fresh = not (folder / f"{name}.so").exists()
+            if fresh:  # a pause of tens of seconds at a first start deserves a word
+                print(f"[lora-serve] building the C++ CPU operators in {folder} (once per machine)", flush=True)
+            started = time.perf_counter()
+            module = load_extension(name, [str(p) for p in SOURCES], extra_cflags=flags,
+                                    build_directory=str(folder), verbose=False)
+            if fresh:
+                print(f"[lora-serve] C++ CPU operators built in {time.perf_counter() - started:.1f} s", flush=True)
+            return module
     except Exception as error:  # no compiler or ninja: the PyTorch paths still work, only slower
         log.warning("C++ CPU operators unavailable (%s: %s); the engine runs its PyTorch paths",
                     type(error).__name__, error)
         return None
+

@@ -3,7 +3,8 @@
 The cache of one layer is a pair of tensors [kv_heads, num_blocks, block_size, head_dim]. New keys
 and values are written at their slots. On CPU with the C++ kernel (engine/kernels/cpu_attention.py),
 every decode token and every prompt chunk shorter than IN_PLACE_CHUNK attend in one call that reads
-their blocks in place; longer chunks attend one sequence at a time through SDPA's flash kernel (_prefill).
+their blocks in place; longer chunks attend one sequence at a time, through the C++ prompt kernel in bf16 on a
+CPU with AVX-512 BF16 and no AMX, else through SDPA's flash kernel (_prefill).
 On CUDA, decode tokens (one new token per sequence, placed first in the flat batch) attend in one call to a
 Triton kernel that reads their blocks in place, and prompt chunks take SDPA one sequence at a time too. On CPU
 without the kernel, decodes take SDPA or grouped matmuls over gathered copies of the blocks.
@@ -31,7 +32,9 @@ class PrefillSegment:
     start: int  # index of the segment's first token in the flat batch
     length: int  # new tokens in this step
     context_len: int  # tokens in the cache once this step's are written
-    block_table: torch.Tensor | None  # set only when earlier tokens of the sequence are already cached
+    # set when earlier tokens of the sequence are already cached, and always for the CPU prompt kernel, which reads
+    # the chunk's own keys from the cache too
+    block_table: torch.Tensor | None
     rows: torch.Tensor | None = None  # block_rows() of block_table, once per step for every layer
 
 
@@ -55,6 +58,11 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included (CUDA kernel)
     decode_rows: torch.Tensor | None = None  # block_rows() of decode_block_tables (CPU path), once per step
     in_place: InPlaceQueries | None = None  # CPU kernel: the decodes and short chunks; `prefills` the rest
+    # the step's keys and values go into the cache in one C++ call (CPU operators loaded), not two index_copy_:
+    # decided once by the runner for every model, as the attention path is
+    cpu_kv_write: bool = False
+    # long prompt chunks attend in the C++ prompt kernel (cpu_attention.prompt_kernel_usable), not SDPA's
+    cpu_prompt_kernel: bool = False
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -63,12 +71,11 @@ IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the ca
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, cpu_ops=None) -> torch.Tensor:
-    """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]. cpu_ops: the C++ CPU operators
-    (engine/kernels/cpu_ops.py), which write K and V into the cache in one call, or None."""
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
     k_cache, v_cache = cache
-    if cpu_ops is not None:
-        cpu_ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.cpu_kv_write:
+        cpu_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         _write(k_cache, k, meta.slot_mapping)
         _write(v_cache, v, meta.slot_mapping)
@@ -81,7 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         out[:meta.num_decode] = _decode(q[:meta.num_decode], k_cache, v_cache, meta)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)
     return out.flatten(1)
 
 
@@ -94,7 +101,7 @@ def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                                   batch.query_lens, out)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)
     return out
 
 
@@ -148,16 +155,20 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, rows: torch.T
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seg: PrefillSegment) -> torch.Tensor:
+             seg: PrefillSegment, cpu_kernel: bool = False) -> torch.Tensor:
     """One prompt chunk: q [L, heads, D] for the last L of the context's positions -> [L, heads, D].
 
-    SDPA on 4-D inputs, the query heads of one KV head sharing it (enable_gqa): on CPU that is PyTorch's flash
-    kernel, blocked, with an online softmax and oneDNN's bf16 micro-kernels (3-D inputs fall back to the math path,
-    which materialises every score). A fresh prompt is causal from its first token and skips the upper triangle;
-    a chunk after cached tokens attends to them and to itself apart (_after_cached). Measured on 2
-    cores (SmolLM2's shapes, one layer, bf16): a fresh 2,000-token prompt 8.7-9.2 ms against 17.5-23 ms for tiles
-    of 128 queries over oneDNN matmuls, 48 tokens 0.05 against 0.16 ms; 1,000 new tokens after 1,000 cached
-    7.8 against 12.5-17.5 ms. fp32: 25 against 33 ms fresh."""
+    cpu_kernel: the C++ prompt kernel, one call whether or not tokens are cached (bf16 on AVX-512 BF16 without
+    AMX; engine/kernels/cpu_attention.py has the figures). Otherwise SDPA on 4-D inputs, the query heads of one
+    KV head sharing it (enable_gqa): on CPU that is PyTorch's flash kernel, blocked, with an online softmax and
+    oneDNN's bf16 micro-kernels (3-D inputs fall back to the math path, which materialises every score). A fresh
+    prompt is causal from its first token and skips the upper triangle; a chunk after cached tokens attends to
+    them and to itself apart (_after_cached). Measured on 2 cores of a Xeon with AMX (SmolLM2's shapes, one layer,
+    bf16): a fresh 2,000-token prompt 8.7-9.2 ms against 17.5-23 ms for tiles of 128 queries over oneDNN matmuls,
+    48 tokens 0.05 against 0.16 ms; 1,000 new tokens after 1,000 cached 7.8 against 12.5-17.5 ms; fp32: 25
+    against 33 ms fresh."""
+    if cpu_kernel:
+        return cpu_attention.prompt_attention(q, k_cache, v_cache, seg.block_table, seg.context_len)
     queries = q.transpose(0, 1)[None]  # [1, heads, L, D]
     if seg.block_table is None:  # the whole context is this chunk: plain causal attention
         out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None],

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
-        self.cpu_ops = None  # on CPU the C++ operators (set by use_cpu_ops): rotary and the cache write, one call each
+        self.cpu_ops = None  # on CPU the C++ operators (set by use_cpu_ops): rotary in one call
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -66,7 +66,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin) if self.cpu_ops is None else self.cpu_ops.rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, cache, meta, self.cpu_ops))
+        return self.o_proj(paged_attention(q, k, v, cache, meta))
 
 
 class LlamaMLP(nn.Module):

@@ -8,6 +8,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 

@@ -6,6 +6,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "causal attention of decodes and prompt chunks, reading the paged KV cache in place (CPU)");
+  m.def("prompt_attention", &prompt_attention,
+        "causal attention of one sequence's bf16 prompt chunk over the paged cache, flash-style (CPU, AVX-512 BF16)");
+  m.def("bf16_prompt_attention", &bf16_prompt_attention, "whether this build has prompt_attention");
   m.def("vector_width", &vector_width, "floats per vector register: the attention block size is a multiple of it");
   m.def("rotary", &rotary, "rotary position embedding, transformers' rounding (CPU)");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding (CPU)");

@@ -1,7 +1,7 @@
 // What every C++ CPU operator shares: the dtypes it takes and loading them as float32 vectors.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -1,7 +1,7 @@
 // The engine's C++ CPU operators, one extension module (bindings.cpp); built by engine/kernels/cpu_ops.py.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every operator's header, several seconds of each file's build
 
 // Causal attention reading the paged KV cache in place, into out [T, heads, D]: sequence i's queries are rows
 // [query_starts[i], + query_lens[i]) of q, the last of its context_lens[i] positions, its blocks row i of
@@ -9,6 +9,14 @@
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, at::Tensor& out);
+
+// Causal attention of one sequence's prompt chunk, bf16: q [T, heads, D] are the last T of its context_len
+// positions, whose keys and values are in the paged cache under block_table [blocks] (prompt_attention.cpp).
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, int64_t context_len);
+
+// Whether this build has prompt_attention (compiled for a CPU with AVX-512 BF16).
+bool bf16_prompt_attention();
 
 // Floats per vector register of this build: a block size the attention kernel takes is a multiple of it.
 int64_t vector_width();

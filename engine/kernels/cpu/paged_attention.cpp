@@ -16,14 +16,12 @@
 //
 // A decode token is a tile of one query, so decodes and short chunks share the call: before it, a step of 64
 // fresh prompts of 5-40 tokens ran about 10 small ops per sequence and layer (200 of its 260 ms on 2 cores).
-// Long chunks stay with the tiled matmuls (engine/layers/attention.py): this kernel's float32 FMAs reach only a
-// fraction of oneDNN's bf16 rate there.
+// Chunks of 64 tokens or more go to SDPA's flash kernel (engine/layers/attention.py): this kernel's float32 FMAs
+// reach only a fraction of its bf16 rate there.
 
 #include "bf16_scores.h"
 #include "float_types.h"
 #include "ops.h"
-
-#include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 

@@ -9,6 +9,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 namespace {
 
