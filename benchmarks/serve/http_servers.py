@@ -112,9 +112,11 @@ class Server:
             shutil.copytree(session, folder / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True)
 
 
-def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False) -> Server:
+def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,
+                     env: dict[str, str] | None = None) -> Server:
     """`serve run` on a copy of `config` with a free port; direct: the server's URL is its replica's own port
-    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's."""
+    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's; env:
+    variables added to its environment (Ray's workers inherit them)."""
     spec = yaml.safe_load(config.read_text())
     port = free_port()
     spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
@@ -130,9 +132,9 @@ def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False) -
     (folder / "config.yaml").write_text(yaml.safe_dump(spec))
     # Ray's sockets live under RAY_TMPDIR, and AF_UNIX paths may not exceed 107 bytes: a short folder of its own
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    env = {**os.environ, "RAY_TMPDIR": str(ray_dir), "PYTHONPATH": str(ROOT)}
     log = folder / "serve.log"
-    process = subprocess.Popen(["serve", "run", str(folder / "config.yaml")], cwd=ROOT, env=env,
+    process = subprocess.Popen(["serve", "run", str(folder / "config.yaml")], cwd=ROOT,
+                               env={**os.environ, **(env or {}), "RAY_TMPDIR": str(ray_dir), "PYTHONPATH": str(ROOT)},
                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     model = spec["applications"][0]["args"]["engine"]["model"]
     return Server(name, f"http://127.0.0.1:{port}", model, process, log, ray_dir)
@@ -151,10 +153,11 @@ def _controller_env(spec: dict) -> dict:
     return spec.setdefault("controller_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
 
 
-def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path) -> Server:
-    """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, bf16, as its peer notes prescribe."""
+def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path, env: dict[str, str] | None = None) -> Server:
+    """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, bf16, as its peer notes prescribe; env:
+    variables added to its environment."""
     port = free_port()
-    env = vllm_env(python, kv_cache_gib=4)
+    env = {**vllm_env(python, kv_cache_gib=4), **(env or {})}
     log = tmp / "vllm.log"
     process = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
