@@ -1,5 +1,7 @@
 // Python bindings of the engine's C++ CPU operators (ops.h).
-#include <torch/extension.h>
+// torch's pybind11 casters for at::Tensor only: torch/extension.h (the whole C++ frontend) made this file 20.5 of
+// the build's 50 CPU seconds, this header 7.5
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 
