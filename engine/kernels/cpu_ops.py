@@ -1,14 +1,14 @@
 """The engine's C++ CPU operators (engine/kernels/cpu/): one extension module, compiled once per machine.
 
 torch's cpp_extension builds it with ninja and a C++ compiler at install (.ci/install.sh) or else the first time an
-engine starts on a machine (21 s on 2 cores; the bindings' header choice is measured in bindings.cpp) and keeps it under torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
-~/.cache/torch_extensions), in lora-serve/<name>: a later process, or another replica on the node, loads it in
-well under a second. Builds of one name take turns under an OS file lock, which dies with its process: torch's
-own lock is a file that a build killed half-way (a replica stopped while it started) leaves behind, and every
-later start would wait on it forever. The build name carries a hash of the sources, of the CPU's instruction-set
-flags (it is compiled with -march=native) and of the torch version. Where it cannot be built, `load()` says why
-once and returns None: the engine then keeps its pure-PyTorch paths, which are also the operators' references
-in the tests.
+engine starts on a machine (21 s on 2 cores; the bindings' header choice is measured in bindings.cpp) and keeps it
+under torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), in lora-serve/<name>:
+a later process, or another replica on the node, loads it in well under a second. Builds of one name take turns
+under an OS file lock, which dies with its process: torch's own lock is a file that a build killed half-way (a
+replica stopped while it started) leaves behind, and every later start would wait on it forever. The build name
+carries a hash of the sources, of the CPU's instruction-set flags (it is compiled with -march=native) and of the
+torch version. Where it cannot be built, `load()` says why once and returns None: the engine then keeps its
+pure-PyTorch paths, which are also the operators' references in the tests.
 """
 
 from __future__ import annotations
@@ -107,4 +107,3 @@ def load():
         log.warning("C++ CPU operators unavailable (%s: %s); the engine runs its PyTorch paths",
                     type(error).__name__, error)
         return None
-
