@@ -122,7 +122,8 @@ class ModelRunner:
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
         self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
-                              and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim))
+                              and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim,
+                                                                     self.block_size))
         self.lora_state = LoRAStepState()
         self.lora_layers = []
         if config.max_loras:

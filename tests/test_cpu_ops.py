@@ -152,16 +152,23 @@ def test_write_kv_cache_matches_index_copy(dtype):
                     reason="the prompt kernel needs a build for a CPU with AVX-512 BF16")
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("new, cached", [(64, 0), (77, 0), (300, 0), (130, 45), (17, 200), (1, 40)])
-def test_prompt_attention_matches_float32_attention(heads, kv_heads, dim, new, cached):
+@pytest.mark.parametrize("block", [16, 32, 8])
+def test_prompt_attention_matches_float32_attention(heads, kv_heads, dim, new, cached, block):
     """A prompt chunk (fresh, or after cached tokens) read from scattered cache blocks, against causal attention in
-    float32 on the same bf16 inputs: within bf16's rounding of the probabilities and the output."""
+    float32 on the same bf16 inputs: within bf16's rounding of the probabilities and the output. Blocks of 16 and
+    32 tokens take the AMX kernel where the build has it, blocks of 8 the AVX-512 BF16 one. Cache slots past the
+    context hold NaN, as a slot never written may: nothing may read them into the output."""
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(new * 7 + cached + dim)
-    context, block = new + cached, 16
+    context = new + cached
     blocks = (context + block - 1) // block
     k_cache = torch.randn(kv_heads, blocks + 5, block, dim, generator=gen).bfloat16()
     v_cache = torch.randn(kv_heads, blocks + 5, block, dim, generator=gen).bfloat16()
     table = torch.randperm(blocks + 5, generator=gen)[:blocks]
+    for cache in (k_cache, v_cache):
+        tail = cache[:, table].flatten(1, 2)  # a copy (advanced indexing), written back
+        tail[:, context:] = float("nan")
+        cache[:, table] = tail.view(kv_heads, blocks, block, dim)
     fused = torch.randn(new, heads + 2 * kv_heads, dim, generator=gen).bfloat16()  # q as a view of a projection
     q = fused[:, :heads]
     out = module.prompt_attention(q, k_cache, v_cache, table, context)

@@ -22,15 +22,19 @@ def usable(block_size: int, head_dim: int) -> bool:
     return module is not None and block_size % module.vector_width() == 0 and head_dim % 4 == 0
 
 
-def prompt_kernel_usable(dtype: torch.dtype, head_dim: int) -> bool:
+def prompt_kernel_usable(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether long prompt chunks attend in the C++ prompt kernel (cpu/prompt_attention.cpp) rather than SDPA's
-    flash kernel: bf16 on a CPU with AVX-512 BF16 and without AMX. One layer of a 2,000-token SmolLM2 prompt on an
-    AMD EPYC (Zen 4, 2 cores): 18.8 ms against SDPA's 40.0 (1,000 after 1,000 cached: 14.0 against 28.8; 128
-    tokens 0.15 against 0.36). On a Xeon with AMX, SDPA's kernel runs on AMX tiles (8.7-9.2 ms at 2,000 tokens)
-    and keeps the work."""
+    flash kernel: bf16, on AMX tiles where the CPU has AMX (16-token blocks), else with AVX-512 BF16. One layer of a
+    2,000-token SmolLM2 prompt on 2 cores: on an AMD EPYC (Zen 4, no AMX) 18.8 ms against SDPA's 40.0 (1,000 after
+    1,000 cached: 14.0 against 28.8; 128 tokens 0.15 against 0.36); on a Xeon with AMX 6.0 ms against 8.0 (1,000
+    after 1,000: 4.0 against 8.1; 512 tokens 0.6 against 0.9). The AVX-512 kernel on that Xeon took 27.5 ms against
+    SDPA's 8.9, so where the blocks do not tile AMX's 16 rows SDPA keeps the work."""
     module = cpu_ops.load()
-    return (module is not None and dtype == torch.bfloat16 and head_dim in (64, 128)
-            and module.bf16_prompt_attention() and not cpu_ops.has_cpu_flag("amx_bf16"))
+    if module is None or dtype != torch.bfloat16 or head_dim not in (64, 128) or not module.bf16_prompt_attention():
+        return False
+    if cpu_ops.has_cpu_flag("amx_bf16"):
+        return module.amx_prompt_attention() and block_size % 16 == 0
+    return True
 
 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

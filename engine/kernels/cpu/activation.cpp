@@ -24,21 +24,24 @@ float silu_scalar(scalar_t x) {
   return v / (1.f + std::exp(-v));
 }
 
+// silu(gate) rounded to scalar_t, times up, rounded again, for one step of 2 float vectors.
+template <typename scalar_t>
+void silu_mul_step(const scalar_t* gate, const scalar_t* up, scalar_t* out) {
+  const Vec g0 = lora_serve::load_float(gate), g1 = lora_serve::load_float(gate + Vec::size());
+  Vec s0 = g0 / (Vec(1.f) + g0.neg().exp()), s1 = g1 / (Vec(1.f) + g1.neg().exp());
+  lora_serve::round_pair<scalar_t>(s0, s1);
+  lora_serve::store_pair(s0 * lora_serve::load_float(up), s1 * lora_serve::load_float(up + Vec::size()), out);
+}
+
 // Two vectors a step and the rest one element at a time, as ATen's vectorised loop splits a row: its vector
 // exp (SLEEF) and the scalar std::exp can differ in the last bit, so the same elements must take the same one.
+// The step is vectorised through the product too: a scalar product made the op 60% of the time of the gate_up
+// projection before it (2,000 tokens of SmolLM2 in bf16, 2 cores of a Xeon: 1.3 -> 1.0 ms, the projection 2.1).
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t width) {
   constexpr int64_t step = 2 * Vec::size();
-  float silu[step];
   int64_t i = 0;
-  for (; i + step <= width; i += step) {
-    for (int64_t half = 0; half < step; half += Vec::size()) {
-      const Vec g = lora_serve::load_float(gate + i + half);
-      (g / (Vec(1.f) + g.neg().exp())).store(silu + half);
-    }
-    for (int64_t k = 0; k < step; ++k)
-      out[i + k] = static_cast<scalar_t>(lora_serve::round_to<scalar_t>(silu[k]) * static_cast<float>(up[i + k]));
-  }
+  for (; i + step <= width; i += step) silu_mul_step(gate + i, up + i, out + i);
   for (; i < width; ++i)
     out[i] = static_cast<scalar_t>(lora_serve::round_to<scalar_t>(silu_scalar(gate[i])) * static_cast<float>(up[i]));
 }

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prompt_attention", &prompt_attention,
         "causal attention of one sequence's bf16 prompt chunk over the paged cache, flash-style (CPU, AVX-512 BF16)");
   m.def("bf16_prompt_attention", &bf16_prompt_attention, "whether this build has prompt_attention");
+  m.def("amx_prompt_attention", &amx_prompt_attention, "whether prompt_attention runs on AMX (16-token blocks)");
   m.def("vector_width", &vector_width, "floats per vector register: the attention block size is a multiple of it");
   m.def("rotary", &rotary, "rotary position embedding, transformers' rounding (CPU)");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding (CPU)");

@@ -5,6 +5,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <tuple>
 #include <type_traits>
 
 namespace lora_serve {
@@ -26,6 +27,26 @@ inline Vec load_float(const scalar_t* p) {
 // x rounded to scalar_t and back: where transformers' ops round an intermediate to the model dtype.
 template <typename scalar_t>
 inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
+
+// 2 * Vec::size() values as float32 vectors a, b, rounded to scalar_t and back in place (ATen's vector
+// conversions round to nearest even, as the scalar ones do; float32 stays as it is).
+template <typename scalar_t>
+inline void round_pair(Vec& a, Vec& b) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(a, b));
+  }
+}
+
+// a, b stored as 2 * Vec::size() scalar_t values at out, rounded to nearest even.
+template <typename scalar_t>
+inline void store_pair(const Vec& a, const Vec& b, scalar_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    a.store(out);
+    b.store(out + Vec::size());
+  } else {
+    at::vec::convert_from_float<scalar_t>(a, b).store(out);
+  }
+}
 
 // Calls run(scalar_t{}) with the C++ type of `type`: float32, bfloat16 or float16; refuses any other by name.
 template <typename F>

@@ -18,6 +18,9 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Whether this build has prompt_attention (compiled for a CPU with AVX-512 BF16).
 bool bf16_prompt_attention();
 
+// Whether prompt_attention runs on AMX tiles for caches of 16-token blocks (prompt_attention_amx.cpp).
+bool amx_prompt_attention();
+
 // Floats per vector register of this build: a block size the attention kernel takes is a multiple of it.
 int64_t vector_width();
 

@@ -18,6 +18,7 @@
 
 #include "float_types.h"
 #include "ops.h"
+#include "prompt_attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -37,10 +38,7 @@ constexpr int64_t KS = 32;     // keys per step: two vectors of scores
 constexpr int64_t TQ = 16;     // queries per work item
 constexpr int64_t ROWS = 4;    // query rows scored together (their accumulators stay in registers)
 
-struct Shape {
-  int64_t t, heads, kv_heads, group, d, pairs, context, steps, block_size, blocks, q_stride;
-  float scale;
-};
+using Shape = lora_serve::PromptShape;
 
 inline __m512 dot(__m512 acc, __m512i a, uint32_t b) {
   const __m512i bb = _mm512_set1_epi32(static_cast<int>(b));
@@ -201,6 +199,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 bool bf16_prompt_attention() { return true; }
 
+bool amx_prompt_attention() { return lora_serve::amx_prompt_tiles(); }
+
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, int64_t context_len) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -219,17 +219,21 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t blocks_used = (context_len + k_cache.size(2) - 1) / k_cache.size(2);
   for (int64_t b = 0; b < blocks_used; ++b)
     TORCH_CHECK(tp[b] >= 0 && tp[b] < k_cache.size(1), "block ", tp[b], " is outside the cache");
-  Shape s{q.size(0), q.size(1), k_cache.size(0), q.size(1) / k_cache.size(0), q.size(2), q.size(2) / 2, context_len,
+  lora_serve::PromptShape s{q.size(0), q.size(1), k_cache.size(0), q.size(1) / k_cache.size(0), q.size(2),
+                            q.size(2) / 2, context_len,
           (context_len + KS - 1) / KS, k_cache.size(2), k_cache.size(1), q.stride(0),
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(2))))};
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  run(q, k_cache, v_cache, tp, s, out);
+  if (lora_serve::amx_prompt_usable(s)) lora_serve::amx_prompt_attention(q, k_cache, v_cache, tp, s, out);
+  else run(q, k_cache, v_cache, tp, s, out);
   return out;
 }
 
 #else
 
 bool bf16_prompt_attention() { return false; }
+
+bool amx_prompt_attention() { return false; }
 
 at::Tensor prompt_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "prompt_attention needs AVX-512 BF16, which this build lacks");

@@ -14,18 +14,43 @@
 namespace {
 
 template <typename scalar_t>
+void rotate_scalar(const scalar_t* in, const scalar_t* cos, const scalar_t* sin, scalar_t* o, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rotated = i < half ? -static_cast<float>(in[i + half]) : static_cast<float>(in[i - half]);
+    const float a = lora_serve::round_to<scalar_t>(static_cast<float>(in[i]) * static_cast<float>(cos[i]));
+    const float b = lora_serve::round_to<scalar_t>(rotated * static_cast<float>(sin[i]));
+    o[i] = static_cast<scalar_t>(a + b);
+  }
+}
+
+// The same rounding in vectors, 2 * Vec::size() outputs a step (each half of the head a whole number of steps):
+// 2,000 tokens of SmolLM2's 12 query and key heads, bf16, 2 cores of a Xeon: 0.52 -> 0.30 ms.
+template <typename scalar_t>
+void rotate_vector(const scalar_t* in, const scalar_t* cos, const scalar_t* sin, scalar_t* o, int64_t d) {
+  constexpr int64_t step = 2 * lora_serve::Vec::size();
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; i += step) {
+    using lora_serve::load_float;
+    const int64_t partner = i < half ? i + half : i - half;
+    const lora_serve::Vec sign(i < half ? -1.f : 1.f);
+    lora_serve::Vec a0 = load_float(in + i) * load_float(cos + i);
+    lora_serve::Vec a1 = load_float(in + i + step / 2) * load_float(cos + i + step / 2);
+    lora_serve::Vec b0 = load_float(in + partner) * sign * load_float(sin + i);
+    lora_serve::Vec b1 = load_float(in + partner + step / 2) * sign * load_float(sin + i + step / 2);
+    lora_serve::round_pair<scalar_t>(a0, a1);
+    lora_serve::round_pair<scalar_t>(b0, b1);
+    lora_serve::store_pair(a0 + b0, a1 + b1, o + i);
+  }
+}
+
+template <typename scalar_t>
 void rotate_token(const scalar_t* x, int64_t head_stride, const scalar_t* cos, const scalar_t* sin,
                   scalar_t* out, int64_t heads, int64_t d) {
-  const int64_t half = d / 2;
+  const bool vector = (d / 2) % (2 * lora_serve::Vec::size()) == 0;
   for (int64_t h = 0; h < heads; ++h) {
-    const scalar_t* in = x + h * head_stride;
-    scalar_t* o = out + h * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const float rotated = i < half ? -static_cast<float>(in[i + half]) : static_cast<float>(in[i - half]);
-      const float a = lora_serve::round_to<scalar_t>(static_cast<float>(in[i]) * static_cast<float>(cos[i]));
-      const float b = lora_serve::round_to<scalar_t>(rotated * static_cast<float>(sin[i]));
-      o[i] = static_cast<scalar_t>(a + b);
-    }
+    if (vector) rotate_vector(x + h * head_stride, cos, sin, out + h * d, d);
+    else rotate_scalar(x + h * head_stride, cos, sin, out + h * d, d);
   }
 }
 
