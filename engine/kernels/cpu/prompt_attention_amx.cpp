@@ -16,9 +16,9 @@
 // rounded to bf16 for the second product, as PyTorch's kernel rounds them.
 //
 // One layer of SmolLM2 (9 query heads, 3 KV heads, head dim 64), 2 cores of a Xeon, against SDPA's flash kernel
-// as the engine called it: a fresh 2,000-token prompt 4.5-5.3 ms against 7.7-8.8; 1,000 tokens after 1,000
-// cached 3.2-3.8 against 7.9-10.0; 512 tokens 0.5-0.6 against 0.8-0.9. The exponentials, ATen's exp_u20 at
-// first, were a third of the time; without any, 4.6 ms remain at 2,000 tokens: the steps' chain of tile
+// as the engine called it: a fresh 2,000-token prompt 4.1-5.0 ms against 7.7-8.8; 1,000 tokens after 1,000
+// cached 3.0-3.6 against 7.9-10.0; 512 tokens 0.40-0.45 against 0.8-0.9. The exponentials, ATen's exp_u20 at
+// first, were a third of the time; without any, about 4 ms remain at 2,000 tokens, mostly the steps' chain of tile
 // latencies (score, store, softmax, store, product) that one work item cannot overlap.
 
 #include "prompt_attention.h"
@@ -73,15 +73,13 @@ bool tiles_granted() {  // Linux hands the tile state to a process that asks for
   return granted;
 }
 
-// One KV head's values as V^T, [step][d][KS] bf16; keys past the context are 0 (their probabilities are 0, and
-// a cache slot never written may hold a NaN).
-void pack_values(const uint16_t* v_cache, const int64_t* table, const PromptShape& s, int64_t h, uint16_t* vt) {
-  std::fill(vt, vt + s.steps * s.d * KS, uint16_t{0});
-  for (int64_t key = 0; key < s.context; ++key) {
-    const uint16_t* row = v_cache + ((h * s.blocks + table[key / s.block_size]) * s.block_size +
-                                     key % s.block_size) * s.d;
-    uint16_t* dst = vt + (key / KS) * s.d * KS + key % KS;
-    for (int64_t c = 0; c < s.d; ++c) dst[c * KS] = row[c];
+// One step of one KV head's values as V^T, [d][KS] bf16; keys past the context are 0 (their probabilities are 0,
+// and a cache slot never written may hold a NaN).
+void pack_values(const uint16_t* v_head, const int64_t* table, const PromptShape& s, int64_t step, uint16_t* vt) {
+  std::fill(vt, vt + s.d * KS, uint16_t{0});
+  for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
+    const uint16_t* row = v_head + (table[key / s.block_size] * s.block_size + key % s.block_size) * s.d;
+    for (int64_t c = 0; c < s.d; ++c) vt[c * KS + key % KS] = row[c];
   }
 }
 
@@ -242,12 +240,17 @@ void accumulate_in_memory(const uint16_t* vt_step, const PromptShape& s, Tile& w
   }
 }
 
-void write_out(const Tile& w, const PromptShape& s, int64_t t0, uint16_t* out) {
-  float sum[TQ];
-  _mm512_storeu_ps(sum, w.sum);
+// O^T / sum, rounded to bf16 a row of 16 queries at a time, then written back in [token, head, dim] order.
+void write_out(Tile& w, const PromptShape& s, int64_t t0, uint16_t* out) {
+  const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), w.sum);
+  auto* rounded = reinterpret_cast<uint16_t*>(w.qt.data());  // Q^T is done with: d x TQ bf16 fit in its place
+  for (int64_t c = 0; c < s.d; ++c) {
+    const __m256bh row = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w.out.data() + c * TQ), inverse));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + c * TQ), reinterpret_cast<const __m256i&>(row));
+  }
   for (int64_t i = 0; i < w.valid; ++i) {
     uint16_t* dst = out + ((t0 + i) * s.heads + w.head) * s.d;
-    for (int64_t c = 0; c < s.d; ++c) dst[c] = c10::BFloat16(w.out[c * TQ + i] / sum[i]).x;
+    for (int64_t c = 0; c < s.d; ++c) dst[c] = rounded[c * TQ + i];
   }
 }
 
@@ -292,8 +295,11 @@ void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t v_size = s.steps * s.d * KS;
   std::vector<uint16_t> vt(s.kv_heads * v_size);
-  at::parallel_for(0, s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) pack_values(vc, table, s, h, vt.data() + h * v_size);
+  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {  // (head, step): balanced
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / s.steps, step = i % s.steps;
+      pack_values(vc + h * s.blocks * s.block_size * s.d, table, s, step, vt.data() + h * v_size + step * s.d * KS);
+    }
   });
   const int64_t tiles = (s.t + TQ - 1) / TQ;
   at::parallel_for(0, tiles * s.heads, 1, [&](int64_t begin, int64_t end) {
