@@ -181,3 +181,50 @@ def test_prompt_attention_matches_float32_attention(heads, kv_heads, dim, new, c
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     with pytest.raises(RuntimeError, match="bfloat16"):
         module.prompt_attention(q.float(), k_cache, v_cache, table, context)
+
+
+LORA_SHAPES = [(64, 6, [24, 8, 8]), (100, 16, [40]), (300, 8, [96, 33]), (50, 4, [8, 8, 8, 8, 5]), (576, 8, [576])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_features, rank, outs", LORA_SHAPES)
+def test_lora_add_matches_float64_reference(dtype, in_features, rank, outs):
+    """The multi-LoRA delta, each token reading its own slot in place, on the K-major weights LoRALinear keeps on
+    CPU: in and out sizes off the vector width, one to five sub-modules, base-model tokens (-1) untouched; y
+    summed in float32 and rounded once, so within one rounding of y's dtype of the float64 result."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(in_features + rank)
+    subs, slots_count = len(outs), 4
+    packed = torch.randn(slots_count, in_features * rank * subs + rank * sum(outs), generator=gen)
+    a = packed[:, :in_features * rank * subs].view(slots_count, -1, in_features).transpose(1, 2)
+    bs, start = [], in_features * rank * subs
+    for out in outs:
+        bs.append(packed[:, start:start + rank * out].view(slots_count, rank, out))
+        start += rank * out
+    slots = torch.tensor([2, -1, 0, 2, 3, -1, 2, 1, 1])
+    x = torch.randn(len(slots), in_features, generator=gen).to(dtype)
+    y = torch.randn(len(slots), sum(outs), generator=gen).to(dtype)
+    chosen = slots.clamp(min=0)
+    shrunk = torch.einsum("ti,tik->tk", x.double(), a[chosen].double())
+    delta = torch.cat([torch.einsum("tr,tro->to", shrunk[:, i * rank:(i + 1) * rank], b[chosen].double())
+                       for i, b in enumerate(bs)], dim=1)
+    want = y.double() + delta * (slots >= 0)[:, None]
+    got = y.clone()
+    module.lora_add_(got, x, a, bs, slots, rank)
+    assert torch.equal(got[slots < 0], y[slots < 0])
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance
+
+
+def test_lora_add_refuses_what_it_cannot_read():
+    module = cpu_ops.load()
+    packed = torch.zeros(2, 16 * 4 + 4 * 8)
+    a_k_major = packed[:, :64].view(2, 4, 16).transpose(1, 2)
+    b = packed[:, 64:].view(2, 4, 8)
+    x, y = torch.zeros(3, 16), torch.zeros(3, 8)
+    with pytest.raises(RuntimeError, match="K-major"):
+        module.lora_add_(y, x, packed[:, :64].view(2, 16, 4), [b], torch.zeros(3, dtype=torch.long), 4)
+    with pytest.raises(RuntimeError, match="outside the 2 slots"):
+        module.lora_add_(y, x, a_k_major, [b], torch.tensor([0, 2, -1]), 4)
+    with pytest.raises(RuntimeError, match="add up to y's columns"):
+        module.lora_add_(torch.zeros(3, 9), x, a_k_major, [b], torch.zeros(3, dtype=torch.long), 4)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.kernels import cpu_ops
 from engine.layers.lora import LoRALinear, LoRASubModule
 from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch
 
@@ -31,12 +32,21 @@ def _runs(pairs: list[tuple[int, int]]) -> list[AdapterRun]:
     return [AdapterRun(slot, tokens) for slot, tokens in pairs]
 
 
-def _layer(dtype=torch.float32, outs=OUTS):
+@pytest.fixture(params=["grouped", "C++"])
+def path(request):
+    """The two CPU paths of LoRALinear: grouped PyTorch batched matmuls, or the C++ operator (cpu/lora.cpp)."""
+    if request.param == "C++" and cpu_ops.load() is None:
+        pytest.skip("the C++ CPU operators do not build here")
+    return request.param
+
+
+def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
     gen = torch.Generator().manual_seed(0)
     base = nn.Linear(IN, sum(outs)).to(dtype)
     state = LoRAStepState()
     subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(outs)]
     layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU)
+    layer.cpu_ops = cpu_ops.load() if path == "C++" else None
     adapters = {slot: _adapter(slot, gen, outs) for slot in RANKS}
     for slot, weights in adapters.items():
         layer.load_slot(slot, weights)
@@ -69,8 +79,8 @@ RUN_SHAPES = {
 
 
 @pytest.mark.parametrize("runs", RUN_SHAPES.values(), ids=RUN_SHAPES.keys())
-def test_batched_lora_equals_per_token_reference(runs):
-    layer, state, adapters = _layer()
+def test_batched_lora_equals_per_token_reference(runs, path):
+    layer, state, adapters = _layer(path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(1))
     state.batch = build_lora_batch(_runs(runs), CPU)
     with torch.inference_mode():
@@ -79,16 +89,16 @@ def test_batched_lora_equals_per_token_reference(runs):
 
 @pytest.mark.parametrize("runs", [[(1, 3), (0, 3), (1, 3)], [(1, 3), (1, 3), (0, 3)], [(1, 3), (-1, 1), (0, 2)]],
                          ids=["in order", "adjacent runs of a slot, cut back", "gathered"])
-def test_a_linear_with_one_sub_module(runs):
-    layer, state, adapters = _layer(outs=(16,))
+def test_a_linear_with_one_sub_module(runs, path):
+    layer, state, adapters = _layer(outs=(16,), path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(5))
     state.batch = build_lora_batch(_runs(runs), CPU, allowance=1000)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_base_gets_the_same_delta():
-    layer, state, adapters = _layer(torch.bfloat16)
+def test_bf16_base_gets_the_same_delta(path):
+    layer, state, adapters = _layer(torch.bfloat16, path=path)
     runs = RUN_SHAPES["prefill runs share a slot (padding)"]
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(2)).bfloat16()
     state.batch = build_lora_batch(_runs(runs), CPU)
@@ -145,8 +155,8 @@ def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():
 
 @pytest.mark.parametrize("runs", [[(0, 40), (1, 1), (2, 1), (0, 1), (3, 17), (-1, 5), (4, 2)],
                                   [(5, 300), (1, 1), (-1, 2), (3, 1)]])
-def test_several_groups_equal_the_reference(runs):
-    layer, state, adapters = _layer()
+def test_several_groups_equal_the_reference(runs, path):
+    layer, state, adapters = _layer(path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(4))
     state.batch = build_lora_batch(_runs(runs), CPU)
     assert len(state.batch.groups) > 1
@@ -154,8 +164,8 @@ def test_several_groups_equal_the_reference(runs):
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
 
-def test_reloading_a_slot_clears_modules_the_new_adapter_does_not_target():
-    layer, state, adapters = _layer()
+def test_reloading_a_slot_clears_modules_the_new_adapter_does_not_target(path):
+    layer, state, adapters = _layer(path=path)
     key = sorted(adapters[1])[0]
     kept = {key: adapters[1][key]}
     layer.load_slot(1, kept)

@@ -1,6 +1,7 @@
 // Python bindings of the engine's C++ CPU operators (ops.h).
 // torch's pybind11 casters for at::Tensor only: torch/extension.h (the whole C++ frontend) made this file 20.5 of
 // the build's 50 CPU seconds, this header 7.5
+#include <pybind11/stl.h>  // lists of tensors
 #include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
@@ -18,5 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then weight * rms_norm(residual) (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(-1) (CPU)");
+  m.def("lora_add_", &lora_add_, "multi-LoRA delta of one linear, each token reading its slot in place (CPU)");
   m.def("write_kv_cache", &write_kv_cache, "a step's new keys and values into their cache slots (CPU)");
 }

@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every operator's header, several seconds of each file's build
 
+#include <vector>
+
 // Causal attention reading the paged KV cache in place, into out [T, heads, D]: sequence i's queries are rows
 // [query_starts[i], + query_lens[i]) of q, the last of its context_lens[i] positions, its blocks row i of
 // block_tables (paged_attention.cpp).
@@ -45,3 +47,9 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 // block_size, head_dim]; slot = block * block_size + offset (kv_write.cpp).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
+
+// Multi-LoRA for one linear, in place: y[t] += (x[t] @ A[slot]) @ B_i[slot] per sub-module i at its columns, for
+// each token t of slot slots[t] >= 0; float32 weights [S, in, subs * rank] and [S, rank, out_i], float32 sums,
+// y rounded once (lora.cpp).
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots,
+               const at::Tensor& slots, int64_t rank);
