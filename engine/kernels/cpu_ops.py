@@ -1,7 +1,7 @@
 """The engine's C++ CPU operators (engine/kernels/cpu/): one extension module, compiled once per machine.
 
 torch's cpp_extension builds it with ninja and a C++ compiler at install (.ci/install.sh) or else the first time an
-engine starts on a machine (21 s on 2 cores; the bindings' header choice is measured in bindings.cpp) and keeps it
+engine starts on a machine (19-22 s on 2 cores; the bindings' header choice is measured in bindings.cpp) and keeps it
 under torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), in lora-serve/<name>:
 a later process, or another replica on the node, loads it in well under a second. Builds of one name take turns
 under an OS file lock, which dies with its process: torch's own lock is a file that a build killed half-way (a
