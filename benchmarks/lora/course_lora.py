@@ -156,7 +156,7 @@ def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) ->
     items = [(b, v) for _ in range(rounds) for b in batch_sizes for v in variants]
     for b, (kind, method) in tqdm(items, desc=f"course toy model, hidden {hidden}", unit="item"):
         seconds = []
-        draws = samples // SHARED_SAMPLES_DIVISOR if method == SHARED else samples  # a SHARED sample is 120 calls
+        draws = max(1, samples // SHARED_SAMPLES_DIVISOR) if method == SHARED else samples  # SHARED: 120 calls
         for input_ids, lora_indices in [draw(b) for _ in range(draws + 1)]:  # the first one warms up
             if kind == "layer":
                 seconds.append(time_layer(model, method, model.embedding(input_ids), lora_indices))

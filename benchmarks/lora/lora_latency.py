@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from benchmarks.common import fmt, markdown_table, timed
-from benchmarks.lora.lora_setup import LoraPlan, make_llm
+from benchmarks.lora.lora_setup import LoraPlan, make_llm, source_reads
 from benchmarks.workloads import PROMPTS
 from engine import LLM, SamplingParams
 from lora_cache.adapter import load_adapter
@@ -34,13 +34,14 @@ def cold_load(root: Path, ids: dict[str, list[str]], plan: LoraPlan, bar) -> dic
     for i, cold_id in enumerate(cold):
         cases = [("cold", cold_id), ("resident", resident), ("base", None)]
         for case, adapter in cases[i % 3:] + cases[:i % 3]:
-            before = cache.loads
+            before = source_reads(cache)
             samples[case].append(first_token(llm, adapter))
-            if case == "cold" and cache.loads != before + 1:
+            if case == "cold" and source_reads(cache) != before + 1:
                 raise RuntimeError(f"cold adapter {adapter!r} was not read from its source")
         bar.update(1)
-    return {"samples": samples, "median": _medians(samples), "max_loras": max_loras, "source_reads": cache.loads,
-            "slot_loads": llm.engine.adapter_slots.loads, "components": components(llm, root, resident, 10)}
+    return {"samples": samples, "median": _medians(samples), "max_loras": max_loras,
+            "source_reads": source_reads(cache), "slot_loads": llm.engine.adapter_slots.loads,
+            "components": components(llm, root, resident, 10)}
 
 
 def warm_switch(root: Path, ids: dict[str, list[str]], plan: LoraPlan, bar) -> dict:
@@ -51,14 +52,14 @@ def warm_switch(root: Path, ids: dict[str, list[str]], plan: LoraPlan, bar) -> d
     for adapter in four:  # into the CPU tier once (and through the slots)
         first_token(llm, adapter)
     cache, slots = llm.engine.adapters, llm.engine.adapter_slots
-    reads, loads = cache.loads, slots.loads
+    reads, loads = source_reads(cache), slots.loads
     samples = {"switch": [], "resident": []}
     for i in range(plan.switch_requests):
         adapter = four[i % 4]
         samples["switch"].append(first_token(llm, adapter))
         samples["resident"].append(first_token(llm, adapter))
         bar.update(1)
-    return {"samples": samples, "median": _medians(samples), "source_reads_during": cache.loads - reads,
+    return {"samples": samples, "median": _medians(samples), "source_reads_during": source_reads(cache) - reads,
             "slot_loads_during": slots.loads - loads, "evictions": slots.evictions}
 
 

@@ -65,3 +65,8 @@ def generate(llm: LLM, requests, adapters) -> tuple[list[list[int]], float]:
     params = SamplingParams(max_tokens=requests[0][1], temperature=0.0, ignore_eos=True)
     outputs, seconds = timed(llm.generate, [p for p, _ in requests], params, use_tqdm=False, adapters=adapters)
     return [o.token_ids for o in outputs], seconds
+
+
+def source_reads(adapters) -> int:
+    """Adapters read from their source so far by an engine's CPU tier (an AdapterProvider's load counts)."""
+    return sum(stats.loads for stats in adapters.load_stats().values())

@@ -24,6 +24,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from benchmarks.common import benchmark_args  # noqa: E402
 from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
+from benchmarks.lora.lora_setup import source_reads  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -89,7 +90,7 @@ def summarise(llm, adapters, outs, base_seconds, zipf_seconds, num_adapters, num
         "latency_s": {"top": {"p50": statistics.median(top), "p99": percentile(top, 0.99), "n": len(top)},
                       "tail": {"p50": statistics.median(tail), "p99": percentile(tail, 0.99), "n": len(tail)},
                       "max": max(lat for _, lat in latency)},
-        "source_loads": llm.engine.adapters.loads, "slot_loads": slots.loads, "slot_evictions": slots.evictions,
+        "source_loads": source_reads(llm.engine.adapters), "slot_loads": slots.loads, "slot_evictions": slots.evictions,
         "latency_by_rank": latency,
     }
 
