@@ -126,7 +126,8 @@ class ModelRunner:
         self.lora_layers = []
         if config.max_loras:
             self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
-                                                 config.max_lora_rank, self.dtype, self.device)
+                                                 config.max_lora_rank, self.dtype, self.device,
+                                                 cpp_kernel=self.cpu_ops is not None)
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         if self.cpu_ops is not None:  # after the LoRA wrappers, which take them too

@@ -188,14 +188,17 @@ LORA_SHAPES = [(64, 6, [24, 8, 8]), (100, 16, [40]), (300, 8, [96, 33]), (50, 4,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("in_features, rank, outs", LORA_SHAPES)
-def test_lora_add_matches_float64_reference(dtype, in_features, rank, outs):
+@pytest.mark.parametrize("weights_in_dtype", [False, True], ids=["float32 weights", "weights in x's dtype"])
+def test_lora_add_matches_float64_reference(dtype, in_features, rank, outs, weights_in_dtype):
     """The multi-LoRA delta, each token reading its own slot in place, on the K-major weights LoRALinear keeps on
-    CPU: in and out sizes off the vector width, one to five sub-modules, base-model tokens (-1) untouched; y
-    summed in float32 and rounded once, so within one rounding of y's dtype of the float64 result."""
+    CPU (float32, or the model's dtype): in and out sizes off the vector width, one to five sub-modules,
+    base-model tokens (-1) untouched; y summed in float32 and rounded once, so within one rounding of y's dtype
+    of the float64 result on the same weights."""
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(in_features + rank)
     subs, slots_count = len(outs), 4
     packed = torch.randn(slots_count, in_features * rank * subs + rank * sum(outs), generator=gen)
+    packed = packed.to(dtype) if weights_in_dtype else packed
     a = packed[:, :in_features * rank * subs].view(slots_count, -1, in_features).transpose(1, 2)
     bs, start = [], in_features * rank * subs
     for out in outs:
@@ -228,3 +231,5 @@ def test_lora_add_refuses_what_it_cannot_read():
         module.lora_add_(y, x, a_k_major, [b], torch.tensor([0, 2, -1]), 4)
     with pytest.raises(RuntimeError, match="add up to y's columns"):
         module.lora_add_(torch.zeros(3, 9), x, a_k_major, [b], torch.zeros(3, dtype=torch.long), 4)
+    with pytest.raises(RuntimeError, match="float32 or x's dtype"):
+        module.lora_add_(y, x, a_k_major.half(), [b.half()], torch.zeros(3, dtype=torch.long), 4)

@@ -45,7 +45,7 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
     base = nn.Linear(IN, sum(outs)).to(dtype)
     state = LoRAStepState()
     subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(outs)]
-    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU)
+    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU, cpp_kernel=path == "C++")
     layer.cpu_ops = cpu_ops.load() if path == "C++" else None
     adapters = {slot: _adapter(slot, gen, outs) for slot in RANKS}
     for slot, weights in adapters.items():
@@ -54,7 +54,8 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
 
 
 def _reference(layer, adapters, x, runs):
-    """y = base(x) + scaling * x A^T B^T, one token at a time."""
+    """y = base(x) + scaling * x A^T B^T, one token at a time, with A and scaling * B rounded to the dtype the layer
+    keeps them in (the model's, on the C++ path)."""
     y = layer.base(x).float()
     slots = [slot for slot, count in runs for _ in range(count)]
     offsets = [0]
@@ -63,7 +64,9 @@ def _reference(layer, adapters, x, runs):
     for row, slot in enumerate(slots):
         for i, (key, w) in enumerate(sorted(adapters.get(slot, {}).items())):
             col = int(key[1:])
-            delta = (x[row].float() @ w.lora_a.t() @ w.lora_b.t()) * w.scaling
+            stored = layer.packed.dtype
+            a, b = w.lora_a.to(stored).float(), (w.lora_b * w.scaling).to(stored).float()
+            delta = x[row].float() @ a.t() @ b.t()
             y[row, offsets[col]:offsets[col + 1]] += delta
     return y
 

@@ -5,9 +5,10 @@ sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [
 sub-module (scaling folded in), so that no zero block of a fused B is ever read. In a decode CUDA
 graph each token instead reads its own slot's weights in place (Triton kernels, engine/kernels/lora.py).
 On CPU with the C++ operators, every eager step does the same: one call per linear (cpu/lora.cpp), with A
-stored K-major for its dot products. That replaced about ten small ops per linear: 64 decodes over 8 rank-8
-q,k,v,o adapters kept 72-74% of the base model's throughput in bf16 that way on 2 cores of a Xeon, and 93-98%
-with the C++ call (fp32: 88% -> 97-103%).
+stored K-major for its dot products, and in the model's dtype (bf16 halves the bytes every token reads: with 32
+adapters in one bf16 step they were 4 MB a layer in float32). That replaced about ten small ops per linear: 64
+decodes over 8 rank-8 q,k,v,o adapters kept 72-74% of the base model's throughput in bf16 that way on 2 cores of
+a Xeon, and 93-98% with the C++ call (fp32: 88% -> 97-103%).
 Otherwise, eagerly, the step's tokens arrive grouped by adapter slot (lora_batch.py); per group the delta is
 batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
 (or, when one group holds every token in order, the expand matmul adds into it in place).
@@ -48,7 +49,9 @@ def fused_targets(shapes: dict[str, tuple[int, int]],
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, subs: list[LoRASubModule], state: LoRAStepState,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, cpp_kernel: bool = False):
+        """cpp_kernel: on CPU, the C++ operator will compute the delta (cpu/lora.cpp), reading the slots' weights in
+        the model's dtype; otherwise they are kept in float32 there."""
         super().__init__()
         self.base = base
         self.subs = subs
@@ -56,7 +59,7 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.max_rank = max_rank
         self.row_flops = 2 * max_rank * len(subs) * in_features + 2 * max_rank * sum(s.out_size for s in subs)
-        if device.type == "cpu":  # CPU bf16 batched matmuls of these small shapes are slow; fp32 ones are not
+        if device.type == "cpu" and not cpp_kernel:  # CPU bf16 batched matmuls of these shapes are slow, not fp32
             dtype = torch.float32
         # One row per slot packs A and every B (one storage per linear); a_slots and b_slots are strided views
         # of it, [slots, in, subs * R] and [slots, R, out] per sub-module, that a group gathers directly.
@@ -147,8 +150,8 @@ class LoRALinear(nn.Module):
             b[0, :rank] = (w.lora_b.t() * w.scaling).to(b.dtype)
 
 
-def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int,
-                      dtype: torch.dtype, device: torch.device) -> list[dict[str, LoRALinear]]:
+def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int, dtype: torch.dtype,
+                      device: torch.device, cpp_kernel: bool = False) -> list[dict[str, LoRALinear]]:
     """Replace each of the model's LoRA-capable linears; returns, per layer, linear path -> LoRALinear."""
     per_layer: list[dict[str, LoRALinear]] = []
     for layer, targets in zip(model.decoder_layers, model.lora_targets()):
@@ -157,7 +160,7 @@ def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, ma
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             lora = LoRALinear(getattr(parent, name), target.in_features, target.subs, state, max_loras, max_rank,
-                              dtype, device)
+                              dtype, device, cpp_kernel)
             setattr(parent, name, lora)
             wrapped[path] = lora
         per_layer.append(wrapped)

@@ -8,7 +8,8 @@
 // while the math is a few. 64 decodes of 8 rank-8 q,k,v,o adapters on SmolLM2 in bf16 kept 74% of the base
 // model's throughput on 2 cores of a Xeon that way.
 //
-// The math is float32 (the slots' weights are stored so on CPU). A token's x row is widened once; the shrink is a
+// The math is float32; the slots' weights are float32 or the model's dtype (LoRALinear keeps them in bf16 for a bf16
+// model when this kernel runs: half the bytes each token reads). A token's x row is widened once; the shrink is a
 // dot product of it with each of A's K = subs * rank columns, which LoRALinear stores K-major on CPU for this
 // (along K, 24 or 8 values, vectors would be mostly partial); the expand adds each rank lane's coefficient times
 // B's row to a float32 copy of y's row, which is rounded back once. One slot's A and B of
@@ -26,25 +27,29 @@ namespace {
 
 using lora_serve::Vec;
 
-// dst[0:n] += coefficient * src[0:n]: whole vectors, then one value at a time.
-inline void axpy(float* dst, const float* src, float coefficient, int64_t n) {
+// dst[0:n] += coefficient * src[0:n] (src widened to float32): whole vectors, then one value at a time.
+template <typename weight_t>
+inline void axpy(float* dst, const weight_t* src, float coefficient, int64_t n) {
   const Vec c(coefficient);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size())
-    at::vec::fmadd(c, Vec::loadu(src + j), Vec::loadu(dst + j)).store(dst + j);
-  for (; j < n; ++j) dst[j] += coefficient * src[j];
+    at::vec::fmadd(c, lora_serve::load_float(src + j), Vec::loadu(dst + j)).store(dst + j);
+  for (; j < n; ++j) dst[j] += coefficient * static_cast<float>(src[j]);
 }
 
-// sum of a[0:n] * b[0:n] in four vector chains, then one value at a time.
-inline float dot(const float* a, const float* b, int64_t n) {
+// sum of a[0:n] * b[0:n] (b widened to float32) in four vector chains, then one value at a time.
+template <typename weight_t>
+inline float dot(const float* a, const weight_t* b, int64_t n) {
   Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
   int64_t j = 0;
   for (; j + 4 * Vec::size() <= n; j += 4 * Vec::size())
     for (int c = 0; c < 4; ++c)
-      acc[c] = at::vec::fmadd(Vec::loadu(a + j + c * Vec::size()), Vec::loadu(b + j + c * Vec::size()), acc[c]);
-  for (; j + Vec::size() <= n; j += Vec::size()) acc[0] = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc[0]);
+      acc[c] = at::vec::fmadd(Vec::loadu(a + j + c * Vec::size()), lora_serve::load_float(b + j + c * Vec::size()),
+                              acc[c]);
+  for (; j + Vec::size() <= n; j += Vec::size())
+    acc[0] = at::vec::fmadd(Vec::loadu(a + j), lora_serve::load_float(b + j), acc[0]);
   float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
-  for (; j < n; ++j) sum += a[j] * b[j];
+  for (; j < n; ++j) sum += a[j] * static_cast<float>(b[j]);
   return sum;
 }
 
@@ -53,33 +58,37 @@ void widen_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
-// The float32 slot views LoRALinear keeps on CPU: A [S, in, K] stored K-major (each of its K columns a contiguous
-// run over `in`: a dot product per column), and one B [S, rank, out_i] per sub-module (rows contiguous).
+// The slot views LoRALinear keeps on CPU, in float32 or the model's dtype: A [S, in, K] stored K-major (each of
+// its K columns a contiguous run over `in`: a dot product per column), and one B [S, rank, out_i] per sub-module
+// (rows contiguous).
+template <typename weight_t>
 struct Weights {
-  const float* a;
+  const weight_t* a;
   int64_t a_slot, a_column;
-  std::vector<const float*> b;
+  std::vector<const weight_t*> b;
   std::vector<int64_t> b_slot, b_row, out, offset;
   int64_t in, k, rank;
 };
 
 // shrunk[0:K] = x_row @ A[slot]
-void shrink(const float* x_row, const Weights& w, int64_t slot, float* shrunk) {
-  const float* a = w.a + slot * w.a_slot;
+template <typename weight_t>
+void shrink(const float* x_row, const Weights<weight_t>& w, int64_t slot, float* shrunk) {
+  const weight_t* a = w.a + slot * w.a_slot;
   for (int64_t k = 0; k < w.k; ++k) shrunk[k] = dot(x_row, a + k * w.a_column, w.in);
 }
 
 // y_row[off_i:off_i + out_i] += shrunk[i * rank:(i + 1) * rank] @ B_i[slot], for every sub-module i.
-void expand(const float* shrunk, const Weights& w, int64_t slot, float* y_row) {
+template <typename weight_t>
+void expand(const float* shrunk, const Weights<weight_t>& w, int64_t slot, float* y_row) {
   for (size_t i = 0; i < w.b.size(); ++i) {
-    const float* b = w.b[i] + slot * w.b_slot[i];
+    const weight_t* b = w.b[i] + slot * w.b_slot[i];
     for (int64_t r = 0; r < w.rank; ++r)
       axpy(y_row + w.offset[i], b + r * w.b_row[i], shrunk[i * w.rank + r], w.out[i]);
   }
 }
 
-template <typename scalar_t>
-void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights& w) {
+template <typename scalar_t, typename weight_t>
+void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights<weight_t>& w) {
   const int64_t tokens = x.size(0), n = y.size(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* yp = y.data_ptr<scalar_t>();
@@ -97,12 +106,13 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights
   });
 }
 
-Weights weights(const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots, int64_t rank) {
-  Weights w{a_slots.data_ptr<float>(), a_slots.stride(0), a_slots.stride(2), {}, {}, {}, {}, {},
-            a_slots.size(1), a_slots.size(2), rank};
+template <typename weight_t>
+Weights<weight_t> weights(const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots, int64_t rank) {
+  Weights<weight_t> w{a_slots.data_ptr<weight_t>(), a_slots.stride(0), a_slots.stride(2), {}, {}, {}, {}, {},
+                      a_slots.size(1), a_slots.size(2), rank};
   int64_t offset = 0;
   for (const auto& b : b_slots) {
-    w.b.push_back(b.data_ptr<float>());
+    w.b.push_back(b.data_ptr<weight_t>());
     w.b_slot.push_back(b.stride(0));
     w.b_row.push_back(b.stride(1));
     w.out.push_back(b.size(2));
@@ -119,14 +129,17 @@ void check(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, 
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong &&
               slots.is_contiguous(), "slots must be int64 [T]");
-  TORCH_CHECK(a_slots.dim() == 3 && a_slots.scalar_type() == at::kFloat && a_slots.stride(1) == 1 &&
-              a_slots.size(1) == x.size(1) && a_slots.size(2) == rank * static_cast<int64_t>(b_slots.size()),
-              "a_slots must be float32 [S, in, subs * rank], K-major (unit stride along in)");
+  const auto weight_type = a_slots.scalar_type();
+  TORCH_CHECK(weight_type == at::kFloat || weight_type == x.scalar_type(),
+              "the slots' weights must be float32 or x's dtype");
+  TORCH_CHECK(a_slots.dim() == 3 && a_slots.stride(1) == 1 && a_slots.size(1) == x.size(1) &&
+              a_slots.size(2) == rank * static_cast<int64_t>(b_slots.size()),
+              "a_slots must be [S, in, subs * rank], K-major (unit stride along in)");
   int64_t out = 0;
   for (const auto& b : b_slots) {
-    TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kFloat && b.stride(2) == 1 && b.size(0) == a_slots.size(0) &&
-                b.size(1) == rank, "each of b_slots must be float32 [S, rank, out_i] with unit stride in its last "
-                "dimension");
+    TORCH_CHECK(b.dim() == 3 && b.scalar_type() == weight_type && b.stride(2) == 1 && b.size(0) == a_slots.size(0) &&
+                b.size(1) == rank, "each of b_slots must be [S, rank, out_i] in A's dtype with unit stride in its "
+                "last dimension");
     out += b.size(2);
   }
   TORCH_CHECK(out == y.size(1), "the sub-modules' outputs must add up to y's columns");
@@ -140,8 +153,11 @@ void check(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots,
                const at::Tensor& slots, int64_t rank) {
   check(y, x, a_slots, b_slots, slots, rank);
-  const Weights w = weights(a_slots, b_slots, rank);
   lora_serve::dispatch_float_types(x.scalar_type(), "lora_add_", [&](auto type) {
-    run<decltype(type)>(y, x, slots.data_ptr<int64_t>(), w);
+    using scalar_t = decltype(type);
+    if (a_slots.scalar_type() == at::kFloat)
+      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<float>(a_slots, b_slots, rank));
+    else
+      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<scalar_t>(a_slots, b_slots, rank));
   });
 }
