@@ -19,7 +19,7 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance, token_slots
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_cpu_ops
 from engine.sampler import token_logprobs
@@ -206,12 +206,14 @@ class ModelRunner:
             hidden = self.graphs.run(self._decode_inputs(ordered))
             return StepResult(self._float_logits(self.model.compute_logits(hidden)), ordered, [])
         step = self._prepare(ordered)
-        if self.lora_layers:
+        if self.lora_layers and self.cpu_ops is not None:  # the C++ call reads each token's slot
+            self.lora_state.token_slots = token_slots(step.adapter_runs, self.device)
+        elif self.lora_layers:
             self.lora_state.batch = build_lora_batch(step.adapter_runs, self.device, self.lora_padding)
         try:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attention)
         finally:
-            self.lora_state.batch = None
+            self.lora_state.batch = self.lora_state.token_slots = None
         scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
         if not step.sample_rows:
             return StepResult(torch.empty(0, device=self.device), [], scores)

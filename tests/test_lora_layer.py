@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.kernels import cpu_ops
 from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, token_slots
 
 CPU = torch.device("cpu")
 IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6
@@ -53,6 +53,13 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
     return layer, state, adapters
 
 
+def _set_step(layer, runs, **kwargs) -> None:
+    """The step's LoRA layout as the runner sets it: the grouped batch, and on the C++ path each token's slot."""
+    layer.state.batch = build_lora_batch(_runs(runs), CPU, **kwargs)
+    if layer.cpu_ops is not None:
+        layer.state.token_slots = token_slots(_runs(runs), CPU)
+
+
 def _reference(layer, adapters, x, runs):
     """y = base(x) + scaling * x A^T B^T, one token at a time, with A and scaling * B rounded to the dtype the layer
     keeps them in (the model's, on the C++ path)."""
@@ -85,7 +92,7 @@ RUN_SHAPES = {
 def test_batched_lora_equals_per_token_reference(runs, path):
     layer, state, adapters = _layer(path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(1))
-    state.batch = build_lora_batch(_runs(runs), CPU)
+    _set_step(layer, runs)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
@@ -95,7 +102,7 @@ def test_batched_lora_equals_per_token_reference(runs, path):
 def test_a_linear_with_one_sub_module(runs, path):
     layer, state, adapters = _layer(outs=(16,), path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(5))
-    state.batch = build_lora_batch(_runs(runs), CPU, allowance=1000)
+    _set_step(layer, runs, allowance=1000)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
 
@@ -104,13 +111,15 @@ def test_bf16_base_gets_the_same_delta(path):
     layer, state, adapters = _layer(torch.bfloat16, path=path)
     runs = RUN_SHAPES["prefill runs share a slot (padding)"]
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(2)).bfloat16()
-    state.batch = build_lora_batch(_runs(runs), CPU)
+    _set_step(layer, runs)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x).float(), _reference(layer, adapters, x, runs), rtol=2e-2, atol=5e-2)
 
 
 def test_batch_shape_fast_paths():
     assert build_lora_batch(_runs([(-1, 4)]), CPU) is None  # no adapter tokens: the LoRA path is skipped
+    assert token_slots(_runs([(-1, 4)]), CPU) is None
+    assert token_slots(_runs([(2, 2), (-1, 1)]), CPU).tolist() == [2, 2, -1]
     in_order = build_lora_batch(_runs([(0, 1), (1, 1), (2, 1)]), CPU)
     assert in_order.token_rows is None and in_order.valid_positions is None
     (group,) = in_order.groups
@@ -161,7 +170,7 @@ def test_a_long_prefill_gets_its_own_group_instead_of_padding_every_decode():
 def test_several_groups_equal_the_reference(runs, path):
     layer, state, adapters = _layer(path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(4))
-    state.batch = build_lora_batch(_runs(runs), CPU)
+    _set_step(layer, runs)
     assert len(state.batch.groups) > 1
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), rtol=1e-5, atol=1e-5)
@@ -173,7 +182,7 @@ def test_reloading_a_slot_clears_modules_the_new_adapter_does_not_target(path):
     kept = {key: adapters[1][key]}
     layer.load_slot(1, kept)
     x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
-    state.batch = build_lora_batch(_runs([(1, 3)]), CPU)
+    _set_step(layer, [(1, 3)])
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, {1: kept}, x, [(1, 3)]), rtol=1e-5, atol=1e-5)
     layer.load_slot(1, {})

@@ -87,13 +87,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
-        if self.state.token_slots is not None:  # captured in a decode CUDA graph: slots as a tensor
+        if self.state.token_slots is not None:  # slots as a tensor: a decode CUDA graph, or CPU with the C++ call
             return self._indexed_delta(x, y, self.state.token_slots)
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
-            return y
-        if self.cpu_ops is not None:  # one C++ call, each token reading its slot in place (cpu/lora.cpp)
-            self.cpu_ops.lora_add_(y, x, self.a_slots, self.b_slots, batch.token_slots, self.max_rank)
             return y
         if batch.in_order_group is not None and x.dtype == y.dtype == self.expand_dtype:  # expand in place
             group = batch.in_order_group
@@ -109,7 +106,12 @@ class LoRALinear(nn.Module):
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
 
     def _indexed_delta(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Every token reads its own slot's A and B in place (Triton, CUDA): static shapes, no weight copy."""
+        """Every token reads its own slot's A and B in place, no weight copy: one C++ call on CPU (cpu/lora.cpp),
+        Triton on CUDA (static shapes, for the decode graphs)."""
+        if self.cpu_ops is not None:
+            if self.slots_with_weights:  # a linear that no resident adapter targets adds nothing
+                self.cpu_ops.lora_add_(y, x, self.a_slots, self.b_slots, slots, self.max_rank)
+            return y
         from engine.kernels.lora import lora_expand_, lora_shrink
 
         return lora_expand_(y, lora_shrink(x, self.a_slots, slots), self.b_slots, slots, self.max_rank)

@@ -44,7 +44,6 @@ class LoRABatch:
     groups: list[LoRAGroup]
     valid_positions: torch.Tensor | None  # the real tokens' positions in the groups' concatenated grid; None: all
     token_rows: torch.Tensor | None  # the row of each real token, same order; None: every row, in order
-    token_slots: torch.Tensor  # [tokens]: each token's slot (-1: the base model), for the kernels that index by it
 
     @property
     def in_order_group(self) -> LoRAGroup | None:
@@ -58,7 +57,7 @@ class LoRABatch:
 class LoRAStepState:
     """The runner sets `batch` before each eager forward pass; every LoRALinear reads it. A decode CUDA graph
     is captured with `token_slots` set instead: each token's slot as a tensor (-1: base model), read by the
-    indexed LoRA kernels when the graph replays."""
+    indexed LoRA kernels when the graph replays; on CPU with the C++ operators every step sets `token_slots`."""
 
     def __init__(self):
         self.batch: LoRABatch | None = None
@@ -91,16 +90,23 @@ def build_lora_batch(runs: list[AdapterRun], device: torch.device, allowance: in
     in_order = not padded and token_rows == list(range(total))
     slots = [[slot for slot, _ in members] for _, members in groups]
     sizes = [longest * len(members) for longest, members in groups] + [len(s) for s in slots]
-    token_slots = [run.slot for run in runs for _ in range(run.tokens)]
-    packed = gather + [slot for group_slots in slots for slot in group_slots] + valid + token_rows + token_slots
+    packed = gather + [slot for group_slots in slots for slot in group_slots] + valid + token_rows
     tensors = torch.frombuffer(array("q", packed), dtype=torch.long).to(device).split(
-        sizes + [len(valid), len(token_rows), len(token_slots)])  # one host-to-device copy for every index
+        sizes + [len(valid), len(token_rows)])  # one host-to-device copy for every index
     return LoRABatch(
         [LoRAGroup(len(group_slots), longest, None if in_order else gather_t, _slot_index(group_slots, slots_t))
          for (longest, _), group_slots, gather_t, slots_t in zip(groups, slots, tensors, tensors[len(groups):])],
-        tensors[-3] if padded else None,
-        None if in_order else tensors[-2],
-        tensors[-1])
+        tensors[-2] if padded else None,
+        None if in_order else tensors[-1])
+
+
+def token_slots(runs: list[AdapterRun], device: torch.device) -> torch.Tensor | None:
+    """Each token's slot (-1: the base model), for the kernels that index by it (LoRALinear._indexed_delta); None
+    when no token has an adapter."""
+    if all(run.slot < 0 for run in runs):
+        return None
+    slots = array("q", [run.slot for run in runs for _ in range(run.tokens)])
+    return torch.frombuffer(slots, dtype=torch.long).to(device)
 
 
 def _segments(runs: list[AdapterRun], allowance: int) -> tuple[list[tuple[int, list[int]]], int]:
