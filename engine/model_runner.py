@@ -117,6 +117,8 @@ class ModelRunner:
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
+        if self.cpu_ops is not None:
+            use_cpu_ops(self.model, self.cpu_ops)
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
         self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
@@ -127,11 +129,9 @@ class ModelRunner:
         if config.max_loras:
             self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
                                                  config.max_lora_rank, self.dtype, self.device,
-                                                 cpp_kernel=self.cpu_ops is not None)
+                                                 cpu_ops=self.cpu_ops)
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
-        if self.cpu_ops is not None:  # after the LoRA wrappers, which take them too
-            use_cpu_ops(self.model, self.cpu_ops)
         self.graphs = self._decode_graphs(config, max_model_len)
         self._logits_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float_logits)
 

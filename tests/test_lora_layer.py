@@ -45,8 +45,8 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
     base = nn.Linear(IN, sum(outs)).to(dtype)
     state = LoRAStepState()
     subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(outs)]
-    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU, cpp_kernel=path == "C++")
-    layer.cpu_ops = cpu_ops.load() if path == "C++" else None
+    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU,
+                       cpu_ops=cpu_ops.load() if path == "C++" else None)
     adapters = {slot: _adapter(slot, gen, outs) for slot in RANKS}
     for slot, weights in adapters.items():
         layer.load_slot(slot, weights)

@@ -49,9 +49,9 @@ def fused_targets(shapes: dict[str, tuple[int, int]],
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, subs: list[LoRASubModule], state: LoRAStepState,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, cpp_kernel: bool = False):
-        """cpp_kernel: on CPU, the C++ operator will compute the delta (cpu/lora.cpp), reading the slots' weights in
-        the model's dtype; otherwise they are kept in float32 there."""
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, cpu_ops=None):
+        """cpu_ops: the C++ CPU operators, when loaded: they compute the delta (cpu/lora.cpp), reading the slots'
+        weights in the model's dtype; otherwise the weights are kept in float32 on CPU."""
         super().__init__()
         self.base = base
         self.subs = subs
@@ -59,7 +59,7 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.max_rank = max_rank
         self.row_flops = 2 * max_rank * len(subs) * in_features + 2 * max_rank * sum(s.out_size for s in subs)
-        if device.type == "cpu" and not cpp_kernel:  # CPU bf16 batched matmuls of these shapes are slow, not fp32
+        if device.type == "cpu" and cpu_ops is None:  # CPU bf16 batched matmuls of these shapes are slow, not fp32
             dtype = torch.float32
         # One row per slot packs A and every B (one storage per linear); a_slots and b_slots are strided views
         # of it, [slots, in, subs * R] and [slots, R, out] per sub-module, that a group gathers directly.
@@ -78,7 +78,7 @@ class LoRALinear(nn.Module):
             start = end
         self.expand_dtype = dtype if len(subs) == 1 else None
         self.slots_with_weights: set[int] = set()  # a linear no resident adapter targets skips the LoRA path
-        self.cpu_ops = None  # the C++ CPU operators (engine/models use_cpu_ops), when loaded
+        self.cpu_ops = cpu_ops
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -153,7 +153,7 @@ class LoRALinear(nn.Module):
 
 
 def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int, dtype: torch.dtype,
-                      device: torch.device, cpp_kernel: bool = False) -> list[dict[str, LoRALinear]]:
+                      device: torch.device, cpu_ops=None) -> list[dict[str, LoRALinear]]:
     """Replace each of the model's LoRA-capable linears; returns, per layer, linear path -> LoRALinear."""
     per_layer: list[dict[str, LoRALinear]] = []
     for layer, targets in zip(model.decoder_layers, model.lora_targets()):
@@ -162,7 +162,7 @@ def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, ma
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             lora = LoRALinear(getattr(parent, name), target.in_features, target.subs, state, max_loras, max_rank,
-                              dtype, device, cpp_kernel)
+                              dtype, device, cpu_ops)
             setattr(parent, name, lora)
             wrapped[path] = lora
         per_layer.append(wrapped)

@@ -70,7 +70,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
 
 def use_cpu_ops(model: nn.Module, ops) -> None:
     """Hand the C++ CPU operators (engine/kernels/cpu_ops.py) to every module with a fused path (RMSNorm and
-    its residual addition, rotary in attention, SiLU times up in the MLP, the multi-LoRA delta)."""
+    its residual addition, rotary in attention, SiLU times up in the MLP)."""
     for module in model.modules():
         if hasattr(module, "cpu_ops"):
             module.cpu_ops = ops

@@ -24,6 +24,14 @@ inline Vec load_float(const scalar_t* p) {
   }
 }
 
+// n values widened to float32 (fp32 ones copied as they are).
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) load_float(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // x rounded to scalar_t and back: where transformers' ops round an intermediate to the model dtype.
 template <typename scalar_t>
 inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }

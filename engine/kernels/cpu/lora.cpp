@@ -53,11 +53,6 @@ inline float dot(const float* a, const weight_t* b, int64_t n) {
   return sum;
 }
 
-template <typename scalar_t>
-void widen_row(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
 // The slot views LoRALinear keeps on CPU, in float32 or the model's dtype: A [S, in, K] stored K-major (each of
 // its K columns a contiguous run over `in`: a dot product per column), and one B [S, rank, out_i] per sub-module
 // (rows contiguous).
@@ -97,8 +92,8 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights
     std::vector<float> x_row(w.in), y_row(n), shrunk(w.k);
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
-      widen_row(xp + t * x_stride, x_row.data(), w.in);
-      widen_row(yp + t * y_stride, y_row.data(), n);
+      lora_serve::widen(xp + t * x_stride, x_row.data(), w.in);
+      lora_serve::widen(yp + t * y_stride, y_row.data(), n);
       shrink(x_row.data(), w, slots[t], shrunk.data());
       expand(shrunk.data(), w, slots[t], y_row.data());
       for (int64_t j = 0; j < n; ++j) yp[t * y_stride + j] = static_cast<scalar_t>(y_row[j]);

@@ -49,7 +49,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
                     const at::Tensor& slot_mapping);
 
 // Multi-LoRA for one linear, in place: y[t] += (x[t] @ A[slot]) @ B_i[slot] per sub-module i at its columns, for
-// each token t of slot slots[t] >= 0; float32 weights [S, in, subs * rank] and [S, rank, out_i], float32 sums,
-// y rounded once (lora.cpp).
+// each token t of slot slots[t] >= 0; weights [S, in, subs * rank] (K-major) and [S, rank, out_i] in float32 or
+// x's dtype, float32 sums, y rounded once (lora.cpp).
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots,
                const at::Tensor& slots, int64_t rank);

@@ -67,14 +67,6 @@ struct Tile {
   int64_t position;  // the first query's position in its sequence
 };
 
-// n cached values widened to float32 (fp32 ones copied as they are).
-template <typename scalar_t>
-inline void widen(const scalar_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) lora_serve::load_float(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // Asks the memory system for n values at p (one request per 64-byte line), without waiting for them: the blocks of a
 // sequence are scattered, so the hardware prefetcher cannot guess the next one.
 template <typename scalar_t>
@@ -220,10 +212,10 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
     }
     const scalar_t* k_block = k_head + table[b] * run;
     if (!bf16_scores) {
-      widen(k_block, w.rows.data(), rows * d);
+      lora_serve::widen(k_block, w.rows.data(), rows * d);
       at::vec::transpose_mxn<float>(w.rows.data(), d, w.keys_t.data(), s.block_size, rows, d);
     }
-    widen(v_head + table[b] * run, w.values.data(), rows * d);
+    lora_serve::widen(v_head + table[b] * run, w.values.data(), rows * d);
     for (int64_t t = 0; t < tile.count; ++t) {
       const int64_t visible = std::min(rows, tile.position + t + 1 - start);  // causal: keys up to the query
       if (visible <= 0) continue;

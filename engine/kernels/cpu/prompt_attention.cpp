@@ -199,8 +199,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 bool bf16_prompt_attention() { return true; }
 
-bool amx_prompt_attention() { return lora_serve::amx_prompt_tiles(); }
-
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, int64_t context_len) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -233,10 +231,11 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 bool bf16_prompt_attention() { return false; }
 
-bool amx_prompt_attention() { return false; }
-
 at::Tensor prompt_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "prompt_attention needs AVX-512 BF16, which this build lacks");
 }
 
 #endif
+
+// prompt_attention_amx.cpp's answer in either build: without AVX-512 BF16 it is false there too.
+bool amx_prompt_attention() { return lora_serve::amx_prompt_tiles(); }
