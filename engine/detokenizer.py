@@ -4,16 +4,22 @@ Each new token is decoded together with a few tokens before it, and text is rele
 it no longer ends in a partial UTF-8 character. Stop strings are searched in the new text (and
 the tail before it, so a stop string split across tokens is found); the text is cut where the
 stop string begins. While streaming, a tail that could still grow into a stop string is held back.
+
+Decoding calls the fast tokenizer's own `decode` when transformers would add nothing to it (no clean-up of
+spaces): its wrapper converts and checks the arguments at every call, 2.7 us against 0.8 for seven tokens on
+this CPU, twice per generated token. On a GPU host at batch 64 the wrapper was the largest host cost of a step.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 CONTEXT_TOKENS = 6  # prompt tokens decoded along with the first outputs, for tokenizers whose spacing depends on them
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
+        self.decode = token_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -59,4 +65,12 @@ class IncrementalDetokenizer:
         return longest
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def token_decoder(tokenizer) -> Callable[..., str]:
+    """decode(ids, skip_special_tokens=...) giving what `tokenizer.decode` gives, by the shortest path."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
+import random
+
+from engine.detokenizer import IncrementalDetokenizer, token_decoder
 
 TEXTS = ["Hello, world! Ünïcödé façade — naïve café.",
          "日本語のテキストと絵文字 🚀🔥👩‍👩‍👧",
@@ -41,3 +43,21 @@ def test_partial_stop_prefix_is_released_when_not_a_stop(tokenizer):
     pieces, detok, hit = _stream(tokenizer, "abc abd abe", stop=["abx"])
     assert not hit
     assert "".join(pieces) == "abc abd abe"
+
+
+def test_the_short_decode_path_gives_what_the_tokenizer_gives(tokenizer):
+    """The backend's decode is taken only where transformers adds nothing to it: random ids (special tokens
+    included), with and without skipping special tokens, give tokenizer.decode's text; a tokenizer that cleans
+    up spaces keeps transformers' decode."""
+    decode = token_decoder(tokenizer)
+    assert decode != tokenizer.decode  # SmolLM2's tokenizer does not clean up spaces: the short path is taken
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 9))] + [tokenizer.eos_token_id]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert token_decoder(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

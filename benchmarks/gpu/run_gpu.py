@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -150,7 +150,10 @@ def hf_continuous(model, prompts: list[list[int]], new: int, page_size: int = 32
 
     pages = -(-(len(prompts[0]) + new) // page_size)
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=NO_EOS, pad_token_id=0)
-    cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=int(1.25 * len(prompts) * pages) + 4,
+    # transformers renamed block_size to page_size (5.2x); the GPU image's 5.17 knows only the old name
+    names = {field.name for field in fields(ContinuousBatchingConfig)}
+    page = {"page_size" if "page_size" in names else "block_size": page_size}
+    cb = ContinuousBatchingConfig(**page, num_blocks=int(1.25 * len(prompts) * pages) + 4,
                                   max_batch_tokens=max(2048, len(prompts[0])), max_requests_per_batch=len(prompts))
     results = list(model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb).values())
     lengths = [len(r.generated_tokens) for r in results if r.error is None]
