@@ -112,11 +112,11 @@ class ModelRunner:
             warnings.warn(f"{config.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
                           f"AVX-NE-CONVERT): the model runs in float32", stacklevel=2)
         self.block_size = config.block_size
+        self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
-                                config.load_format)
+                                config.load_format, self.cpu_ops)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
-        self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         if self.cpu_ops is not None:
             use_cpu_ops(self.model, self.cpu_ops)
         self.paged_decode = self._reads_cache_in_place()

@@ -233,3 +233,60 @@ def test_lora_add_refuses_what_it_cannot_read():
         module.lora_add_(torch.zeros(3, 9), x, a_k_major, [b], torch.zeros(3, dtype=torch.long), 4)
     with pytest.raises(RuntimeError, match="float32 or x's dtype"):
         module.lora_add_(y, x, a_k_major.half(), [b.half()], torch.zeros(3, dtype=torch.long), 4)
+
+
+def _amx_linear_usable() -> bool:
+    module = cpu_ops.load()
+    return module is not None and module.amx_linear_usable(64, 64)
+
+
+@pytest.mark.skipif(not _amx_linear_usable(), reason="the AMX linear needs a build and a CPU with AMX")
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_float64_reference(rows, out_features, in_features, bias):
+    """Row counts off the 16-row tiles and off the 32-row passes, weights of one and of many column groups, with
+    and without bias: within bf16's rounding of the output, every element (a column group or row never written,
+    or written from the wrong weights, is off by the values' own size)."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    got = module.amx_linear(x, module.amx_pack_linear_weight(w), b)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * want.abs().max()).all()
+
+
+@pytest.mark.skipif(not _amx_linear_usable(), reason="the AMX linear needs a build and a CPU with AMX")
+def test_amx_linear_refuses_what_it_cannot_take():
+    module = cpu_ops.load()
+    assert not module.amx_linear_usable(48, 64) and not module.amx_linear_usable(64, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        module.amx_pack_linear_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 weight"):
+        module.amx_pack_linear_weight(torch.zeros(64, 64))
+    packed = module.amx_pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="takes 64"):
+        module.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bias of 3 values"):
+        module.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(3, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _amx_linear_usable(), reason="the AMX linear needs a build and a CPU with AMX")
+def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
+    """Given the operators, a bf16 PrepackedLinear keeps the AMX packing and gives oneDNN's results within bf16's
+    rounding for a decode step's rows; longer chunks take oneDNN itself (bitwise its result)."""
+    from engine.layers.linear import AMX_MAX_ROWS, PrepackedLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 960, bias=True).bfloat16()
+    amx, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
+    assert amx.amx_weight is not None and onednn.amx_weight is None
+    for rows in (3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 576).bfloat16()
+        got, want = amx(x), onednn(x)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+        by_amx = cpu_ops.load().amx_linear(x, amx.amx_weight, amx.bias)
+        assert torch.equal(got, want if rows > AMX_MAX_ROWS else by_amx)

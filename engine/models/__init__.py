@@ -54,7 +54,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str = "none", load_format: str = "safetensors") -> nn.Module:
+               quantization: str = "none", load_format: str = "safetensors", cpu_ops=None) -> nn.Module:
+    """The model in `dtype` on `device`; on CPU its linears prepacked (and on AMX tiles, given `cpu_ops`)."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
@@ -64,7 +65,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         _load_weights(model, path)
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacking_supported(device, dtype):
-        prepack_linears(model)  # the linears left in the model dtype
+        prepack_linears(model, cpu_ops)  # the linears left in the model dtype
     return model.eval()
 
 

@@ -20,5 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(-1) (CPU)");
   m.def("lora_add_", &lora_add_, "multi-LoRA delta of one linear, each token reading its slot in place (CPU)");
+  m.def("amx_linear_usable", &amx_linear_usable, "whether amx_linear takes a weight of [out, in] (AMX, multiples of 32)");
+  m.def("amx_pack_linear_weight", &amx_pack_linear_weight, "a bf16 weight [out, in] in amx_linear's tile order");
+  m.def("amx_linear", &amx_linear, "x W^T (+ bias) in bf16 on AMX tiles, for a decode step's few rows (CPU)");
   m.def("write_kv_cache", &write_kv_cache, "a step's new keys and values into their cache slots (CPU)");
 }

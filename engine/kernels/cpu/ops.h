@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every operator's header, several seconds of each file's build
 
+#include <optional>
 #include <vector>
 
 // Causal attention reading the paged KV cache in place, into out [T, heads, D]: sequence i's queries are rows
@@ -53,3 +54,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 // x's dtype, float32 sums, y rounded once (lora.cpp).
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots,
                const at::Tensor& slots, int64_t rank);
+
+// Whether amx_linear takes a weight of [n, k]: this build and process have AMX tiles, and n and k are multiples of
+// 32 (amx_linear.cpp).
+bool amx_linear_usable(int64_t n, int64_t k);
+
+// A bf16 weight [n, k] packed once into the tile order amx_linear reads (amx_linear.cpp).
+at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
+
+// y [m, n] = x [m, k] W^T (+ bias) in bf16 on AMX tiles, float32 sums rounded once: the linear of a decode step's few
+// rows, streaming the packed weight at the memory's rate (amx_linear.cpp).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);

@@ -25,12 +25,10 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
+#include "amx.h"
 #include "float_types.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <limits>
@@ -50,28 +48,6 @@ constexpr int64_t TQ = 16;  // queries per work item: the columns of a score til
 #define OUT1 5
 #define OUT2 6
 #define OUT3 7
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used as 16 rows of 64 bytes.
-void configure_tiles() {
-  TileConfig config;
-  for (int i = 0; i <= OUT3; ++i) {
-    config.colsb[i] = 64;
-    config.rows[i] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-bool tiles_granted() {  // Linux hands the tile state to a process that asks for it (once per process)
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return granted;
-}
 
 // One step of one KV head's values as V^T, [d][KS] bf16; keys past the context are 0 (their probabilities are 0,
 // and a cache slot never written may hold a NaN).
@@ -304,7 +280,7 @@ void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t tiles = (s.t + TQ - 1) / TQ;
   at::parallel_for(0, tiles * s.heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
-    configure_tiles();
+    configure_tiles(OUT3 + 1);
     Tile w(s.d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t z = item / s.heads, head = item % s.heads, h = head / s.group;
