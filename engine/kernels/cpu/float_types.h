@@ -56,6 +56,15 @@ inline void store_pair(const Vec& a, const Vec& b, scalar_t* out) {
   }
 }
 
+// n float32 values rounded to scalar_t (to nearest even) at dst: pairs of vectors, then one value at a time.
+template <typename scalar_t>
+inline void narrow(const float* src, scalar_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size())
+    store_pair(Vec::loadu(src + i), Vec::loadu(src + i + Vec::size()), dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
+}
+
 // Calls run(scalar_t{}) with the C++ type of `type`: float32, bfloat16 or float16; refuses any other by name.
 template <typename F>
 void dispatch_float_types(at::ScalarType type, const char* op, F&& run) {
