@@ -12,11 +12,12 @@
 // model when this kernel runs: half the bytes each token reads). A token's x row is widened once; the shrink is a
 // dot product of it with each of A's K = subs * rank columns, which LoRALinear stores K-major on CPU for this
 // (along K, 24 or 8 values, vectors would be mostly partial); the expand adds each rank lane's coefficient times
-// B's row to a float32 copy of y's row, which is rounded back once. One slot's A and B of
-// SmolLM2's fused q,k,v projection take 85 KB: 8 adapters' fit in L2, so tokens are not sorted by slot.
-// With bf16 activations and weights and AVX-512 BF16, the shrink takes vdpbf16ps on x and A as stored, 16 columns a
-// call (bf16_scores.h); the expand keeps each vector of y in a register across the rank lanes. 64 tokens over 8
-// rank-8 slots, bf16, 2 cores of a Xeon: the q,k,v linear 44-48 -> 32 us a call, gate/up 77-82 -> 56 us.
+// B's row to a float32 copy of y's row, which is rounded back once. Tokens are sorted by slot (a counting sort) and
+// taken in groups of up to 4 of one slot: the slot's A stays in L1 from token to token, each row of B is widened
+// once for the group, and each vector of the group's y rows stays in a register across the rank lanes. With bf16
+// activations and weights and AVX-512 BF16, the shrink takes vdpbf16ps on x and A as stored, 16 columns a call
+// (bf16_scores.h). 64 tokens over 8 rank-8 slots, bf16, 2 cores of a Xeon: the q,k,v linear 44-48 -> 32 us a call
+// (vdpbf16ps, y in registers), then 27 us (groups); gate/up 77-82 -> 56 -> 46 us.
 
 #include "bf16_scores.h"
 #include "float_types.h"
@@ -84,48 +85,103 @@ void shrink_bf16(const scalar_t* x_row, const Weights<weight_t>& w, int64_t slot
   }
 }
 
-// y[0:out] += sum over r of coefficients[r] * B[r][0:out] (B's rows b_row apart), the terms added in order of r:
-// each vector of y is loaded and stored once, not once per rank lane.
-template <typename weight_t>
-void add_rows(float* y, const weight_t* b, int64_t b_row, const float* coefficients, int64_t rank, int64_t out) {
+constexpr int64_t kGroup = 4;  // tokens of one slot expanded together: each row of B is read once for all of them
+
+// Rows y[g][0:out] += sum over r of coefficients[g][r] * B[r][0:out] for the G tokens of a group (B's rows b_row
+// apart), the terms added in order of r: each vector of B is widened once for the G tokens, and each vector of y
+// stays in a register across the rank lanes.
+template <int G, typename weight_t>
+void add_rows(float* const* y, const weight_t* b, int64_t b_row, const float* const* coefficients, int64_t rank,
+              int64_t out) {
   int64_t j = 0;
   for (; j + Vec::size() <= out; j += Vec::size()) {
-    Vec acc = Vec::loadu(y + j);
-    for (int64_t r = 0; r < rank; ++r)
-      acc = at::vec::fmadd(Vec(coefficients[r]), lora_serve::load_float(b + r * b_row + j), acc);
-    acc.store(y + j);
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec::loadu(y[g] + j);
+    for (int64_t r = 0; r < rank; ++r) {
+      const Vec row = lora_serve::load_float(b + r * b_row + j);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(coefficients[g][r]), row, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) acc[g].store(y[g] + j);
   }
   for (; j < out; ++j)
-    for (int64_t r = 0; r < rank; ++r) y[j] += coefficients[r] * static_cast<float>(b[r * b_row + j]);
+    for (int g = 0; g < G; ++g)
+      for (int64_t r = 0; r < rank; ++r) y[g][j] += coefficients[g][r] * static_cast<float>(b[r * b_row + j]);
 }
 
-// y_row[off_i:off_i + out_i] += shrunk[i * rank:(i + 1) * rank] @ B_i[slot], for every sub-module i.
+// The group's y rows [off_i:off_i + out_i] += shrunk rows [i * rank:(i + 1) * rank] @ B_i[slot], per sub-module i.
 template <typename weight_t>
-void expand(const float* shrunk, const Weights<weight_t>& w, int64_t slot, float* y_row) {
-  for (size_t i = 0; i < w.b.size(); ++i)
-    add_rows(y_row + w.offset[i], w.b[i] + slot * w.b_slot[i], w.b_row[i], shrunk + i * w.rank, w.rank, w.out[i]);
+void expand(int64_t count, float* const* y_rows, const float* const* shrunk, const Weights<weight_t>& w,
+            int64_t slot) {
+  for (size_t i = 0; i < w.b.size(); ++i) {
+    const weight_t* b = w.b[i] + slot * w.b_slot[i];
+    float* y[kGroup];
+    const float* coefficients[kGroup];
+    for (int64_t g = 0; g < count; ++g) {
+      y[g] = y_rows[g] + w.offset[i];
+      coefficients[g] = shrunk[g] + i * w.rank;
+    }
+    switch (count) {
+      case 1: add_rows<1>(y, b, w.b_row[i], coefficients, w.rank, w.out[i]); break;
+      case 2: add_rows<2>(y, b, w.b_row[i], coefficients, w.rank, w.out[i]); break;
+      case 3: add_rows<3>(y, b, w.b_row[i], coefficients, w.rank, w.out[i]); break;
+      default: add_rows<kGroup>(y, b, w.b_row[i], coefficients, w.rank, w.out[i]); break;
+    }
+  }
+}
+
+// The tokens with an adapter in order of slot (a counting sort, stable), cut into groups of up to kGroup tokens of
+// one slot: group i is order[starts[i]:starts[i + 1]].
+struct SlotGroups {
+  std::vector<int64_t> order, starts;
+};
+
+SlotGroups group_by_slot(const int64_t* slots, int64_t tokens, int64_t num_slots) {
+  std::vector<int64_t> next(num_slots + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) ++next[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) next[s + 1] += next[s];
+  SlotGroups groups{std::vector<int64_t>(next[num_slots]), {}};
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) groups.order[next[slots[t]]++] = t;
+  for (int64_t i = 0; i < static_cast<int64_t>(groups.order.size()); ++i)
+    if (i == 0 || slots[groups.order[i]] != slots[groups.order[i - 1]] || i - groups.starts.back() == kGroup)
+      groups.starts.push_back(i);
+  groups.starts.push_back(groups.order.size());
+  return groups;
 }
 
 template <typename scalar_t, typename weight_t>
-void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights<weight_t>& w) {
-  const int64_t tokens = x.size(0), n = y.size(1);
+void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights<weight_t>& w, int64_t num_slots) {
+  const int64_t n = y.size(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* yp = y.data_ptr<scalar_t>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
   const bool bf16_shrink = shrink_in_bf16<scalar_t, weight_t>(w);
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> x_row(w.in), y_row(n), shrunk(w.k);
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      lora_serve::widen(yp + t * y_stride, y_row.data(), n);
-      if (bf16_shrink) {
-        shrink_bf16(xp + t * x_stride, w, slots[t], shrunk.data());
-      } else {
-        lora_serve::widen(xp + t * x_stride, x_row.data(), w.in);
-        shrink(x_row.data(), w, slots[t], shrunk.data());
+  const SlotGroups groups = group_by_slot(slots, x.size(0), num_slots);
+  const int64_t count = static_cast<int64_t>(groups.starts.size()) - 1;
+  at::parallel_for(0, count, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> x_row(w.in), y_buffer(kGroup * n), shrunk_buffer(kGroup * w.k);
+    float* y_rows[kGroup];
+    const float* shrunk[kGroup];
+    for (int64_t g = 0; g < kGroup; ++g) {
+      y_rows[g] = y_buffer.data() + g * n;
+      shrunk[g] = shrunk_buffer.data() + g * w.k;
+    }
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t first = groups.starts[group], size = groups.starts[group + 1] - first;
+      const int64_t slot = slots[groups.order[first]];
+      for (int64_t g = 0; g < size; ++g) {  // one slot's A stays in L1 from token to token
+        const int64_t t = groups.order[first + g];
+        lora_serve::widen(yp + t * y_stride, y_rows[g], n);
+        if (bf16_shrink) {
+          shrink_bf16(xp + t * x_stride, w, slot, shrunk_buffer.data() + g * w.k);
+        } else {
+          lora_serve::widen(xp + t * x_stride, x_row.data(), w.in);
+          shrink(x_row.data(), w, slot, shrunk_buffer.data() + g * w.k);
+        }
       }
-      expand(shrunk.data(), w, slots[t], y_row.data());
-      lora_serve::narrow(y_row.data(), yp + t * y_stride, n);
+      expand(size, y_rows, shrunk, w, slot);
+      for (int64_t g = 0; g < size; ++g) lora_serve::narrow(y_rows[g], yp + groups.order[first + g] * y_stride, n);
     }
   });
 }
@@ -180,8 +236,8 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, co
   lora_serve::dispatch_float_types(x.scalar_type(), "lora_add_", [&](auto type) {
     using scalar_t = decltype(type);
     if (a_slots.scalar_type() == at::kFloat)
-      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<float>(a_slots, b_slots, rank));
+      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<float>(a_slots, b_slots, rank), a_slots.size(0));
     else
-      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<scalar_t>(a_slots, b_slots, rank));
+      run<scalar_t>(y, x, slots.data_ptr<int64_t>(), weights<scalar_t>(a_slots, b_slots, rank), a_slots.size(0));
   });
 }
