@@ -192,8 +192,8 @@ LORA_SHAPES = [(64, 6, [24, 8, 8]), (100, 16, [40]), (300, 8, [96, 33]), (50, 4,
 def test_lora_add_matches_float64_reference(dtype, in_features, rank, outs, weights_in_dtype):
     """The multi-LoRA delta, each token reading its own slot in place, on the K-major weights LoRALinear keeps on
     CPU (float32, or the model's dtype): in and out sizes off the vector width, one to five sub-modules,
-    tokens of one slot scattered and more than a group of them, base-model tokens (-1) untouched; y summed in float32 and rounded once, so within one rounding of y's dtype
-    of the float64 result on the same weights."""
+    tokens of one slot scattered and more than a group of them, base-model tokens (-1) untouched; y summed in
+    float32 and rounded once, so within one rounding of y's dtype of the float64 result on the same weights."""
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(in_features + rank)
     subs, slots_count = len(outs), 4
