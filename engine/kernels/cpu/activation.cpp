@@ -10,11 +10,10 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 
-namespace {
+namespace lora_serve::activation_detail {
 
 using lora_serve::Vec;
 
@@ -57,12 +56,13 @@ void run(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace lora_serve::activation_detail
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
+  using namespace lora_serve::activation_detail;
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [tokens, 2 * width]: gate then up");
   const auto input = x.contiguous();
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto out = x.new_empty({x.size(0), x.size(1) / 2});
   lora_serve::dispatch_float_types(x.scalar_type(), "silu_and_mul", [&](auto type) {
     run<decltype(type)>(input, out);
   });

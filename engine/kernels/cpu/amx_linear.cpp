@@ -22,13 +22,11 @@
 #include "amx.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cstring>
 #include <vector>
 
-namespace lora_serve {
-namespace {
+namespace lora_serve::amx_linear_detail {
 
 constexpr int64_t kCols = 32;          // output columns per packed group: two 16-column B tiles
 constexpr int64_t kDepth = 32;         // K per tile: 16 rows of bf16 pairs
@@ -112,14 +110,15 @@ void group_pass(const Problem& p, int64_t g, int64_t row0, float (*acc)[256]) {
   store_group(p, g, row0, two ? 2 : 1, acc);
 }
 
-}  // namespace
-}  // namespace lora_serve
+}  // namespace lora_serve::amx_linear_detail
 
-using namespace lora_serve;
-
-bool amx_linear_usable(int64_t n, int64_t k) { return n % kCols == 0 && k % kDepth == 0 && tiles_granted(); }
+bool amx_linear_usable(int64_t n, int64_t k) {
+  using namespace lora_serve::amx_linear_detail;
+  return n % kCols == 0 && k % kDepth == 0 && lora_serve::tiles_granted();
+}
 
 at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
+  using namespace lora_serve::amx_linear_detail;
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "amx_pack_linear_weight takes a 2-D bf16 "
               "weight [out, in], not ", weight.sizes(), " ", weight.scalar_type());
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -127,7 +126,7 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
               "in (", k, ") a multiple of 32");
   const at::Tensor w = weight.contiguous();
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  at::Tensor packed = at::empty({n / kCols, k / kDepth, 2, 16, kDepth}, weight.options());
+  at::Tensor packed = weight.new_empty({n / kCols, k / kDepth, 2, 16, kDepth});
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -149,11 +148,12 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  using namespace lora_serve::amx_linear_detail;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear takes 2-D bf16 x and a weight from amx_pack_linear_weight");
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) * kDepth == x.size(1), "amx_linear: x has ", x.size(1),
               " features, the packed weight takes ", packed.size(1) * kDepth);
-  TORCH_CHECK(tiles_granted(), "amx_linear: the OS does not grant this process the AMX tile state");
+  TORCH_CHECK(lora_serve::tiles_granted(), "amx_linear: the OS does not grant this process the AMX tile state");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * kCols, rows = (m + 15) / 16 * 16;
   at::Tensor xc = x.contiguous();
   std::vector<uint16_t> padded;
@@ -168,12 +168,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
     TORCH_CHECK(bias->numel() == n, "amx_linear: bias of ", bias->numel(), " values for ", n, " outputs");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor y = x.new_empty({m, n});
   const Problem p{xp, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
                   m, rows, n, k, k / kDepth};
   at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {  // contiguous groups: one stream a thread
-    configure_tiles(ROWS1 + 1);
+    lora_serve::configure_tiles(ROWS1 + 1);
     alignas(64) float acc[4][256];
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t row0 = 0; row0 < rows; row0 += 32) group_pass(p, g, row0, acc);
@@ -182,6 +182,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   });
   return y;
 }
+
+#undef ACC00
+#undef ACC01
+#undef ACC10
+#undef ACC11
+#undef WEIGHT0
+#undef WEIGHT1
+#undef ROWS0
+#undef ROWS1
 
 #else
 

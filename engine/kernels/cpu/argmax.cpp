@@ -8,11 +8,10 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 
-namespace {
+namespace lora_serve::argmax_detail {
 
 using lora_serve::Vec;
 
@@ -41,14 +40,15 @@ int64_t first_index_of(const float* x, int64_t n, float value) {
   return 0;  // unreachable: value was read from the row
 }
 
-}  // namespace
+}  // namespace lora_serve::argmax_detail
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
+  using namespace lora_serve::argmax_detail;
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be float32 [rows, vocab]");
   const auto input = logits.contiguous();
   const int64_t rows = input.size(0), n = input.size(1);
   TORCH_CHECK(n > 0, "argmax_rows of an empty vocabulary");
-  auto out = at::empty({rows}, input.options().dtype(at::kLong));
+  auto out = input.new_empty({rows}, input.options().dtype(at::kLong));
   const float* xp = input.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {

@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-namespace {
+namespace lora_serve::kv_write_detail {
 
 void check(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name, " cache must be contiguous [kv_heads, blocks, "
@@ -35,10 +35,11 @@ void write(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
   });
 }
 
-}  // namespace
+}  // namespace lora_serve::kv_write_detail
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping) {
+  using namespace lora_serve::kv_write_detail;
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64 [tokens]");
   check(k_cache, k, slot_mapping, "k");
   check(v_cache, v, slot_mapping, "v");

@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace lora_serve::lora_detail {
 
 using lora_serve::Vec;
 
@@ -228,10 +228,11 @@ void check(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, 
     TORCH_CHECK(sp[t] < a_slots.size(0), "slot ", sp[t], " is outside the ", a_slots.size(0), " slots");
 }
 
-}  // namespace
+}  // namespace lora_serve::lora_detail
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_slots, const std::vector<at::Tensor>& b_slots,
                const at::Tensor& slots, int64_t rank) {
+  using namespace lora_serve::lora_detail;
   check(y, x, a_slots, b_slots, slots, rank);
   lora_serve::dispatch_float_types(x.scalar_type(), "lora_add_", [&](auto type) {
     using scalar_t = decltype(type);

@@ -10,11 +10,10 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 
-namespace {
+namespace lora_serve::norm_detail {
 
 using lora_serve::Vec;
 
@@ -64,13 +63,14 @@ void check_weight(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must be [hidden] for x [..., hidden]");
 }
 
-}  // namespace
+}  // namespace lora_serve::norm_detail
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  using namespace lora_serve::norm_detail;
   check_weight(x, weight);
   const auto input = x.contiguous();
   const auto w = weight.contiguous();
-  auto out = at::empty_like(input);
+  auto out = input.new_empty(input.sizes());
   lora_serve::dispatch_float_types(input.scalar_type(), "rms_norm", [&](auto type) {
     run<decltype(type)>(input, nullptr, w, out, eps);
   });
@@ -78,13 +78,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor add_rms_norm(const at::Tensor& delta, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  using namespace lora_serve::norm_detail;
   check_weight(residual, weight);
   TORCH_CHECK(residual.is_contiguous(), "the residual is updated in place: it must be contiguous");
   TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
               "delta and residual must share a shape and a dtype");
   const auto d = delta.contiguous();
   const auto w = weight.contiguous();
-  auto out = at::empty_like(residual);
+  auto out = residual.new_empty(residual.sizes());
   lora_serve::dispatch_float_types(residual.scalar_type(), "add_rms_norm", [&](auto type) {
     run<decltype(type)>(residual, &d, w, out, eps);
   });

@@ -1,7 +1,9 @@
 // The engine's C++ CPU operators, one extension module (bindings.cpp); built by engine/kernels/cpu_ops.py.
 #pragma once
 
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every operator's header, several seconds of each file's build
+// Only the Tensor class: ATen/ATen.h (every operator's header) costs several seconds of each file's build, and
+// even ATen/ops/empty.h doubles a file's parsing (1.2 s more than this one), so outputs come from Tensor::new_empty.
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

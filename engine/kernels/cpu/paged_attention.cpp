@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace lora_serve::paged_attention_detail {
 
 constexpr int64_t TILE = 16;  // queries per work item
 
@@ -270,11 +270,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-}  // namespace
+}  // namespace lora_serve::paged_attention_detail
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, at::Tensor& out) {
+  using namespace lora_serve::paged_attention_detail;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, heads, D] and the cache [kv_heads, blocks, "
               "block_size, D]");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -302,4 +303,4 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
-int64_t vector_width() { return static_cast<int64_t>(Vec::size()); }
+int64_t vector_width() { return static_cast<int64_t>(lora_serve::paged_attention_detail::Vec::size()); }

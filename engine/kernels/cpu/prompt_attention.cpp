@@ -21,7 +21,6 @@
 #include "prompt_attention.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +31,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-namespace {
+namespace lora_serve::prompt_attention_detail {
 
 constexpr int64_t KS = 32;     // keys per step: two vectors of scores
 constexpr int64_t TQ = 16;     // queries per work item
@@ -195,12 +194,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-}  // namespace
+}  // namespace lora_serve::prompt_attention_detail
 
 bool bf16_prompt_attention() { return true; }
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, int64_t context_len) {
+  using namespace lora_serve::prompt_attention_detail;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q must be [T, heads, D] and the caches [kv_heads, blocks, block_size, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -221,7 +221,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             q.size(2) / 2, context_len,
           (context_len + KS - 1) / KS, k_cache.size(2), k_cache.size(1), q.stride(0),
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(2))))};
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto out = q.new_empty({q.size(0), q.size(1), q.size(2)});
   if (lora_serve::amx_prompt_usable(s)) lora_serve::amx_prompt_attention(q, k_cache, v_cache, tp, s, out);
   else run(q, k_cache, v_cache, tp, s, out);
   return out;

@@ -34,8 +34,7 @@
 #include <limits>
 #include <vector>
 
-namespace lora_serve {
-namespace {
+namespace lora_serve::prompt_amx_detail {
 
 constexpr int64_t KS = 32;  // keys per step: two score tiles
 constexpr int64_t TQ = 16;  // queries per work item: the columns of a score tile
@@ -259,12 +258,15 @@ void attend(const uint16_t* q, const uint16_t* k_head, const uint16_t* vt, const
   write_out(w, s, t0, out);
 }
 
-}  // namespace
+}  // namespace lora_serve::prompt_amx_detail
+
+namespace lora_serve {
 
 bool amx_prompt_tiles() { return tiles_granted(); }
 
 void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const int64_t* table, const PromptShape& s, at::Tensor& out) {
+  using namespace prompt_amx_detail;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
@@ -292,6 +294,15 @@ void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
 }
 
 }  // namespace lora_serve
+
+#undef SCORE0
+#undef SCORE1
+#undef LEFT
+#undef RIGHT
+#undef OUT0
+#undef OUT1
+#undef OUT2
+#undef OUT3
 
 #else
 

@@ -9,9 +9,8 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
-namespace {
+namespace lora_serve::rotary_detail {
 
 template <typename scalar_t>
 void rotate_scalar(const scalar_t* in, const scalar_t* cos, const scalar_t* sin, scalar_t* o, int64_t d) {
@@ -68,9 +67,10 @@ void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::
   });
 }
 
-}  // namespace
+}  // namespace lora_serve::rotary_detail
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  using namespace lora_serve::rotary_detail;
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with unit stride in its last "
               "dimension");
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
@@ -79,7 +79,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "x, cos and sin must share a dtype");
   const auto c = cos.contiguous(), s = sin.contiguous();
-  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  auto out = x.new_empty({x.size(0), x.size(1), x.size(2)});
   lora_serve::dispatch_float_types(x.scalar_type(), "rotary", [&](auto type) { run<decltype(type)>(x, c, s, out); });
   return out;
 }
