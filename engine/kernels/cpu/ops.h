@@ -67,3 +67,14 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
 // y [m, n] = x [m, k] W^T (+ bias) in bf16 on AMX tiles, float32 sums rounded once: the linear of a decode step's few
 // rows, streaming the packed weight at the memory's rate (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+
+// Whether bf16_linear takes a weight of [n, k]: this build has AVX-512 BF16, n is a multiple of 64 and k even
+// (bf16_linear.cpp).
+bool bf16_linear_usable(int64_t n, int64_t k);
+
+// A bf16 weight [n, k] packed once into the order bf16_linear reads: depth pairs of 64-column blocks.
+at::Tensor bf16_pack_linear_weight(const at::Tensor& weight);
+
+// y [m, n] = x [m, k] W^T (+ bias) in bf16 with AVX-512 BF16 dot products, float32 sums rounded once: the linear of
+// a decode step's rows on a CPU without AMX (bf16_linear.cpp).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
