@@ -292,60 +292,73 @@ def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
         assert torch.equal(got, want if rows > AMX_MAX_ROWS else by_amx)
 
 
-def _bf16_linear_usable() -> bool:
+def _avx512_linear_usable(dtype: torch.dtype) -> bool:
     module = cpu_ops.load()
-    return module is not None and module.bf16_linear_usable(64, 64)
+    return module is not None and module.avx512_linear_usable(torch.zeros(64, 64, dtype=dtype))
 
 
-@pytest.mark.skipif(not _bf16_linear_usable(), reason="the AVX-512 BF16 linear needs a build and a CPU with it")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 100])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_matches_float64_reference(rows, out_features, in_features, bias):
-    """Every row-block size (6 rows and the tails of 1-5), several column blocks, biases: within bf16's rounding of
-    a float64 reference (a weight packed in the wrong order, or a row or block skipped, is off by the values' own
+def test_avx512_linear_matches_float64_reference(dtype, rows, out_features, in_features, bias):
+    """Every row-block size (6 rows and the tails of 1-5), several column blocks, biases: within the dtype's rounding
+    of a float64 reference (a weight packed in the wrong order, or a row or block skipped, is off by the values' own
     size)."""
+    if not _avx512_linear_usable(dtype):
+        pytest.skip(f"the AVX-512 linear in {dtype} needs a build and a CPU with it")
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(rows * 11 + out_features)
-    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    got = module.bf16_linear(x, module.bf16_pack_linear_weight(w), b)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    got = module.avx512_linear(x, module.avx512_pack_linear_weight(w), b)
     want = x.double() @ w.double().T + (b.double() if bias else 0)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * want.abs().max()).all()
+    assert got.dtype == dtype and got.shape == want.shape
+    relative = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= want.abs() * relative + relative * want.abs().max()).all()
 
 
-@pytest.mark.skipif(not _bf16_linear_usable(), reason="the AVX-512 BF16 linear needs a build and a CPU with it")
-def test_bf16_linear_refuses_what_it_cannot_take():
+@pytest.mark.skipif(not _avx512_linear_usable(torch.bfloat16), reason="the AVX-512 linear needs a build and a CPU "
+                    "with AVX-512 BF16")
+def test_avx512_linear_refuses_what_it_cannot_take():
     module = cpu_ops.load()
-    assert not module.bf16_linear_usable(96, 64) and not module.bf16_linear_usable(64, 63)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        module.bf16_pack_linear_weight(torch.zeros(96, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="bf16 weight"):
-        module.bf16_pack_linear_weight(torch.zeros(64, 64))
-    packed = module.bf16_pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    for weight in (torch.zeros(96, 64, dtype=torch.bfloat16), torch.zeros(64, 63, dtype=torch.bfloat16),
+                   torch.zeros(64, 64, dtype=torch.float16), torch.zeros(64)):
+        assert not module.avx512_linear_usable(weight)
+        with pytest.raises(RuntimeError, match="out a multiple of 64"):
+            module.avx512_pack_linear_weight(weight)
+    packed = module.avx512_pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="takes 64"):
-        module.bf16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+        module.avx512_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        module.avx512_linear(torch.zeros(2, 64), packed, None)
     with pytest.raises(RuntimeError, match="bias of 3 values"):
-        module.bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(3, dtype=torch.bfloat16))
+        module.avx512_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(3, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(_amx_linear_usable() or not _bf16_linear_usable(),
-                    reason="the AVX-512 BF16 linear serves CPUs that have it and no AMX")
-def test_prepacked_linear_takes_the_avx512_bf16_kernel_at_every_row_count():
-    """Without AMX, a bf16 PrepackedLinear keeps only its own packing (no oneDNN copy) and gives oneDNN's results
-    within bf16's rounding, for a decode step's rows and for a prefill chunk, 2-D or 3-D."""
-    from engine.layers.linear import PrepackedLinear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepacked_linear_takes_the_avx512_kernel_without_amx(dtype):
+    """Without AMX, a PrepackedLinear runs its own kernel and gives oneDNN's results within the dtype's rounding, 2-D
+    or 3-D: a bf16 one at every row count with no oneDNN copy kept, a float32 one up to FP32_MAX_ROWS rows and
+    oneDNN itself beyond (bitwise its result)."""
+    from engine.layers.linear import FP32_MAX_ROWS, PrepackedLinear
 
+    if cpu_ops.has_cpu_flag("amx_bf16") or not _avx512_linear_usable(dtype):
+        pytest.skip("the AVX-512 linear serves CPUs that have it and no AMX")
     torch.manual_seed(0)
-    linear = torch.nn.Linear(576, 960, bias=True).bfloat16()
+    linear = torch.nn.Linear(576, 960, bias=True).to(dtype)
     own, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
-    assert own.kernel.name == "avx512-bf16" and own.packed_weight is None and onednn.kernel is None
-    for shape in ((3, 576), (64, 576), (300, 576), (2, 5, 576)):
-        x = torch.randn(*shape).bfloat16()
+    assert own.kernel.name == "avx512" and onednn.kernel is None
+    assert (own.packed_weight is None) == (dtype == torch.bfloat16)
+    tolerance = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for shape in ((3, 576), (64, 576), (FP32_MAX_ROWS + 1, 576), (2, 5, 576)):
+        x = torch.randn(*shape).to(dtype)
         got, want = own(x), onednn(x)
         assert got.shape == want.shape
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+        torch.testing.assert_close(got, want, **tolerance)
         rows = x.reshape(-1, 576)
-        assert torch.equal(got.reshape(-1, 960), cpu_ops.load().bf16_linear(rows, own.own_weight, own.bias))
+        if dtype == torch.float32 and rows.shape[0] > FP32_MAX_ROWS:
+            assert torch.equal(got, want)
+        else:
+            assert torch.equal(got.reshape(-1, 960), cpu_ops.load().avx512_linear(rows, own.own_weight, own.bias))

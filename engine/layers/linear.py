@@ -4,16 +4,19 @@ Plain `F.linear` on CPU (MKL for fp32) re-lays-out each weight on every call. Wi
 weights streaming from memory, oneDNN's prepacked format measured here 1.7-2.4x faster in fp32
 and 1.2-1.7x in bf16, from batch 1 to 64 (a cache-hot microbenchmark hides the difference).
 
-The engine's own bf16 kernels (engine/kernels/cpu) take what they do faster than oneDNN:
+The engine's own kernels (engine/kernels/cpu) take what they do faster than oneDNN:
 - on a CPU with AMX, linears of up to AMX_MAX_ROWS rows (decode steps), on a second packing of the weight, which
   amx_linear.cpp streams at the memory's rate: SmolLM2's 30 layers of weights took 8.3-8.7 ms at 1-16 rows against
   oneDNN's 12.1-12.4 ms, and 13.9 against 15.1 at 64 rows (2 cores of a Xeon); at 128 rows the two were even, and
   longer prefill chunks stay on oneDNN, whose AMX blocking reuses each weight tile across many rows. The price is a
   second copy of those weights in memory.
-- on a CPU with AVX-512 BF16 and no AMX, every bf16 linear, in bf16_linear.cpp's packing alone (oneDNN's is not
-  kept): the same 30 layers on 2 cores of an AMD EPYC took 4.4 ms at 1 row against oneDNN's 6.3, 6.5 against 8.7
-  at 16, 17.7 against 21.3 at 64, and 461 against 604 at 2,048 rows (1.2-1.4x at every count measured, up to 94% of
-  the dot-product units' rate).
+- on a CPU with AVX-512 and no AMX (avx512_linear.cpp; 2 cores of an AMD EPYC, SmolLM2's 30 layers of weights):
+  every bf16 linear, on its own packing alone (oneDNN's is not kept), 4.4 ms at 1 row against oneDNN's
+  6.3, 6.5 against 8.7 at 16, 17.7 against 21.3 at 64 and 461 against 604 at 2,048 rows (1.2-1.4x at every count
+  measured, up to 94% of the dot-product units' rate); float32 linears of up to FP32_MAX_ROWS rows, 8.2 ms at 1 row
+  against 11.5, 33.3 against 37.8 at 64 and 60.6 against 73.9 at 128 (at 512 the two were even, so prefill
+  chunks stay on oneDNN, and those linears keep both packings). Where a CPU has AMX, Intel's, oneDNN keeps the
+  float32 linears: the kernel has not been measured there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.config import cpu_has_native_bf16
+from engine.kernels.cpu_ops import has_cpu_flag
 
 
 def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,6 +40,7 @@ def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 AMX_MAX_ROWS = 64  # rows up to which the AMX kernel beats oneDNN (even at 128)
+FP32_MAX_ROWS = 128  # rows up to which the AVX-512 kernel beats oneDNN in float32 (even at 512)
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,18 @@ class OwnKernel:
 
 
 def own_kernel(cpu_ops, weight: torch.Tensor) -> OwnKernel | None:
-    """The kernel of `cpu_ops` (the C++ operators) for a bf16 weight [out, in]: AMX where the CPU has it, else AVX-512
-    BF16; None for other dtypes, shapes the kernels do not tile, or without the operators."""
-    if cpu_ops is None or weight.dtype != torch.bfloat16:
+    """The kernel of `cpu_ops` (the C++ operators) for a weight [out, in]: in bf16 AMX where the CPU has it; on a CPU
+    without AMX, AVX-512 in bf16 and float32; None for other dtypes, shapes the kernels do not tile, or without the
+    operators."""
+    if cpu_ops is None or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    out_features, in_features = weight.shape
-    if cpu_ops.amx_linear_usable(out_features, in_features):
-        return OwnKernel("amx", cpu_ops.amx_pack_linear_weight, cpu_ops.amx_linear, AMX_MAX_ROWS)
-    if cpu_ops.bf16_linear_usable(out_features, in_features):
-        return OwnKernel("avx512-bf16", cpu_ops.bf16_pack_linear_weight, cpu_ops.bf16_linear, None)
+    if has_cpu_flag("amx_bf16"):
+        if weight.dtype == torch.bfloat16 and cpu_ops.amx_linear_usable(*weight.shape):
+            return OwnKernel("amx", cpu_ops.amx_pack_linear_weight, cpu_ops.amx_linear, AMX_MAX_ROWS)
+        return None
+    if cpu_ops.avx512_linear_usable(weight):
+        max_rows = None if weight.dtype == torch.bfloat16 else FP32_MAX_ROWS
+        return OwnKernel("avx512", cpu_ops.avx512_pack_linear_weight, cpu_ops.avx512_linear, max_rows)
     return None
 
 

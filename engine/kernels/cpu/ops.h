@@ -68,13 +68,13 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
 // rows, streaming the packed weight at the memory's rate (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
-// Whether bf16_linear takes a weight of [n, k]: this build has AVX-512 BF16, n is a multiple of 64 and k even
-// (bf16_linear.cpp).
-bool bf16_linear_usable(int64_t n, int64_t k);
+// Whether avx512_linear takes this weight [n, k]: this build has AVX-512 (and AVX-512 BF16 for a bf16 weight), the
+// weight is float32 or bf16, n is a multiple of 64 and k of the depths a lane holds (bf16: 2) (avx512_linear.cpp).
+bool avx512_linear_usable(const at::Tensor& weight);
 
-// A bf16 weight [n, k] packed once into the order bf16_linear reads: depth pairs of 64-column blocks.
-at::Tensor bf16_pack_linear_weight(const at::Tensor& weight);
+// A weight [n, k] packed once into the order avx512_linear reads: depths of 64-column blocks.
+at::Tensor avx512_pack_linear_weight(const at::Tensor& weight);
 
-// y [m, n] = x [m, k] W^T (+ bias) in bf16 with AVX-512 BF16 dot products, float32 sums rounded once: the linear of
-// a decode step's rows on a CPU without AMX (bf16_linear.cpp).
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+// y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 with AVX-512 BF16 dot products, or float32 with FMAs), float32
+// sums rounded once: the linears of a CPU without AMX (avx512_linear.cpp).
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
