@@ -147,7 +147,7 @@ def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrenc
 
 
 def offline_name(concurrency: int, requests: int) -> str:
-    return f"{LORA_SERVE} offline" + ("" if concurrency >= requests else f", {concurrency} at a time")
+    return f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
 
 
 def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int) -> Scenario:
@@ -289,8 +289,7 @@ def plot(raw: dict):
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
     for name, style in zip(raw["offline"], ("--", ":")):
         offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
-        label = name if "at a time" in name else f"{name}, all at once"
-        axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=label)
+        axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=name)
     for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)

@@ -112,7 +112,7 @@ def load():
         folder = build_directory(name)
         with exclusive_build(folder):
             fresh = not (folder / f"{name}.so").exists()
-            if fresh:  # a pause of tens of seconds at a first start deserves a word
+            if fresh:  # a pause of seconds at a first start deserves a word
                 print(f"[lora-serve] building the C++ CPU operators in {folder} (once per machine)", flush=True)
             started = time.perf_counter()
             module = load_extension(name, [str(BINDINGS), str(unity_source(folder))], extra_cflags=flags,

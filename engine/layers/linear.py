@@ -45,8 +45,8 @@ FP32_MAX_ROWS = 128  # rows up to which the AVX-512 kernel beats oneDNN in float
 
 @dataclass(frozen=True)
 class OwnKernel:
-    """One of the engine's own bf16 linear kernels: how it packs a weight, how it runs, and up to how many rows it
-    beats oneDNN (None: at any count, so oneDNN's packing is not kept)."""
+    """One of the engine's own linear kernels: how it packs a weight, how it runs, and up to how many rows it beats
+    oneDNN (None: at any count, so oneDNN's packing is not kept)."""
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

@@ -55,8 +55,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str = "none", load_format: str = "safetensors", cpu_ops=None) -> nn.Module:
-    """The model in `dtype` on `device`; on CPU its linears prepacked (in bf16 on the engine's own kernels, given
-    `cpu_ops`)."""
+    """The model in `dtype` on `device`; on CPU its linears prepacked, on the engine's own kernels where `cpu_ops` has
+    one for them."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)

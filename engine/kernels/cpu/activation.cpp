@@ -15,8 +15,6 @@
 
 namespace lora_serve::activation_detail {
 
-using lora_serve::Vec;
-
 template <typename scalar_t>
 float silu_scalar(scalar_t x) {
   const float v = static_cast<float>(x);

@@ -20,6 +20,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 #include "amx.h"
+#include "float_types.h"
 
 #include <ATen/Parallel.h>
 
@@ -163,11 +164,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
     std::memcpy(padded.data(), xp, m * k * sizeof(uint16_t));
     xp = padded.data();
   }
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "amx_linear: bias of ", bias->numel(), " values for ", n, " outputs");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias32 = lora_serve::float32_bias(bias, n, "amx_linear");
   at::Tensor y = x.new_empty({m, n});
   const Problem p{xp, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),

@@ -13,8 +13,6 @@
 
 namespace lora_serve::argmax_detail {
 
-using lora_serve::Vec;
-
 float row_max(const float* x, int64_t n) {
   Vec best(-INFINITY);
   int64_t i = 0;

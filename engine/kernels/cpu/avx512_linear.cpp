@@ -13,12 +13,12 @@
 // place, its D values at (row, depth) broadcast to every lane. Products accumulate in float32 registers (6 rows x
 // 64 columns: 24 of the 32), the bias is added in float32, and bf16 outputs are rounded once, as oneDNN does.
 
+#include "float_types.h"
 #include "ops.h"
 
 #if defined(__AVX512F__)
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
 
@@ -165,11 +165,7 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const st
   TORCH_CHECK(packed.size(1) * packed.size(3) == x.size(1), "avx512_linear: x has ", x.size(1),
               " features, the packed weight takes ", packed.size(1) * packed.size(3));
   const int64_t n = packed.size(0) * kCols;
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "avx512_linear: bias of ", bias->numel(), " values for ", n, " outputs");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias32 = lora_serve::float32_bias(bias, n, "avx512_linear");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = x.new_empty({x.size(0), n});
 #if defined(__AVX512BF16__)

@@ -5,12 +5,20 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
 namespace lora_serve {
 
 using Vec = at::vec::Vectorized<float>;
+
+// A linear's bias as contiguous float32 [n], undefined without one; `op` names the linear in the error.
+inline at::Tensor float32_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias of ", bias->numel(), " values for ", n, " outputs");
+  return bias->to(at::kFloat).contiguous();
+}
 
 // Vec::size() values at p as float32 (bf16/fp16 widened, fp32 loaded as they are).
 template <typename scalar_t>

@@ -31,8 +31,6 @@
 
 namespace lora_serve::lora_detail {
 
-using lora_serve::Vec;
-
 // sum of a[0:n] * b[0:n] (b widened to float32) in four vector chains, then one value at a time.
 template <typename weight_t>
 inline float dot(const float* a, const weight_t* b, int64_t n) {

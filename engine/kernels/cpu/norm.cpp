@@ -15,8 +15,6 @@
 
 namespace lora_serve::norm_detail {
 
-using lora_serve::Vec;
-
 template <typename scalar_t>
 void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t d, float eps) {
   Vec squares(0.f);

@@ -46,8 +46,6 @@ struct Shape {
   float scale;
 };
 
-using lora_serve::Vec;
-
 // Per-thread scratch: the tile's scaled queries and accumulators (one row per query and head of the group), one
 // block of K widened and transposed ([head_dim, block_size]) and of V widened ([block_size, head_dim]), the scores of
 // one query's group of heads for that block.
@@ -288,8 +286,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "q and the cache must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 64,
               "query heads must be a multiple of the KV heads, at most 64 per KV head");
-  TORCH_CHECK(k_cache.size(2) % Vec::size() == 0 && q.size(2) % 4 == 0,
-              "block size must be a multiple of ", Vec::size(), " and head dim of 4");
+  TORCH_CHECK(k_cache.size(2) % lora_serve::Vec::size() == 0 && q.size(2) % 4 == 0,
+              "block size must be a multiple of ", lora_serve::Vec::size(), " and head dim of 4");
   const auto tables = block_tables.contiguous();
   const auto contexts = context_lens.contiguous();
   const auto tiles = make_tiles(query_starts.contiguous(), query_lens.contiguous(), contexts);
@@ -303,4 +301,4 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
-int64_t vector_width() { return static_cast<int64_t>(lora_serve::paged_attention_detail::Vec::size()); }
+int64_t vector_width() { return static_cast<int64_t>(lora_serve::Vec::size()); }
