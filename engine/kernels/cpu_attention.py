@@ -25,10 +25,10 @@ def usable(block_size: int, head_dim: int) -> bool:
 def prompt_kernel_usable(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether long prompt chunks attend in the C++ prompt kernel (cpu/prompt_attention.cpp) rather than SDPA's
     flash kernel: bf16, on AMX tiles where the CPU has AMX (16-token blocks), else with AVX-512 BF16. One layer of a
-    2,000-token SmolLM2 prompt on 2 cores: on an AMD EPYC (Zen 4, no AMX) 18.8 ms against SDPA's 40.0 (1,000 after
-    1,000 cached: 14.0 against 28.8; 128 tokens 0.15 against 0.36); on a Xeon with AMX 4.1-5.0 ms against 7.7-8.8
-    (1,000 after 1,000: 3.0-3.6 against 7.9-10.0; 512 tokens 0.40-0.45 against 0.8-0.9). The AVX-512 kernel on
-    that Xeon took 27.5 ms against SDPA's 8.9, so where the blocks do not tile AMX's 16 rows SDPA keeps the work."""
+    2,000-token SmolLM2 prompt on 2 cores: on an AMD EPYC (Zen 4, no AMX) 6.6-6.9 ms against SDPA's 40 (1,000
+    after 1,000 cached: 4.9-5.2 against 28.8); on a Xeon with AMX 4.1-5.0 ms against 7.7-8.8 (1,000 after 1,000:
+    3.0-3.6 against 7.9-10.0). The AVX-512 kernel is 3-3.5x slower than the AMX one on a Xeon, so where the
+    blocks do not tile AMX's 16 rows SDPA keeps the work there."""
     module = cpu_ops.load()
     if module is None or dtype != torch.bfloat16 or head_dim not in (64, 128) or not module.bf16_prompt_attention():
         return False

@@ -6,15 +6,25 @@
 // layer of a 2,000-token SmolLM2 prompt (about 0.12 TFLOP/s of the 0.41 a bf16 matmul reaches on the same 2
 // cores), 54% of the prompt's prefill. Where AMX exists its kernel uses it (9 ms), and the engine keeps it there.
 //
-// Layout: each KV head's keys are first packed, 32 keys a step, as [step][dim pair][key] dwords (a dword = two bf16
-// of one key's adjacent dims), and its values as [step][key pair][dim] dwords (a dword = one dim of two adjacent
-// keys): the pairs vdpbf16ps multiplies and adds. Scores of a query row for 32 keys are then 2 vectors accumulated
-// over the dim pairs, each query dword broadcast; the row's output accumulates over key pairs the same way, with its
-// probabilities (rounded to bf16, as PyTorch's kernel rounds them for its second matmul) broadcast. No horizontal
-// sums, no transposes inside the loops. A work item is (KV head, tile of 16 queries): the query heads that share
-// the KV head are its rows (48 for SmolLM2), scored against each packed step once; softmax is online in float32
-// (running max and sum per row), and only the steps up to the tile's last position are read. Tiles are dealt to the
-// threads alternately from both ends of the prompt, since causal tiles near the end cost the most.
+// Layout: the work items and the online softmax are those of the AMX kernel (prompt_tile.h): 16 queries of one
+// query head in the vector lanes, scores and output transposed, so the softmax runs down the columns with no
+// horizontal sums. Each product is vdpbf16ps of one 16-query vector (Q^T's dim pair, or P^T's key pair) and one
+// key's dim pair or one dim's value pair, broadcast. Keys are first packed per KV head as contiguous rows, values
+// as V^T. A work item takes up to 3 query heads of one KV head: each broadcast then feeds 3 products, which keeps
+// the load ports under the dot-product units' rate (with one head, 17 loads per 16 products). Where the item has
+// one head the pair is broadcast inside the product instruction (gcc emits a separate broadcast for the
+// intrinsic). The steps past the tile's last position are not read; items are dealt to the threads alternately
+// from both ends of the prompt, since causal tiles near the end cost the most.
+//
+// The running max is exact (lazy 0), and a moved max rescales O^T as it is loaded for the next product. The AMX
+// kernel's lazy max (2^8) saved 3-5% here but doubled the largest error on peaked softmaxes against float32 (the top
+// probability is then not exactly 1 in bf16); with the exact max the errors are PyTorch's flash kernel's.
+//
+// One layer of a 2,000-token SmolLM2 prompt (9 query heads, 3 KV heads, head dim 64), 2 cores of an AMD EPYC:
+// 6.6-6.9 ms, about 0.7 TFLOP/s (the products alone run at 0.9, the dot-product units' peak being about 1);
+// 1,000 tokens after 1,000 cached 4.9-5.2 ms. The row-wise layout it replaces (a row per query, softmax by
+// horizontal sums, ATen's exp) took 9.1 and 6.8 ms. On a Xeon with AMX it is 3-3.5x slower than the AMX kernel,
+// which keeps that CPU's work.
 
 #include "float_types.h"
 #include "ops.h"
@@ -25,173 +35,149 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
+#include "prompt_tile.h"
 
 namespace lora_serve::prompt_attention_detail {
 
-constexpr int64_t KS = 32;     // keys per step: two vectors of scores
-constexpr int64_t TQ = 16;     // queries per work item
-constexpr int64_t ROWS = 8;    // query rows scored together: 16 accumulators (one layer of a 2,000-token prompt on an
-                               // AMD EPYC: 9.5 ms against 10.3 with 4 rows)
-constexpr int64_t AROWS = 4;   // rows whose outputs accumulate together (their accumulators stay in registers)
+using namespace lora_serve::prompt_tile;
 
-using Shape = lora_serve::PromptShape;
+constexpr int64_t MAX_NT = 3;  // tiles (query heads of one KV head) that share a work item's broadcasts
 
-inline __m512 dot(__m512 acc, __m512i a, uint32_t b) {
-  const __m512i bb = _mm512_set1_epi32(static_cast<int>(b));
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(bb));
+// acc += a's bf16 pairs times the pair at b, broadcast from memory inside the instruction ({1to16}): gcc loads
+// a broadcast intrinsic into a register first, one more instruction per product.
+inline __m512 dot(__m512 acc, __m512i a, const uint32_t* b) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
+  return acc;
 }
 
-// One KV head's keys as [step][pair][KS] and values as [step][KS / 2][d] dwords; positions past the context are 0.
-void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, const Shape& s, int64_t h,
-          uint32_t* kp, uint32_t* vp) {
-  std::fill(kp, kp + s.steps * s.pairs * KS, 0u);
-  std::fill(vp, vp + s.steps * KS / 2 * s.d, 0u);
-  for (int64_t key = 0; key < s.context; ++key) {
-    const int64_t row = ((h * s.blocks + table[key / s.block_size]) * s.block_size + key % s.block_size) * s.d;
-    const auto* k32 = reinterpret_cast<const uint32_t*>(k_cache + row);
-    uint32_t* kdst = kp + (key / KS) * s.pairs * KS + key % KS;
-    for (int64_t p = 0; p < s.pairs; ++p) kdst[p * KS] = k32[p];
-    auto* vdst = reinterpret_cast<uint16_t*>(vp + (key / KS) * (KS / 2) * s.d + (key % KS / 2) * s.d) + key % 2;
-    for (int64_t c = 0; c < s.d; ++c) vdst[2 * c] = v_cache[row + c];
-  }
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) {  // acc += a's bf16 pairs times b's
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
 }
 
-// Scores of `rows` (<= ROWS) query rows against one packed step: scores[r][KS], scaled.
-template <int64_t R>
-void score(const uint32_t* const* q32, const uint32_t* ks, const Shape& s, float* scores) {
-  __m512 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < s.pairs; ++p) {
-    const __m512i k0 = _mm512_loadu_si512(ks + p * KS), k1 = _mm512_loadu_si512(ks + p * KS + 16);
-    for (int64_t r = 0; r < R; ++r) {
-      acc[r][0] = dot(acc[r][0], k0, q32[r][p]);
-      acc[r][1] = dot(acc[r][1], k1, q32[r][p]);
+// NT 16-lane vectors (one per tile, at vectors[n] + offset) times NB broadcast pairs (at pairs + j * stride), into
+// acc[n][j]. With one tile each pair is broadcast inside its product; with more, once into a register for all.
+template <int64_t NT, int64_t NB>
+inline void products(__m512 (&acc)[NT][NB], const uint32_t* const* vectors, int64_t offset, const uint32_t* pairs,
+                     int64_t stride) {
+  __m512i v[NT];
+  for (int64_t n = 0; n < NT; ++n) v[n] = _mm512_loadu_si512(vectors[n] + offset);
+  for (int64_t j = 0; j < NB; ++j) {
+    if constexpr (NT == 1) {
+      acc[0][j] = dot(acc[0][j], v[0], pairs + j * stride);
+    } else {
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(pairs[j * stride]));
+      for (int64_t n = 0; n < NT; ++n) acc[n][j] = dot(acc[n][j], v[n], b);
     }
   }
-  const __m512 scale = _mm512_set1_ps(s.scale);
-  for (int64_t r = 0; r < R; ++r) {
-    _mm512_storeu_ps(scores + r * KS, _mm512_mul_ps(acc[r][0], scale));
-    _mm512_storeu_ps(scores + r * KS + 16, _mm512_mul_ps(acc[r][1], scale));
-  }
 }
 
-// out rows += probabilities (bf16 pairs, [r][KS / 2]) x one packed step of values; out [r][d] float32.
-template <int64_t R, int64_t DV>
-void accumulate(const uint32_t* probs, const uint32_t* vs, float* out) {
-  __m512 acc[R][DV];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < DV; ++j) acc[r][j] = _mm512_loadu_ps(out + r * DV * 16 + j * 16);
-  for (int64_t kp = 0; kp < KS / 2; ++kp) {
-    for (int64_t j = 0; j < DV; ++j) {
-      const __m512i v = _mm512_loadu_si512(vs + kp * DV * 16 + j * 16);
-      for (int64_t r = 0; r < R; ++r) acc[r][j] = dot(acc[r][j], v, probs[r * KS / 2 + kp]);
+// Every KV head's keys as contiguous rows, [kv_heads][steps * KS][d] bf16; keys past the context are 0.
+std::vector<uint16_t> pack_keys(const uint16_t* k_cache, const int64_t* table, const PromptShape& s) {
+  const int64_t k_size = s.steps * KS * s.d;
+  std::vector<uint16_t> keys(s.kv_heads * k_size, uint16_t{0});
+  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / s.steps, step = i % s.steps;
+      for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
+        const uint16_t* row = k_cache + ((h * s.blocks + table[key / s.block_size]) * s.block_size +
+                                         key % s.block_size) * s.d;
+        std::copy(row, row + s.d, keys.data() + h * k_size + key * s.d);
+      }
     }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(out + r * DV * 16 + j * 16, acc[r][j]);
+  });
+  return keys;
 }
 
-struct Rows {  // a tile's per-row state, in scratch memory kept across the thread's items
-  std::vector<const uint32_t*> q;
-  std::vector<int64_t> position;
-  std::vector<float> max, sum, scores, out;
-  std::vector<uint32_t> probs;
-};
-
-// Online softmax of one row's scores for the step at `first` key: masks keys past the row's position, rescales the
-// row's output and sum, and leaves the probabilities as bf16 pairs.
-void softmax_row(float* scores, int64_t first, int64_t position, float& max, float& sum, float* out, int64_t d,
-                 uint32_t* probs) {
-  for (int64_t j = std::max<int64_t>(0, position + 1 - first); j < KS; ++j)
-    scores[j] = -std::numeric_limits<float>::infinity();
-  const __m512 s0 = _mm512_loadu_ps(scores), s1 = _mm512_loadu_ps(scores + 16);
-  const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-  const float new_max = std::max(max, step_max);
-  const __m512 m = _mm512_set1_ps(new_max);
-  const __m512 e0 = at::vec::Vectorized<float>(_mm512_sub_ps(s0, m)).exp_u20();
-  const __m512 e1 = at::vec::Vectorized<float>(_mm512_sub_ps(s1, m)).exp_u20();
-  const float alpha = std::exp(max - new_max);  // 0 at the first step (max = -inf)
-  sum = sum * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-  max = new_max;
-  if (alpha != 1.0f) {
-    const __m512 a = _mm512_set1_ps(alpha);
-    for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(out + c), a));
+// S^T of each of NT tiles for the step's KS keys (rows of PAIRS dwords), NB keys a pass: each dim pair's Q^T
+// vector (16 queries) meets each key's pair broadcast. NB keeps 16 or more accumulators in flight.
+template <int64_t NT, int64_t PAIRS>
+void score_step(const uint32_t* keys, Tile* const* w) {
+  constexpr int64_t NB = NT == 1 ? 16 : 8;
+  const uint32_t* qt[NT];
+  for (int64_t n = 0; n < NT; ++n) qt[n] = w[n]->qt.data();
+  for (int64_t k0 = 0; k0 < KS; k0 += NB) {
+    __m512 acc[NT][NB];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t p = 0; p < PAIRS; ++p) products<NT, NB>(acc, qt, p * TQ, keys + k0 * PAIRS + p, PAIRS);
+    for (int64_t n = 0; n < NT; ++n)
+      for (int64_t j = 0; j < NB; ++j) _mm512_storeu_ps(w[n]->scores.data() + (k0 + j) * TQ, acc[n][j]);
   }
-  // bf16 of e0 (keys 0..15) and e1 (16..31), interleaved back into key order as pairs
-  const __m512bh packed = _mm512_cvtne2ps_pbh(e1, e0);  // low 256 bits: e0's 16 keys, high: e1's
-  _mm512_storeu_si512(probs, reinterpret_cast<const __m512i&>(packed));
 }
 
-template <int64_t DV>
-void attend_tile(const uint16_t* q, const uint32_t* kp, const uint32_t* vp, int64_t h, int64_t t0, int64_t t1,
-                 const Shape& s, Rows& w, uint16_t* out) {
-  const int64_t rows = (t1 - t0) * s.group;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = t0 + r / s.group, head = h * s.group + r % s.group;
-    w.q[r] = reinterpret_cast<const uint32_t*>(q + t * s.q_stride + head * s.d);
-    w.position[r] = s.context - s.t + t;
-    w.max[r] = -std::numeric_limits<float>::infinity();
-    w.sum[r] = 0.0f;
+// O^T += V^T P^T for each of NT tiles (V^T as [D][KS / 2] key-pair dwords), NB dims a pass: each key pair's P^T
+// vector (16 queries) meets each dim's value pair broadcast. A tile whose max moved has its O^T rescaled by
+// alpha as it is loaded.
+template <int64_t NT, int64_t D>
+void accumulate(const uint32_t* vt_step, Tile* const* w, const bool* rescaled) {
+  constexpr int64_t NB = NT == 1 ? 16 : 8;
+  const uint32_t* probs[NT];
+  for (int64_t n = 0; n < NT; ++n) probs[n] = w[n]->probs.data();
+  for (int64_t c0 = 0; c0 < D; c0 += NB) {
+    __m512 acc[NT][NB];
+    for (int64_t n = 0; n < NT; ++n) {
+      for (int64_t j = 0; j < NB; ++j) acc[n][j] = _mm512_loadu_ps(w[n]->out.data() + (c0 + j) * TQ);
+      if (rescaled[n])
+        for (int64_t j = 0; j < NB; ++j) acc[n][j] = _mm512_mul_ps(acc[n][j], w[n]->alpha);
+    }
+    for (int64_t kp = 0; kp < KS / 2; ++kp)
+      products<NT, NB>(acc, probs, kp * TQ, vt_step + c0 * (KS / 2) + kp, KS / 2);
+    for (int64_t n = 0; n < NT; ++n)
+      for (int64_t j = 0; j < NB; ++j) _mm512_storeu_ps(w[n]->out.data() + (c0 + j) * TQ, acc[n][j]);
   }
-  std::fill(w.out.begin(), w.out.begin() + rows * s.d, 0.0f);
-  const int64_t last = w.position[rows - 1];
+}
+
+// Query heads first_head.. first_head + NT - 1 (one KV head's) for the 16 tokens from t0.
+template <int64_t NT, int64_t D>
+void attend(const uint16_t* q, const uint32_t* keys, const uint32_t* vt, const PromptShape& s, int64_t first_head,
+            int64_t t0, Tile* const* w, uint16_t* out) {
+  for (int64_t n = 0; n < NT; ++n) begin_tile(q, s, first_head + n, t0, *w[n]);
+  const int64_t last = w[0]->first_position + w[0]->valid - 1;
   for (int64_t step = 0; step * KS <= last; ++step) {
-    const uint32_t* ks = kp + step * s.pairs * KS;
-    int64_t r = 0;
-    for (; r + ROWS <= rows; r += ROWS) score<ROWS>(w.q.data() + r, ks, s, w.scores.data() + r * KS);
-    for (; r < rows; ++r) score<1>(w.q.data() + r, ks, s, w.scores.data() + r * KS);
-    for (r = 0; r < rows; ++r)
-      softmax_row(w.scores.data() + r * KS, step * KS, w.position[r], w.max[r], w.sum[r], w.out.data() + r * s.d,
-                  s.d, w.probs.data() + r * KS / 2);
-    const uint32_t* vs = vp + step * (KS / 2) * s.d;
-    for (r = 0; r + AROWS <= rows; r += AROWS)
-      accumulate<AROWS, DV>(w.probs.data() + r * KS / 2, vs, w.out.data() + r * s.d);
-    for (; r < rows; ++r) accumulate<1, DV>(w.probs.data() + r * KS / 2, vs, w.out.data() + r * s.d);
+    score_step<NT, D / 2>(keys + step * KS * (D / 2), w);
+    bool rescaled[NT];  // the exact max (lazy 0): a rescale costs one multiply per output vector loaded anyway
+    for (int64_t n = 0; n < NT; ++n) rescaled[n] = softmax_step(s, step, 0.0f, *w[n]);
+    accumulate<NT, D>(vt + step * D * (KS / 2), w, rescaled);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = t0 + r / s.group, head = h * s.group + r % s.group;
-    const float inv = 1.0f / w.sum[r];
-    const float* o = w.out.data() + r * s.d;
-    uint16_t* dst = out + (t * s.heads + head) * s.d;
-    for (int64_t c = 0; c < s.d; ++c) dst[c] = c10::BFloat16(o[c] * inv).x;
-  }
+  for (int64_t n = 0; n < NT; ++n) write_out(*w[n], s, t0, out);
+}
+
+template <int64_t D>
+void attend_heads(const uint16_t* q, const uint32_t* keys, const uint32_t* vt, const PromptShape& s,
+                  int64_t first_head, int64_t count, int64_t t0, Tile* const* w, uint16_t* out) {
+  if (count == 3) attend<3, D>(q, keys, vt, s, first_head, t0, w, out);
+  else if (count == 2) attend<2, D>(q, keys, vt, s, first_head, t0, w, out);
+  else attend<1, D>(q, keys, vt, s, first_head, t0, w, out);
 }
 
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
-         const Shape& s, at::Tensor& out) {
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+         const PromptShape& s, at::Tensor& out) {
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int64_t k_size = s.steps * s.pairs * KS, v_size = s.steps * (KS / 2) * s.d;
-  std::vector<uint32_t> kp(s.kv_heads * k_size), vp(s.kv_heads * v_size);
-  at::parallel_for(0, s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) pack(kc, vc, table, s, h, kp.data() + h * k_size, vp.data() + h * v_size);
-  });
+  const std::vector<uint16_t> keys = pack_keys(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), table, s);
+  const std::vector<uint16_t> vt = pack_all_values(vc, table, s);
+  const int64_t k_size = s.steps * KS * s.pairs, v_size = s.steps * (KS / 2) * s.d;  // dwords per KV head
+  const auto* k32 = reinterpret_cast<const uint32_t*>(keys.data());
+  const auto* v32 = reinterpret_cast<const uint32_t*>(vt.data());
   const int64_t tiles = (s.t + TQ - 1) / TQ;
+  const int64_t chunks = (s.group + MAX_NT - 1) / MAX_NT;  // a KV head's query heads in chunks of up to 3
+  const int64_t per_token_tile = s.kv_heads * chunks;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, tiles * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Rows w;
-    const int64_t rows = TQ * s.group;
-    w.q.resize(rows);
-    w.position.resize(rows);
-    w.max.resize(rows);
-    w.sum.resize(rows);
-    w.scores.resize(rows * KS);
-    w.out.resize(rows * s.d);
-    w.probs.resize(rows * KS / 2);
+  at::parallel_for(0, tiles * per_token_tile, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
+    std::vector<Tile> tiles_of_item(MAX_NT, Tile(s.d));
+    Tile* w[MAX_NT] = {&tiles_of_item[0], &tiles_of_item[1], &tiles_of_item[2]};
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t z = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t z = item / per_token_tile, h = item % per_token_tile / chunks, c = item % chunks;
       const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;  // both ends in turn: balanced halves
-      const int64_t t0 = tile * TQ, t1 = std::min(s.t, t0 + TQ);
-      const uint32_t* kh = kp.data() + h * k_size;
-      const uint32_t* vh = vp.data() + h * v_size;
-      if (s.d == 64) attend_tile<4>(qp, kh, vh, h, t0, t1, s, w, op);
-      else attend_tile<8>(qp, kh, vh, h, t0, t1, s, w, op);
+      const int64_t from = c * s.group / chunks, to = (c + 1) * s.group / chunks;  // chunks as even as can be
+      if (s.d == 64) attend_heads<64>(qp, k32 + h * k_size, v32 + h * v_size, s, h * s.group + from, to - from,
+                                      tile * TQ, w, op);
+      else attend_heads<128>(qp, k32 + h * k_size, v32 + h * v_size, s, h * s.group + from, to - from,
+                             tile * TQ, w, op);
     }
   });
 }

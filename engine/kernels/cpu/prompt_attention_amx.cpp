@@ -19,14 +19,15 @@
 // as the engine called it: a fresh 2,000-token prompt 4.1-5.0 ms against 7.7-8.8; 1,000 tokens after 1,000
 // cached 3.0-3.6 against 7.9-10.0; 512 tokens 0.40-0.45 against 0.8-0.9. The exponentials, ATen's exp_u20 at
 // first, were a third of the time; without any, about 4 ms remain at 2,000 tokens, mostly the steps' chain of tile
-// latencies (score, store, softmax, store, product) that one work item cannot overlap.
+// latencies (score, store, softmax, store, product) that one work item cannot overlap. The work item, its softmax
+// and the packing of V^T are shared with the AVX-512 kernel (prompt_tile.h).
 
 #include "prompt_attention.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 #include "amx.h"
-#include "float_types.h"
+#include "prompt_tile.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,8 +37,11 @@
 
 namespace lora_serve::prompt_amx_detail {
 
-constexpr int64_t KS = 32;  // keys per step: two score tiles
-constexpr int64_t TQ = 16;  // queries per work item: the columns of a score tile
+using namespace lora_serve::prompt_tile;  // KS keys per step: two score tiles; TQ queries: a tile's columns
+
+// Powers of 2 a column's max may grow before O^T is rescaled: a rescale stores and reloads the output tiles.
+constexpr float kLazy = 8.0f;
+
 // tile registers: gcc's tile intrinsics paste their number into the instruction, so they must be literals
 #define SCORE0 0
 #define SCORE1 1
@@ -47,61 +51,6 @@ constexpr int64_t TQ = 16;  // queries per work item: the columns of a score til
 #define OUT1 5
 #define OUT2 6
 #define OUT3 7
-
-// One step of one KV head's values as V^T, [d][KS] bf16; keys past the context are 0 (their probabilities are 0,
-// and a cache slot never written may hold a NaN).
-void pack_values(const uint16_t* v_head, const int64_t* table, const PromptShape& s, int64_t step, uint16_t* vt) {
-  std::fill(vt, vt + s.d * KS, uint16_t{0});
-  for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
-    const uint16_t* row = v_head + (table[key / s.block_size] * s.block_size + key % s.block_size) * s.d;
-    for (int64_t c = 0; c < s.d; ++c) vt[c * KS + key % KS] = row[c];
-  }
-}
-
-// 2^x, x clamped at -127: a degree-4 polynomial for 2^fraction (relative error 2.6e-6, as small as ATen's
-// exp_u20) scaled by 2^floor with one instruction; about half exp_u20's instructions, and the exponentials were a
-// third of the kernel's time. A clamped 2^-127 is a denormal, flushed to 0 (FlushDenormals): masked keys weigh
-// nothing.
-inline __m512 exp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, whole);
-  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.013534166f), _mm512_set1_ps(0.052011471f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24144274f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.69300383f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000026f));
-  return _mm512_scalef_ps(p, whole);
-}
-
-// Denormals flushed to zero (and read as zero) while a thread runs the kernel, its previous mode restored after:
-// the clamped 2^-127 of a masked key is a denormal, and arithmetic on denormals takes a microcode assist that
-// made 512-token prompts a third slower.
-struct FlushDenormals {
-  const unsigned saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
-
-struct Tile {  // one work item's queries: TQ tokens of one query head, and their softmax state
-  const uint16_t* q;      // the first token's row of this head
-  int64_t valid, head, first_position;
-  std::vector<uint32_t> qt;      // Q^T as [d / 32][16 dim pairs][TQ] dwords
-  std::vector<float> scores;     // S^T [KS][TQ]
-  std::vector<uint32_t> probs;   // P^T as [KS / 2 key pairs][TQ] dwords
-  std::vector<float> out;        // O^T [d][TQ]
-  __m512 max, sum, alpha;
-  __m512i position;              // each column's position; padding columns repeat the last query's
-
-  explicit Tile(int64_t d) : qt(d / 2 * TQ), scores(KS * TQ), probs(KS / 2 * TQ), out(d * TQ) {}
-};
-
-void pack_queries(Tile& w, const PromptShape& s) {
-  std::fill(w.qt.begin(), w.qt.end(), 0u);
-  for (int64_t i = 0; i < w.valid; ++i) {
-    const auto* src = reinterpret_cast<const uint32_t*>(w.q + i * s.q_stride);
-    for (int64_t p = 0; p < s.pairs; ++p) w.qt[(p / 16) * 16 * TQ + (p % 16) * TQ + i] = src[p];
-  }
-}
 
 // S^T for the step's 32 keys into w.scores; a second block past the context is left out (masked later).
 void score_step(const uint16_t* k_head, const int64_t* table, const PromptShape& s, int64_t step, Tile& w) {
@@ -124,53 +73,7 @@ void score_step(const uint16_t* k_head, const int64_t* table, const PromptShape&
   _tile_stored(SCORE1, w.scores.data() + 16 * TQ, TQ * 4);
 }
 
-// Online softmax of the step's scores, column by column in vectors: masks keys after each query's position, and
-// leaves P^T as bf16 key pairs. A column's max moves only when the step's exceeds it by more than kLazy (in
-// powers of 2), as FlashAttention-4 does: the probabilities are then up to 2^kLazy, harmless in fp32
-// sums and bf16 products, and the O^T rescale (alpha < 1) becomes rare after the first step. Returns whether
-// any column needs it; its factors are in w.alpha.
-bool softmax_step(const PromptShape& s, int64_t step, Tile& w) {
-  constexpr float kLazy = 8.0f;
-  const float inf = std::numeric_limits<float>::infinity();
-  const bool masked = step * KS + KS - 1 > w.first_position;
-  __m512 x[KS];
-  __m512 top = _mm512_set1_ps(-inf);
-  const float* scores = w.scores.data();
-  for (int64_t k = 0; k < KS; ++k) {
-    x[k] = _mm512_loadu_ps(scores + k * TQ);
-    if (masked) {
-      const __mmask16 later = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(step * KS + k), w.position);
-      x[k] = _mm512_mask_mov_ps(x[k], later, _mm512_set1_ps(-inf));
-    }
-    top = _mm512_max_ps(top, x[k]);
-  }
-  const __m512 scale = _mm512_set1_ps(s.scale * 1.442695041f);  // log2(e): exponents in powers of 2
-  const __mmask16 grown = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(top, w.max), scale),
-                                             _mm512_set1_ps(kLazy), _CMP_GT_OQ);
-  if (grown) {
-    const __m512 new_max = _mm512_mask_mov_ps(w.max, grown, top);
-    w.alpha = exp2(_mm512_mul_ps(_mm512_sub_ps(w.max, new_max), scale));  // 1 where unchanged
-    w.sum = _mm512_mul_ps(w.sum, w.alpha);
-    w.max = new_max;
-  }
-  const __m512 shift = _mm512_mul_ps(w.max, scale);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t k = 0; k < KS; ++k) {
-    x[k] = exp2(_mm512_fmsub_ps(x[k], scale, shift));
-    total = _mm512_add_ps(total, x[k]);
-  }
-  w.sum = _mm512_add_ps(w.sum, total);
-  // key pair (2j, 2j + 1) of query i is dword i of row j: bf16 of both, interleaved
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t j = 0; j < KS / 2; ++j) {
-    const __m512bh pair = _mm512_cvtne2ps_pbh(x[2 * j + 1], x[2 * j]);
-    _mm512_storeu_si512(w.probs.data() + j * TQ,
-                        _mm512_permutexvar_epi16(interleave, reinterpret_cast<const __m512i&>(pair)));
-  }
-  return grown && step > 0;  // at the first step O^T is still 0
-}
-
+// O^T *= alpha, column by column.
 void rescale(const PromptShape& s, Tile& w) {
   for (int64_t c = 0; c < s.d; ++c)
     _mm512_storeu_ps(w.out.data() + c * TQ, _mm512_mul_ps(_mm512_loadu_ps(w.out.data() + c * TQ), w.alpha));
@@ -215,39 +118,15 @@ void accumulate_in_memory(const uint16_t* vt_step, const PromptShape& s, Tile& w
   }
 }
 
-// O^T / sum, rounded to bf16 a row of 16 queries at a time, then written back in [token, head, dim] order.
-void write_out(Tile& w, const PromptShape& s, int64_t t0, uint16_t* out) {
-  const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), w.sum);
-  auto* rounded = reinterpret_cast<uint16_t*>(w.qt.data());  // Q^T is done with: d x TQ bf16 fit in its place
-  for (int64_t c = 0; c < s.d; ++c) {
-    const __m256bh row = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w.out.data() + c * TQ), inverse));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + c * TQ), reinterpret_cast<const __m256i&>(row));
-  }
-  for (int64_t i = 0; i < w.valid; ++i) {
-    uint16_t* dst = out + ((t0 + i) * s.heads + w.head) * s.d;
-    for (int64_t c = 0; c < s.d; ++c) dst[c] = rounded[c * TQ + i];
-  }
-}
-
 void attend(const uint16_t* q, const uint16_t* k_head, const uint16_t* vt, const int64_t* table,
             const PromptShape& s, int64_t head, int64_t t0, Tile& w, uint16_t* out) {
-  w.q = q + t0 * s.q_stride + head * s.d;
-  w.head = head;
-  w.valid = std::min(TQ, s.t - t0);
-  w.first_position = s.context - s.t + t0;
-  const __m512i column = _mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(w.valid - 1)));
-  w.position = _mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(w.first_position)));
-  w.max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  w.sum = _mm512_setzero_ps();
-  std::fill(w.out.begin(), w.out.end(), 0.0f);
-  pack_queries(w, s);
+  begin_tile(q, s, head, t0, w);
   const bool resident = s.d == 64;
   if (resident) load_out(w);
   const int64_t last = w.first_position + w.valid - 1;
   for (int64_t step = 0; step * KS <= last; ++step) {
     score_step(k_head, table, s, step, w);
-    const bool rescaled = softmax_step(s, step, w);
+    const bool rescaled = softmax_step(s, step, kLazy, w);
     if (rescaled && resident) store_out(w);
     if (rescaled) rescale(s, w);
     if (rescaled && resident) load_out(w);
@@ -272,13 +151,7 @@ void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t v_size = s.steps * s.d * KS;
-  std::vector<uint16_t> vt(s.kv_heads * v_size);
-  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {  // (head, step): balanced
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / s.steps, step = i % s.steps;
-      pack_values(vc + h * s.blocks * s.block_size * s.d, table, s, step, vt.data() + h * v_size + step * s.d * KS);
-    }
-  });
+  const std::vector<uint16_t> vt = pack_all_values(vc, table, s);
   const int64_t tiles = (s.t + TQ - 1) / TQ;
   at::parallel_for(0, tiles * s.heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
