@@ -37,7 +37,10 @@ def cluster(tiny_llama_path, tmp_path_factory):
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One proxy, on the head: on one machine every simulated node's proxy would listen on this port (SO_REUSEPORT),
+    # and the kernel could hand a connection to the proxy of the node being removed, which a real client, holding
+    # a live node's address, does not meet (a request sat 120 s unanswered there once)
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
               "adapters_root": str(root), "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
     llm = LLMServer.options(num_replicas=2, health_check_period_s=1, health_check_timeout_s=10,
