@@ -169,7 +169,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, tiles * per_token_tile, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     std::vector<Tile> tiles_of_item(MAX_NT, Tile(s.d));
-    Tile* w[MAX_NT] = {&tiles_of_item[0], &tiles_of_item[1], &tiles_of_item[2]};
+    Tile* w[MAX_NT];
+    for (int64_t n = 0; n < MAX_NT; ++n) w[n] = &tiles_of_item[n];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t z = item / per_token_tile, h = item % per_token_tile / chunks, c = item % chunks;
       const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;  // both ends in turn: balanced halves
