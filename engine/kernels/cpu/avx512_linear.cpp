@@ -116,7 +116,8 @@ void rows(const Problem<F>& p, int64_t block, int64_t row0, int count) {
 template <typename F>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32, at::Tensor& y) {
   using value_t = typename F::value_t;
-  const Problem<F> p{reinterpret_cast<const value_t*>(x.data_ptr()), reinterpret_cast<const value_t*>(packed.data_ptr()),
+  const Problem<F> p{reinterpret_cast<const value_t*>(x.data_ptr()),
+                     reinterpret_cast<const value_t*>(packed.data_ptr()),
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<value_t*>(y.data_ptr()),
                      x.size(0), y.size(1), x.size(1)};
   at::parallel_for(0, p.n / kCols, 1, [&](int64_t begin, int64_t end) {  // contiguous blocks: one stream a thread

@@ -26,13 +26,11 @@
 // ATen's exp), measured as the alternative, takes 9.1 and 6.8 ms. On a Xeon with AMX it is 3-3.5x slower than
 // the AMX kernel, which keeps that CPU's work.
 
-#include "float_types.h"
 #include "ops.h"
 #include "prompt_attention.h"
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -72,23 +70,6 @@ inline void products(__m512 (&acc)[NT][NB], const uint32_t* const* vectors, int6
       for (int64_t n = 0; n < NT; ++n) acc[n][j] = dot(acc[n][j], v[n], b);
     }
   }
-}
-
-// Every KV head's keys as contiguous rows, [kv_heads][steps * KS][d] bf16; keys past the context are 0.
-std::vector<uint16_t> pack_keys(const uint16_t* k_cache, const int64_t* table, const PromptShape& s) {
-  const int64_t k_size = s.steps * KS * s.d;
-  std::vector<uint16_t> keys(s.kv_heads * k_size, uint16_t{0});
-  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / s.steps, step = i % s.steps;
-      for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
-        const uint16_t* row = k_cache + ((h * s.blocks + table[key / s.block_size]) * s.block_size +
-                                         key % s.block_size) * s.d;
-        std::copy(row, row + s.d, keys.data() + h * k_size + key * s.d);
-      }
-    }
-  });
-  return keys;
 }
 
 // S^T of each of NT tiles for the step's KS keys (rows of PAIRS dwords), NB keys a pass: each dim pair's Q^T
@@ -156,7 +137,7 @@ void attend_heads(const uint16_t* q, const uint32_t* keys, const uint32_t* vt, c
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
          const PromptShape& s, at::Tensor& out) {
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const std::vector<uint16_t> keys = pack_keys(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), table, s);
+  const std::vector<uint16_t> keys = pack_all_keys(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), table, s);
   const std::vector<uint16_t> vt = pack_all_values(vc, table, s);
   const int64_t k_size = s.steps * KS * s.pairs, v_size = s.steps * (KS / 2) * s.d;  // dwords per KV head
   const auto* k32 = reinterpret_cast<const uint32_t*>(keys.data());

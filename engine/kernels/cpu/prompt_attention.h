@@ -13,6 +13,11 @@ struct PromptShape {
   float scale;
 };
 
+// Where key `key` of the sequence sits in one KV head's cache [blocks, block_size, d]: its row's first value.
+inline int64_t cache_row(const PromptShape& s, const int64_t* table, int64_t key) {
+  return (table[key / s.block_size] * s.block_size + key % s.block_size) * s.d;
+}
+
 // Whether this build has the AMX kernel: compiled for AMX-BF16, and the OS grants this process the tile state.
 bool amx_prompt_tiles();
 

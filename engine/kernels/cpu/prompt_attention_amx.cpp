@@ -55,10 +55,9 @@ constexpr float kLazy = 8.0f;
 // S^T for the step's 32 keys into w.scores; a second block past the context is left out (masked later).
 void score_step(const uint16_t* k_head, const int64_t* table, const PromptShape& s, int64_t step, Tile& w) {
   const int64_t key = step * KS;
-  const uint16_t* first = k_head + (table[key / s.block_size] * s.block_size + key % s.block_size) * s.d;
+  const uint16_t* first = k_head + cache_row(s, table, key);
   const bool second_in = key + 16 < s.context;
-  const uint16_t* second = second_in ? k_head + (table[(key + 16) / s.block_size] * s.block_size +
-                                                 (key + 16) % s.block_size) * s.d : first;
+  const uint16_t* second = second_in ? k_head + cache_row(s, table, key + 16) : first;
   _tile_zero(SCORE0);
   _tile_zero(SCORE1);
   for (int64_t c = 0; c < s.d / 32; ++c) {

@@ -31,9 +31,33 @@ inline __m512 exp2(__m512 x) {
 void pack_values(const uint16_t* v_head, const int64_t* table, const PromptShape& s, int64_t step, uint16_t* vt) {
   std::fill(vt, vt + s.d * KS, uint16_t{0});
   for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
-    const uint16_t* row = v_head + (table[key / s.block_size] * s.block_size + key % s.block_size) * s.d;
+    const uint16_t* row = v_head + cache_row(s, table, key);
     for (int64_t c = 0; c < s.d; ++c) vt[c * KS + key % KS] = row[c];
   }
+}
+
+// One step of one KV head's keys as rows, [KS][d] bf16; keys past the context are 0.
+void pack_keys(const uint16_t* k_head, const int64_t* table, const PromptShape& s, int64_t step, uint16_t* rows) {
+  std::fill(rows, rows + KS * s.d, uint16_t{0});
+  for (int64_t key = step * KS; key < std::min(s.context, step * KS + KS); ++key) {
+    const uint16_t* row = k_head + cache_row(s, table, key);
+    std::copy(row, row + s.d, rows + (key % KS) * s.d);
+  }
+}
+
+// pack(cache head, table, shape, step, out) for every (KV head, step) by the threads, into [kv_heads][steps][d * KS]:
+// (head, step) items balance the threads where a few heads would not.
+template <typename Pack>
+std::vector<uint16_t> pack_all(const uint16_t* cache, const int64_t* table, const PromptShape& s, Pack pack) {
+  const int64_t step_size = s.d * KS, head_size = s.steps * step_size;
+  std::vector<uint16_t> packed(s.kv_heads * head_size);
+  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / s.steps, step = i % s.steps;
+      pack(cache + h * s.blocks * s.block_size * s.d, table, s, step, packed.data() + h * head_size + step * step_size);
+    }
+  });
+  return packed;
 }
 
 }  // namespace lora_serve::prompt_tile_detail
@@ -41,16 +65,11 @@ void pack_values(const uint16_t* v_head, const int64_t* table, const PromptShape
 namespace lora_serve::prompt_tile {
 
 std::vector<uint16_t> pack_all_values(const uint16_t* v_cache, const int64_t* table, const PromptShape& s) {
-  const int64_t v_size = s.steps * s.d * KS;
-  std::vector<uint16_t> vt(s.kv_heads * v_size);
-  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {  // (head, step): balanced
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / s.steps, step = i % s.steps;
-      prompt_tile_detail::pack_values(v_cache + h * s.blocks * s.block_size * s.d, table, s, step,
-                                      vt.data() + h * v_size + step * s.d * KS);
-    }
-  });
-  return vt;
+  return prompt_tile_detail::pack_all(v_cache, table, s, prompt_tile_detail::pack_values);
+}
+
+std::vector<uint16_t> pack_all_keys(const uint16_t* k_cache, const int64_t* table, const PromptShape& s) {
+  return prompt_tile_detail::pack_all(k_cache, table, s, prompt_tile_detail::pack_keys);
 }
 
 void begin_tile(const uint16_t* q, const PromptShape& s, int64_t head, int64_t t0, Tile& w) {

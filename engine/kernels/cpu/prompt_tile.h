@@ -46,6 +46,9 @@ struct Tile {  // one work item's queries: TQ tokens of one query head, and thei
 // V^T of every KV head, [kv_heads][steps][d][KS], packed by the threads a (head, step) at a time.
 std::vector<uint16_t> pack_all_values(const uint16_t* v_cache, const int64_t* table, const PromptShape& s);
 
+// Every KV head's keys as contiguous rows, [kv_heads][steps * KS][d]; keys past the context are 0.
+std::vector<uint16_t> pack_all_keys(const uint16_t* k_cache, const int64_t* table, const PromptShape& s);
+
 // Starts a work item: the tile's queries (t0 on, of one head) as Q^T, its positions, an empty softmax state.
 void begin_tile(const uint16_t* q, const PromptShape& s, int64_t head, int64_t t0, Tile& w);
 
