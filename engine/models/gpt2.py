@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
+from engine.models.activations import activation
 
 
 class GPT2Attention(nn.Module):
@@ -31,7 +31,7 @@ class GPT2MLP(nn.Module):
         inner = config.n_inner or 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.c_proj = nn.Linear(inner, config.n_embd)
-        self.act = ACT2FN[config.activation_function]
+        self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

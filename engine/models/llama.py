@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.activations import activation
 
 
 # The fused linears and the PEFT modules each holds, in output-column order
@@ -76,7 +76,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.silu = config.hidden_act == "silu"
         self.cpu_ops = None  # on CPU the C++ operators (set by use_cpu_ops): silu(gate) * up in one call
 
