@@ -235,9 +235,6 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
             const Tile& tile, scalar_t* out, const Shape& s, Scratch& w) {
   const int64_t d = s.head_dim, run = s.block_size * d, width = s.group * d, stride = s.heads * d;
   const bool bf16_scores = scores_in_bf16<scalar_t>(s);
-  // A float32 tile of one query scores each key row in place (score_rows); a longer tile shares one transposed copy
-  // of each block among its queries.
-  const bool float_rows = std::is_same_v<scalar_t, float> && tile.count == 1;
   const int64_t rows_used = tile.count * s.group, context = tile.position + tile.count;
   if (!bf16_scores)  // the float32 path scores scaled, widened queries; the bf16 one reads q as it is
     for (int64_t t = 0; t < tile.count; ++t)
@@ -253,12 +250,14 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
     }
     const scalar_t* k_block = k_head + table[b] * run;
     const scalar_t* v_block = v_head + table[b] * run;
-    if (float_rows) {  // a float32 decode: keys and values read where they are
-      if constexpr (std::is_same_v<scalar_t, float>) {
+    // A float32 tile of one query (a decode) scores each key where it is stored and reads the values in place; a longer
+    // tile shares one transposed copy of each block among its queries.
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (tile.count == 1) {
         score_rows(w, s, k_block, rows, w.scores.data());
         fold_scores(w, s, 0, s.group, rows, v_block);
+        continue;
       }
-      continue;
     }
     if (!bf16_scores) {
       lora_serve::widen(k_block, w.rows.data(), rows * d);
