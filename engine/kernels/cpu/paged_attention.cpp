@@ -250,8 +250,8 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
     }
     const scalar_t* k_block = k_head + table[b] * run;
     const scalar_t* v_block = v_head + table[b] * run;
-    // A float32 tile of one query (a decode) scores each key where it is stored and reads the values in place; a longer
-    // tile shares one transposed copy of each block among its queries.
+    // A float32 tile of one query (a decode) scores each key where it is stored and reads the values in place; a
+    // longer tile shares one transposed copy of each block among its queries.
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (tile.count == 1) {
         score_rows(w, s, k_block, rows, w.scores.data());
