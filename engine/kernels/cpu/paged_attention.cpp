@@ -21,9 +21,9 @@
 //
 // In float32, a decode's keys are scored where they are stored (score_rows) and the values read in place, and the
 // accumulation runs in passes over the head dim that keep every accumulator in a register. One layer, 16 float32
-// decodes at 2,000 tokens, 2 cores of an AVX2-only EPYC: 7.2 ms with each block copied and transposed for its single
-// query and a 64-dim head's accumulators spilled, 4.1 ms this way (each sequence's blocks in order; scattered, the reads
-// are latency-bound: 8.1 -> 6.3 ms).
+// decodes at 2,000 tokens, 2 cores of an AVX2-only EPYC: 7.2 ms with each block copied and transposed for its
+// single query and a 64-dim head's accumulators spilled, 4.1 ms this way (each sequence's blocks in order;
+// scattered, the reads are latency-bound: 8.1 -> 6.3 ms).
 
 #include "bf16_scores.h"
 #include "float_types.h"
