@@ -133,7 +133,9 @@ class LLMServer(HttpRoutes):
             return None
         token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
         digests = prompt_digests(token_ids, key, self.config.block_size) if self.config.enable_prefix_caching else []
-        own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0)
+        # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
+        own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,
+                                  adapter_requests=self._adapter_requests())
         return self._peers.choose(RouteRequest(key, tuple(digests)), own)
 
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
@@ -260,10 +262,14 @@ class LLMServer(HttpRoutes):
                     self._peers.update(view.peers if view is not None else None)
 
     def _build_report(self, s: EngineStats) -> ReplicaReport:
-        in_flight = {a: n for a, n in dict(self._in_flight).items() if a is not None and n > 0}
         cpu = self.adapter_cache.held() if self.adapter_cache is not None else ()
         return ReplicaReport(self.replica, tuple(s.resident_adapters), cpu, self._node_store,
-                             self.engine.cached_prefix_digests(), s.running, s.waiting, s.kv_utilisation, in_flight)
+                             self.engine.cached_prefix_digests(), s.running, s.waiting, s.kv_utilisation,
+                             self._adapter_requests())
+
+    def _adapter_requests(self) -> dict[str, int]:
+        """Each adapter's requests in flight here now (the base model's are not counted)."""
+        return {a: n for a, n in dict(self._in_flight).items() if a is not None and n > 0}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

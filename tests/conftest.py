@@ -1,9 +1,11 @@
-"""Shared fixtures: the embedded SmolLM2 model and tiny random-weight models built from configs (helpers that are
-not fixtures: tests/helpers.py)."""
+"""Shared fixtures: the embedded SmolLM2 model, tiny random-weight models built from configs, and one Ray cluster
+with Serve for the modules that serve apps (helpers that are not fixtures: tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +38,41 @@ from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfi
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
+
+SHARED_CLUSTER = "serve_cluster"
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that use the shared cluster run last, together, in their usual order: it starts once, at the
+    first of them, and no other test shares the cores with its idle processes or finds Ray already started."""
+    shared = {item.path for item in items if SHARED_CLUSTER in item.fixturenames}
+    items.sort(key=lambda item: item.path in shared)
+
+
+@dataclass(frozen=True)
+class ServeCluster:
+    url: str  # Serve's HTTP proxy
+    metrics_url: str  # Ray's Prometheus export
+    temp: Path  # Ray's temporary folder, its logs included
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    """One local Ray cluster of 4 logical CPUs with Serve's HTTP proxy, for the modules that serve apps on one
+    node (each deploys its own app and deletes it: tests/helpers.py serving). Starting Ray and Serve and shutting
+    them down again cost about 14 s a module on 2 cores. Modules that need a cluster of their own (several nodes,
+    environment variables read at start) start it and run before these."""
+    import ray
+    from ray import serve
+
+    from tests.helpers import free_port
+
+    port, metrics_port, temp = free_port(), free_port(), tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(temp), _metrics_export_port=metrics_port)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield ServeCluster(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", temp)
+    serve.shutdown()
+    ray.shutdown()
 
 @pytest.fixture(scope="session")
 def smollm2_path():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,3 +60,22 @@ def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int
                                  do_sample=False, pad_token_id=tok.eos_token_id, **generate_kwargs)
         results.append(out[0, ids.shape[1]:].tolist())
     return results
+
+
+@contextmanager
+def serving(cluster, app, name: str = "lora-serve"):
+    """Serve `app` at the root of the shared cluster (tests/conftest.py serve_cluster), yielding the proxy's URL;
+    then delete it and the cache actor its replicas made, so the next module starts from adapters of its own."""
+    import ray
+    from ray import serve
+
+    from lora_cache.actor import ACTOR_NAME
+
+    serve.run(app, name=name, route_prefix="/")
+    try:
+        yield cluster.url
+    finally:
+        serve.delete(name)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].startswith(ACTOR_NAME):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))

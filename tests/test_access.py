@@ -18,7 +18,7 @@ import requests
 from deployments.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
 from deployments.rate_limits import KeyLimiter, RateLimited, TokenBucket
 from engine import LLM, SamplingParams
-from tests.helpers import free_port, write_tiny_adapters
+from tests.helpers import serving, write_tiny_adapters
 
 ADMIN, TEAM_A, SLOW, FRUGAL, SINGLE = ("admin-key-0123456789abcdef", "team-a-key-0123456789abcdef",
                                        "slow-key-0123456789abcdef", "frugal-key-0123456789abcdef",
@@ -89,10 +89,7 @@ def test_max_tokens_past_the_context_is_refused_with_the_figures(tiny_llama_path
 # ---- over HTTP ----
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     from deployments.app import build_app
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("access-adapters"),
@@ -100,11 +97,7 @@ def server(tiny_llama_path, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
     key_file.write_text(json.dumps([{"name": "team-a", "key_sha256": hash_key(TEAM_A).hex(),
                                      "adapters": ["team-a-*"], "base_model": False}]))
-    port, metrics_port = free_port(), free_port()
-    temp = tmp_path_factory.mktemp("ray")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), _metrics_export_port=metrics_port)
-    METRICS.update(url=f"http://127.0.0.1:{metrics_port}/metrics", temp=temp)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    METRICS.update(url=serve_cluster.metrics_url, temp=serve_cluster.temp)
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(root),
               "max_model_len": 512, "max_tokens_limit": 400,
               "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
@@ -112,11 +105,10 @@ def server(tiny_llama_path, tmp_path_factory):
             {"name": "slow", "key": SLOW, "requests_per_minute": 2},
             {"name": "frugal", "key": FRUGAL, "tokens_per_minute": 40},
             {"name": "single", "key": SINGLE, "max_concurrent": 1}]
-    serve.run(build_app({"engine": engine, "api_keys": keys, "api_keys_file": str(key_file),
-                         "max_request_bytes": 64 * 1024}), name="lora-serve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    app = build_app({"engine": engine, "api_keys": keys, "api_keys_file": str(key_file),
+                     "max_request_bytes": 64 * 1024})
+    with serving(serve_cluster, app) as url:
+        yield url
 
 
 def _post(server, path, body, key=ADMIN, **kwargs):

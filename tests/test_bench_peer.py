@@ -79,3 +79,19 @@ def test_timing_splits_prefill_from_decode():
     timing = Timing(seconds=10.0, tokens=16 * 128, first_token_s=sorted([1.0 + i * 0.25 for i in range(16)]))
     assert timing.prefill_s == 4.75
     assert timing.decode_tok_s == pytest.approx(16 * 127 / 5.25)
+
+
+def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others():
+    selection = peer_compare.Selection(("a", "e"), ("float32",))
+    assert peer_compare.jobs("bfloat16", selection) == [PeerJob("a", "float32"), PeerJob("e", "bfloat16")]
+    assert len(peer_compare.jobs("float32")) == 9
+    for workloads, dtypes in ((("a", "f"), ("float32",)), (("a",), ("float16",)), ((), ("float32",))):
+        with pytest.raises(ValueError, match="workloads must be among a, b, d, lora, e"):
+            peer_compare.Selection(workloads, dtypes)
+
+
+def test_the_cli_refuses_an_unknown_workload_by_name():
+    from benchmarks.engine import run_engine
+
+    with pytest.raises(SystemExit, match="got x"):
+        run_engine.main(["--workloads", "a,x"])

@@ -26,10 +26,9 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray-actor")))
+def ray_cluster(serve_cluster):
+    """The shared cluster (tests/conftest.py): these tests' actors have no names, and go with their handles."""
     yield
-    ray.shutdown()
 
 
 def _actor(tiny_llama_path, adapters_root, capacity_bytes: int = 4 << 30):

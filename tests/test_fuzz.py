@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from deployments.llm_server import app
-from tests.helpers import free_port, write_tiny_adapters
+from tests.helpers import serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 25  # per route and mode: about 500 requests in all, under two minutes on 2 cores
@@ -23,23 +23,15 @@ SERVER = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def server(tiny_llama_path, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     from deployments.app import build_app
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("fuzz-adapters"), ("alpha",))
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(root),
               "max_tokens_limit": 32, "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
-    serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
-    SERVER["url"] = f"http://127.0.0.1:{port}"
-    yield SERVER["url"]
-    serve.shutdown()
-    ray.shutdown()
+    with serving(serve_cluster, build_app({"engine": engine})) as url:
+        SERVER["url"] = url
+        yield url
 
 
 @schema.parametrize()

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma")
@@ -20,28 +20,20 @@ SETTLE_S = 2.5  # a replica's report reaches its peers within two report interva
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     from deployments.llm_server import LLMServer
     from deployments.request_router import router_config
     from deployments.routing import RoutingPolicy
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("routing-adapters"), ADAPTERS)
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # A wide load band: only the hot-adapter rule may spread an adapter that one replica holds.
     policy = RoutingPolicy(imbalance=100, hot_adapter_requests=HOT_ADAPTER_REQUESTS)
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
               "adapters_root": str(root)}
     llm = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1},
                             request_router_config=router_config(policy))
-    serve.run(llm.bind(engine, routing=policy), name="lora-serve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(serve_cluster, llm.bind(engine, routing=policy)) as url:
+        yield url
 
 
 def _replicas() -> dict[str, dict]:

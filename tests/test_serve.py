@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 METRICS = {}  # the Ray metrics endpoint of the module's server
@@ -31,23 +31,14 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, adapters_root, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, tiny_llama_path, adapters_root, tmp_path_factory):
     from deployments.app import build_app
 
-    port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             _metrics_export_port=metrics_port)
-    METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    METRICS["url"] = serve_cluster.metrics_url
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root),
               "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
-    serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(serve_cluster, build_app({"engine": engine})) as url:
+        yield url
 
 
 def test_generate_matches_offline_engine(server, tiny_llama_path):
@@ -578,7 +569,7 @@ def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
     from deployments.llm_server import LLMServer
 
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_num_seqs": 1, "max_waiting_requests": 1}
-    no_cpus = {"num_cpus": 0}  # the module's app holds both of the cluster's CPUs
+    no_cpus = {"num_cpus": 0}  # it starts whatever the other apps of the shared cluster hold
     llm = LLMServer.options(max_ongoing_requests=3, max_queued_requests=1, ray_actor_options=no_cpus)
     serve.run(llm.bind(engine), name="tight", route_prefix="/tight")
     body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}

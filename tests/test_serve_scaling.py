@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 APP = "scaling"
@@ -30,15 +30,9 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     from deployments.llm_server import LLMServer
 
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("scaling-adapters"), ("warm",))
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
               "adapters_root": str(adapters), "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier")),
@@ -49,10 +43,8 @@ def server(tiny_llama_path, tmp_path_factory):
                               "policy_kwargs": {"target_running_per_replica": 2}}}
     llm = LLMServer.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 1},
                             health_check_period_s=1, health_check_timeout_s=10)
-    serve.run(llm.bind(engine), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(serve_cluster, llm.bind(engine), APP) as url:
+        yield url
 
 
 def _replica_stats() -> dict:

@@ -11,7 +11,7 @@ import requests
 
 from deployments.chat import ChatMessage, chat_prompt
 from deployments.tools import FunctionDefinition, ToolMode, ToolUse
-from tests.helpers import free_port
+from tests.helpers import serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24},
                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -34,20 +34,11 @@ def _functions() -> list[FunctionDefinition]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    import ray
-    from ray import serve
-
+def server(serve_cluster, smollm2_path):
     from deployments.app import build_app
 
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": {"model": str(smollm2_path), "log_stats": False}}), name="lora-serve",
-              route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(serve_cluster, build_app({"engine": {"model": str(smollm2_path), "log_stats": False}})) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

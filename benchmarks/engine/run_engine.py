@@ -3,10 +3,13 @@ SmolLM2-135M (CPU).
 
     PYTHONPATH=. python -m benchmarks engine --vllm-python /work/vllm-venv/bin/python   # full run
     PYTHONPATH=. python -m benchmarks engine --quick    # smoke test
+    PYTHONPATH=. python -m benchmarks engine --vllm-python ... --vllm-only --workloads a,b,d,e --dtypes float32
 
 vLLM runs when its virtual environment is given (--vllm-python or $VLLM_PYTHON; benchmarks/peers/install_vllm.sh
 makes one), on the same requests with rounds interleaved (benchmarks/peers/peer_compare.py); without it the report
 says it was not measured. Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
+With --vllm-only it runs the comparison with vLLM alone, on the workloads and dtypes named, and writes
+engine_vs_vllm.md, .json and .png.
 """
 
 from __future__ import annotations
@@ -86,11 +89,32 @@ def _arguments(parser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="python of vLLM's virtual environment (default $VLLM_PYTHON); without it, no vLLM")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds against vLLM (3; 1 if --quick)")
+    parser.add_argument("--vllm-only", action="store_true", help="only the comparison with vLLM (no baselines)")
+    parser.add_argument("--workloads", type=_names, default=peer_compare.WORKLOADS,
+                        help=f"workloads to compare, comma-separated (default {','.join(peer_compare.WORKLOADS)})")
+    parser.add_argument("--dtypes", type=_names, default=peer_compare.DTYPES,
+                        help=f"the comparison's dtypes, comma-separated (default {','.join(peer_compare.DTYPES)})")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _selection(args) -> peer_compare.Selection:
+    try:
+        return peer_compare.Selection(args.workloads, args.dtypes)
+    except ValueError as error:
+        raise SystemExit(f"benchmarks engine: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = benchmark_args(__doc__, "tiny workloads: a smoke test of the whole pipeline", argv, _arguments)
     peer_python = vllm_python(args.vllm_python)
+    selection = _selection(args)
+    if args.vllm_only:
+        if peer_python is None:
+            raise SystemExit(f"benchmarks engine: --vllm-only needs vLLM. {NOT_INSTALLED}")
+        return vllm_only(peer_python, args, selection)
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -110,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     peer_rows, peer_text, peer_images = [], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}", []
     if peer_python is not None:
         rounds = args.rounds or (1 if args.quick else 3)
-        peer_rows = peer_report.rows(compare_with_vllm(peer_python, args, rounds, env))
+        peer_rows = peer_report.rows(compare_with_vllm(peer_python, args, rounds, env, selection))
         peer_text = peer_report.markdown(peer_rows, rounds, env)
         peer_images = [peer_report.plot(peer_rows, args.out / "engine_vs_vllm.png")]
     else:
@@ -124,7 +148,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
 
 
-def compare_with_vllm(python: Path, args, rounds: int, env: dict) -> list[peer_compare.PeerResult]:
+def vllm_only(python: Path, args, selection: peer_compare.Selection) -> None:
+    """The comparison with vLLM alone: engine_vs_vllm.md, .json and .png in args.out."""
+    env, rounds = environment(), args.rounds or (1 if args.quick else 3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = peer_report.rows(compare_with_vllm(python, args, rounds, env, selection))
+    text = peer_report.markdown(rows, rounds, env)
+    image = peer_report.plot(rows, args.out / "engine_vs_vllm.png")
+    raw = {"mode": "quick" if args.quick else "full", "environment": env, "vs_vllm": [_row_dict(r) for r in rows]}
+    (args.out / "engine_vs_vllm.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (args.out / "engine_vs_vllm.md").write_text(text)
+    print(text)
+    print(f"wrote {args.out / 'engine_vs_vllm.md'}, {args.out / 'engine_vs_vllm.json'}, {image}")
+
+
+def compare_with_vllm(python: Path, args, rounds: int, env: dict,
+                      selection: peer_compare.Selection) -> list[peer_compare.PeerResult]:
     from engine.config import cpu_has_native_bf16, default_cache_dir
     from engine.model_files import resolve_model
     from transformers import AutoConfig, AutoTokenizer
@@ -140,7 +179,8 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict) -> list[peer_c
     adapters = peer_compare.adapters_folder(AutoConfig.from_pretrained(model_dir))
     engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.out, long_dtype)
     try:
-        return peer_compare.run(engines, AutoTokenizer.from_pretrained(model_dir), sizes, rounds, long_dtype)
+        return peer_compare.run(engines, AutoTokenizer.from_pretrained(model_dir), sizes, rounds, long_dtype,
+                                selection)
     finally:
         engines.close()
 

@@ -27,6 +27,7 @@ from benchmarks.peers.peer_timing import Batch, Timing, VLLMWorker, run_lora_ser
 from benchmarks.workloads import PROMPTS
 
 DTYPES = ("float32", "bfloat16")
+WORKLOADS = ("a", "b", "d", "lora", "e")
 LORA_ADAPTERS = 8
 
 
@@ -60,9 +61,25 @@ class PeerResult:
     error: str | None = None
 
 
-def jobs(long_dtype: str) -> list[PeerJob]:
+@dataclass(frozen=True)
+class Selection:
+    """Which workloads and dtypes a run compares (every one by default); (e) runs in its own dtype whatever
+    `dtypes` says."""
+    workloads: tuple[str, ...] = WORKLOADS
+    dtypes: tuple[str, ...] = DTYPES
+
+    def __post_init__(self):
+        unknown = [w for w in self.workloads if w not in WORKLOADS] + [d for d in self.dtypes if d not in DTYPES]
+        if unknown or not self.workloads or not self.dtypes:
+            raise ValueError(f"peer comparison: workloads must be among {', '.join(WORKLOADS)} and dtypes among "
+                             f"{', '.join(DTYPES)}, neither empty; got {', '.join(unknown) or 'an empty list'}")
+
+
+def jobs(long_dtype: str, selection: Selection = Selection()) -> list[PeerJob]:
     base = [PeerJob(w, d) for w in ("a", "b", "d") for d in DTYPES]
-    return base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", long_dtype)]
+    every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", long_dtype)]
+    return [job for job in every if job.workload in selection.workloads
+            and (job.workload == "e" or job.dtype in selection.dtypes)]
 
 
 def batch_for(job: PeerJob, sizes: Sizes, nonce: str, tokenizer) -> Batch:
@@ -142,8 +159,9 @@ def _warmup(key: PeerJob) -> Batch:
     return Batch([f"Warm-up {i}. {PROMPTS[i]}" for i in range(4)], [4] * 4, adapters)
 
 
-def run(engines: Engines, tokenizer, sizes: Sizes, rounds: int, long_dtype: str) -> list[PeerResult]:
-    results = {job: PeerResult(job) for job in jobs(long_dtype)}
+def run(engines: Engines, tokenizer, sizes: Sizes, rounds: int, long_dtype: str,
+        selection: Selection = Selection()) -> list[PeerResult]:
+    results = {job: PeerResult(job) for job in jobs(long_dtype, selection)}
     order = list(results)
     steps = tqdm(total=rounds * len(order) * 2, desc="lora-serve vs vLLM", unit="run")
     for r in range(rounds):
