@@ -292,65 +292,69 @@ def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
         assert torch.equal(got, want if rows > AMX_MAX_ROWS else by_amx)
 
 
-def _avx512_linear_usable(dtype: torch.dtype) -> bool:
+def _simd_linear_usable(dtype: torch.dtype) -> bool:
     module = cpu_ops.load()
-    return module is not None and module.avx512_linear_usable(torch.zeros(64, 64, dtype=dtype))
+    return module is not None and module.simd_linear_usable(torch.zeros(64, 64, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 100])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_avx512_linear_matches_float64_reference(dtype, rows, out_features, in_features, bias):
+def test_simd_linear_matches_float64_reference(dtype, rows, out_features, in_features, bias):
     """Every row-block size (6 rows and the tails of 1-5), several column blocks, biases: within the dtype's rounding
     of a float64 reference (a weight packed in the wrong order, or a row or block skipped, is off by the values' own
     size)."""
-    if not _avx512_linear_usable(dtype):
-        pytest.skip(f"the AVX-512 linear in {dtype} needs a build and a CPU with it")
+    if not _simd_linear_usable(dtype):
+        pytest.skip(f"the SIMD linear in {dtype} needs a build and a CPU with it (AVX-512 BF16 for bf16)")
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(rows * 11 + out_features)
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
-    got = module.avx512_linear(x, module.avx512_pack_linear_weight(w), b)
+    got = module.simd_linear(x, module.simd_pack_linear_weight(w), b)
     want = x.double() @ w.double().T + (b.double() if bias else 0)
     assert got.dtype == dtype and got.shape == want.shape
     relative = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     assert ((got.double() - want).abs() <= want.abs() * relative + relative * want.abs().max()).all()
 
 
-@pytest.mark.skipif(not _avx512_linear_usable(torch.bfloat16), reason="the AVX-512 linear needs a build and a CPU "
-                    "with AVX-512 BF16")
-def test_avx512_linear_refuses_what_it_cannot_take():
+@pytest.mark.skipif(not _simd_linear_usable(torch.float32), reason="the SIMD linear needs a build and a CPU with "
+                    "AVX-512 or AVX2 and FMA")
+def test_simd_linear_refuses_what_it_cannot_take():
     module = cpu_ops.load()
-    for weight in (torch.zeros(96, 64, dtype=torch.bfloat16), torch.zeros(64, 63, dtype=torch.bfloat16),
-                   torch.zeros(64, 64, dtype=torch.float16), torch.zeros(64)):
-        assert not module.avx512_linear_usable(weight)
-        with pytest.raises(RuntimeError, match="out a multiple of 64"):
-            module.avx512_pack_linear_weight(weight)
-    packed = module.avx512_pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
+    dtype = torch.bfloat16 if _simd_linear_usable(torch.bfloat16) else torch.float32
+    refused = [torch.zeros(72, 64, dtype=dtype), torch.zeros(64, 64, dtype=torch.float16), torch.zeros(64)]
+    if dtype == torch.bfloat16:  # a bf16 lane holds two depths
+        refused.append(torch.zeros(64, 63, dtype=dtype))
+    for weight in refused:
+        assert not module.simd_linear_usable(weight)
+        with pytest.raises(RuntimeError, match="out a multiple of (16|64)"):
+            module.simd_pack_linear_weight(weight)
+    packed = module.simd_pack_linear_weight(torch.zeros(64, 64, dtype=dtype))
     with pytest.raises(RuntimeError, match="takes 64"):
-        module.avx512_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+        module.simd_linear(torch.zeros(2, 32, dtype=dtype), packed, None)
     with pytest.raises(RuntimeError, match="of one dtype"):
-        module.avx512_linear(torch.zeros(2, 64), packed, None)
+        module.simd_linear(torch.zeros(2, 64, dtype=torch.float16), packed, None)
     with pytest.raises(RuntimeError, match="bias of 3 values"):
-        module.avx512_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(3, dtype=torch.bfloat16))
+        module.simd_linear(torch.zeros(2, 64, dtype=dtype), packed, torch.zeros(3, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prepacked_linear_takes_the_avx512_kernel_without_amx(dtype):
+def test_prepacked_linear_takes_the_simd_kernel_without_amx(dtype):
     """Without AMX, a PrepackedLinear runs its own kernel and gives oneDNN's results within the dtype's rounding, 2-D
-    or 3-D: a bf16 one at every row count with no oneDNN copy kept, a float32 one up to FP32_MAX_ROWS rows and
-    oneDNN itself beyond (bitwise its result)."""
+    or 3-D: at every row count with no oneDNN copy kept (bf16, and float32 with AVX2), or up to FP32_MAX_ROWS rows
+    and oneDNN itself beyond, bitwise its result (float32 with AVX-512)."""
     from engine.layers.linear import FP32_MAX_ROWS, PrepackedLinear
 
-    if cpu_ops.has_cpu_flag("amx_bf16") or not _avx512_linear_usable(dtype):
-        pytest.skip("the AVX-512 linear serves CPUs that have it and no AMX")
+    if cpu_ops.has_cpu_flag("amx_bf16") or not _simd_linear_usable(dtype):
+        pytest.skip("the SIMD linear serves CPUs that have it and no AMX")
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=True).to(dtype)
     own, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
-    assert own.kernel.name == "avx512" and onednn.kernel is None
-    assert (own.packed_weight is None) == (dtype == torch.bfloat16)
+    limit = FP32_MAX_ROWS if dtype == torch.float32 and cpu_ops.has_cpu_flag("avx512f") else None
+    assert own.kernel.name == "simd" and own.kernel.max_rows == limit and onednn.kernel is None
+    assert (own.packed_weight is None) == (limit is None)
     tolerance = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for shape in ((3, 576), (64, 576), (FP32_MAX_ROWS + 1, 576), (2, 5, 576)):
         x = torch.randn(*shape).to(dtype)
@@ -358,7 +362,7 @@ def test_prepacked_linear_takes_the_avx512_kernel_without_amx(dtype):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, **tolerance)
         rows = x.reshape(-1, 576)
-        if dtype == torch.float32 and rows.shape[0] > FP32_MAX_ROWS:
+        if limit is not None and rows.shape[0] > limit:
             assert torch.equal(got, want)
         else:
-            assert torch.equal(got.reshape(-1, 960), cpu_ops.load().avx512_linear(rows, own.own_weight, own.bias))
+            assert torch.equal(got.reshape(-1, 960), cpu_ops.load().simd_linear(rows, own.own_weight, own.bias))

@@ -23,8 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_usable", &amx_linear_usable, "whether amx_linear takes a weight of [out, in] (AMX, multiples of 32)");
   m.def("amx_pack_linear_weight", &amx_pack_linear_weight, "a bf16 weight [out, in] in amx_linear's tile order");
   m.def("amx_linear", &amx_linear, "x W^T (+ bias) in bf16 on AMX tiles, for a decode step's few rows (CPU)");
-  m.def("avx512_linear_usable", &avx512_linear_usable, "whether avx512_linear takes this weight [out, in]");
-  m.def("avx512_pack_linear_weight", &avx512_pack_linear_weight, "a weight [out, in] in avx512_linear's order");
-  m.def("avx512_linear", &avx512_linear, "x W^T (+ bias) in bf16 or float32 with AVX-512, for CPUs without AMX");
+  m.def("simd_linear_usable", &simd_linear_usable, "whether simd_linear takes this weight [out, in]");
+  m.def("simd_pack_linear_weight", &simd_pack_linear_weight, "a weight [out, in] in simd_linear's order");
+  m.def("simd_linear", &simd_linear, "x W^T (+ bias) with AVX-512 (bf16, float32) or AVX2 (float32), without AMX");
   m.def("write_kv_cache", &write_kv_cache, "a step's new keys and values into their cache slots (CPU)");
 }

@@ -68,13 +68,14 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
 // rows, streaming the packed weight at the memory's rate (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
-// Whether avx512_linear takes this weight [n, k]: this build has AVX-512 (and AVX-512 BF16 for a bf16 weight), the
-// weight is float32 or bf16, n is a multiple of 64 and k of the depths a lane holds (bf16: 2) (avx512_linear.cpp).
-bool avx512_linear_usable(const at::Tensor& weight);
+// Whether simd_linear takes this weight [n, k]: this build has AVX-512 or AVX2 with FMA (and AVX-512 BF16 for a bf16
+// weight), the weight is float32 or bf16, n is a multiple of a column block (64 with AVX-512, 16 with AVX2) and k
+// of the depths a lane holds (bf16: 2) (simd_linear.cpp).
+bool simd_linear_usable(const at::Tensor& weight);
 
-// A weight [n, k] packed once into the order avx512_linear reads: depths of 64-column blocks.
-at::Tensor avx512_pack_linear_weight(const at::Tensor& weight);
+// A weight [n, k] packed once into the order simd_linear reads: depths of column blocks.
+at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 
 // y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 with AVX-512 BF16 dot products, or float32 with FMAs), float32
-// sums rounded once: the linears of a CPU without AMX (avx512_linear.cpp).
-at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+// sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
+at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
