@@ -81,9 +81,15 @@ def test_timing_splits_prefill_from_decode():
     assert timing.decode_tok_s == pytest.approx(16 * 127 / 5.25)
 
 
-def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others():
+def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others(tokenizer, monkeypatch):
+    monkeypatch.setattr(peer_compare.time, "sleep", lambda s: None)
     selection = peer_compare.Selection(("a", "e"), ("float32",))
     assert peer_compare.jobs("bfloat16", selection) == [PeerJob("a", "float32"), PeerJob("e", "bfloat16")]
+    engines = Recorder()
+    rows = peer_report.rows(peer_compare.run(engines, tokenizer, SIZES, 1, "bfloat16", selection))
+    assert {job for _, job in engines.calls} == set(peer_compare.jobs("bfloat16", selection))
+    assert {(r.workload, r.dtype) for r in rows} == {("a", "float32"), ("e", "bfloat16")}
+    assert "adapters" not in peer_report.markdown(rows, 1, {"vllm": "v", "lora_serve": "l"})  # no LoRA, no share
     assert len(peer_compare.jobs("float32")) == 9
     for workloads, dtypes in ((("a", "f"), ("float32",)), (("a",), ("float16",)), ((), ("float32",))):
         with pytest.raises(ValueError, match="workloads must be among a, b, d, lora, e"):

@@ -58,3 +58,21 @@ class _Counting:
     def decode(self, ids):
         self.calls.append(list(ids))
         return self.tokenizer.decode(ids)
+
+
+def test_the_load_benchmark_sets_every_application_s_dtype_and_refuses_others():
+    import yaml
+
+    from benchmarks.serve.http_servers import with_dtype
+
+    shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    changed = with_dtype(yaml.safe_load((ROOT / "serve_config.yaml").read_text()), "float32")
+    assert [a["args"]["engine"]["dtype"] for a in changed["applications"]] == ["float32"] * len(shipped["applications"])
+    for application in changed["applications"]:
+        application["args"]["engine"].pop("dtype")
+    for application in shipped["applications"]:
+        application["args"]["engine"].pop("dtype")
+    assert changed == shipped  # nothing else changes
+    assert with_dtype(shipped, None) == shipped
+    refused = _benchmarks("serve_load", "--dtype", "float16")
+    assert refused.returncode == 2 and "invalid choice: 'float16'" in refused.stderr

@@ -97,15 +97,16 @@ def markdown(table_rows: list[Row], rounds: int, env: dict) -> str:
               f"**error**: {r.error}" if r.error else ""] for r in table_rows]
     header = ["workload", "dtype asked", "metric", "lora-serve median (min-max)", "vLLM median (min-max)",
               "lora-serve / vLLM (speed)", "note"]
+    kept = kept_with_adapters(table_rows)
+    shares = ["Share of base-model throughput kept with 8 adapters (medians, same run):",
+              markdown_table(["dtype asked", "lora-serve", "vLLM"], kept)] if kept else []
     return "\n\n".join([
         f"## lora-serve against vLLM's CPU build, same run, {rounds} interleaved rounds",
         f"vLLM: {env['vllm']}; lora-serve: {env['lora_serve']}. Each cell: median over the rounds (min-max). "
         "The ratio compares medians as a speed (> 1: lora-serve faster; for ms/token and prefill s it is "
         "vLLM's time / lora-serve's). Prefill = until the last request's first token; decode tok/s = the tokens "
         "after each request's first / the time after that.",
-        markdown_table(header, table),
-        "Share of base-model throughput kept with 8 adapters (medians, same run):",
-        markdown_table(["dtype asked", "lora-serve", "vLLM"], kept_with_adapters(table_rows))])
+        markdown_table(header, table), *shares])
 
 
 def plot(table_rows: list[Row], path: Path) -> Path:

@@ -113,11 +113,12 @@ class Server:
 
 
 def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,
-                     env: dict[str, str] | None = None) -> Server:
+                     env: dict[str, str] | None = None, dtype: str | None = None) -> Server:
     """`serve run` on a copy of `config` with a free port; direct: the server's URL is its replica's own port
     (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's; env:
-    variables added to its environment (Ray's workers inherit them)."""
-    spec = yaml.safe_load(config.read_text())
+    variables added to its environment (Ray's workers inherit them); dtype: every application's engine dtype, in
+    place of the config's."""
+    spec = with_dtype(yaml.safe_load(config.read_text()), dtype)
     port = free_port()
     spec["http_options"] = {**spec.get("http_options", {}), "host": "127.0.0.1", "port": port}
     if direct:
@@ -153,15 +154,24 @@ def _controller_env(spec: dict) -> dict:
     return spec.setdefault("controller_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
 
 
-def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path, env: dict[str, str] | None = None) -> Server:
-    """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, bf16, as its peer notes prescribe; env:
-    variables added to its environment."""
+def with_dtype(spec: dict, dtype: str | None) -> dict:
+    """A serve config (as parsed) whose every application's engine runs in `dtype`; as it is when dtype is None."""
+    if dtype is not None:
+        for application in spec["applications"]:
+            application.setdefault("args", {}).setdefault("engine", {})["dtype"] = dtype
+    return spec
+
+
+def start_vllm(python: Path, model_dir: Path, model: str, tmp: Path, env: dict[str, str] | None = None,
+               dtype: str = "bfloat16") -> Server:
+    """vLLM's OpenAI server (CPU build) on both cores with Intel OpenMP, in bf16 unless told, as its peer notes
+    prescribe; env: variables added to its environment."""
     port = free_port()
     env = {**vllm_env(python, kv_cache_gib=4), **(env or {})}
     log = tmp / "vllm.log"
     process = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-         model, "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "1024", "--port", str(port)],
+         model, "--dtype", dtype, "--max-num-seqs", "64", "--max-model-len", "1024", "--port", str(port)],
         cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return Server("vLLM", f"http://127.0.0.1:{port}", model, process, log)
 

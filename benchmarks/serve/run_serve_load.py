@@ -6,7 +6,9 @@
     PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
 lora-serve runs twice a round when the config enables direct ingress: through Serve's proxy, and on its replica's
-own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16. Streamed /v1/completions of N new
+own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in float32 with --dtype float32
+for every server and the offline engine (on a CPU without bf16 matrix instructions vLLM emulates bf16, 5x slower
+than its float32, and lora-serve computes bf16 in float32). Streamed /v1/completions of N new
 tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted right),
 closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round starts
 every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and stops it,
@@ -170,8 +172,9 @@ class ServerSpec:
 
     def start(self, args, tmp: Path) -> Server:
         if self.config is not None:
-            return start_lora_serve(self.name, self.config, tmp, self.direct)
-        return start_vllm(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"), MODEL, tmp)
+            return start_lora_serve(self.name, self.config, tmp, self.direct, dtype=args.dtype)
+        return start_vllm(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"), MODEL, tmp,
+                          dtype=args.dtype)
 
 
 def server_specs(args) -> list[ServerSpec]:
@@ -213,7 +216,7 @@ def run(args) -> dict:
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
     loads = {c: single if c == 1 else prompts for c in concurrency}
     results: list[Scenario] = []
-    engines = {c: LLM(MODEL, dtype="bfloat16", max_num_seqs=c, log_stats=False)
+    engines = {c: LLM(MODEL, dtype=args.dtype, max_num_seqs=c, log_stats=False)
                for c in sorted({len(prompts), max(concurrency)}, reverse=True)}
     for llm in engines.values():
         llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -225,7 +228,7 @@ def run(args) -> dict:
             order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
             for spec in order:
                 results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
-    return {"requests": n, "new_tokens": tokens, "offline": [offline_name(c, n) for c in engines],
+    return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "offline": [offline_name(c, n) for c in engines],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
 
@@ -295,7 +298,7 @@ def plot(raw: dict):
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"HTTP /v1/completions streaming: SmolLM2 bf16, {raw['requests']} requests x "
+    fig.suptitle(f"HTTP /v1/completions streaming: SmolLM2 {raw['dtype']}, {raw['requests']} requests x "
                  f"{raw['new_tokens']} tokens, median of {raw['rounds']} interleaved rounds", fontsize=10)
     return fig
 
@@ -310,6 +313,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="every server's and the offline engine's dtype, in place of the configs' (default "
+                             "bfloat16; float32 on a CPU without bf16 matrix instructions, where vLLM emulates bf16)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,8 +327,9 @@ def main(argv: list[str] | None = None) -> None:
             f"greedy) per scenario ({max(4, raw['requests'] // 8)} at 1 concurrent), closed loop, one aiohttp "
             f"client on the same 2 cores; {raw['rounds']} interleaved rounds, each server started alone in each "
             f"round; ranges over rounds. lora-serve: "
-            f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, bf16, both cores bound, Intel "
-            f"OpenMP). TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / (tokens - 1).")
+            f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, both cores bound, Intel OpenMP); "
+            f"both in {raw['dtype']}. TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / "
+            f"(tokens - 1).")
     text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", "serve_load", args.quick, env)
                      + [note, "", table(raw), "", share_table(raw), "", cpu_table(raw), "",
                         "![serve load](serve_load.png)", ""])
