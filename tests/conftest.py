@@ -74,6 +74,7 @@ def serve_cluster(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
 
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     return resolve_model("smollm2-135m-instruct", default_cache_dir() / "models")
