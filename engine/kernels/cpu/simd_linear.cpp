@@ -18,7 +18,7 @@
 #include "float_types.h"
 #include "ops.h"
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)  // Vec's width: cpu_ops.vector_flags
 
 #include <ATen/Parallel.h>
 
@@ -29,51 +29,25 @@
 
 namespace lora_serve::simd_linear_detail {
 
-#if defined(__AVX512F__)
-// float32 vectors of the widest instruction set this build has.
-struct Isa {
-  using vec = __m512;
-  static constexpr int64_t kLanes = 16;
-  static constexpr int64_t kVectors = 4;  // vectors per column block: 6 rows x 4 sums + 4 weights + 1 broadcast
-  static vec zero() { return _mm512_setzero_ps(); }
-  static vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static vec set1(float v) { return _mm512_set1_ps(v); }
-  static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
-  static vec fmadd(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
-  static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
-};
-#else
-struct Isa {
-  using vec = __m256;
-  static constexpr int64_t kLanes = 8;
-  static constexpr int64_t kVectors = 2;  // 16 registers: 6 rows x 2 sums + 2 weights + 1 broadcast
-  static vec zero() { return _mm256_setzero_ps(); }
-  static vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static vec set1(float v) { return _mm256_set1_ps(v); }
-  static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
-  static vec fmadd(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
-  static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
-};
-#endif
-
-using vec = Isa::vec;
-constexpr int64_t kVectors = Isa::kVectors;
-constexpr int64_t kCols = Isa::kLanes * kVectors;  // output columns per packed block
+// Vec (float_types.h) is 16 lanes with AVX-512 and 8 with AVX2: 6 rows x kVectors sums + kVectors weights + 1
+// broadcast fit the registers (32 with AVX-512, 16 with AVX2).
+constexpr int64_t kVectors = Vec::size() >= 16 ? 4 : 2;
+constexpr int64_t kCols = Vec::size() * kVectors;  // output columns per packed block
 constexpr int kRows = 6;                           // rows per register block
 constexpr int64_t kPrefetchAhead = 4096;           // bytes ahead in the stream of the block's first pass
 
 // float32: one depth a lane, fused multiply-add.
 struct Float32 {
   using value_t = float;
-  using vector_t = vec;
+  using vector_t = Vec;
   static constexpr int64_t kDepth = 1;
-  static vector_t load(const float* p) { return Isa::load(p); }
-  static vector_t broadcast(const float* p) { return Isa::set1(*p); }
-  static vec madd(vec acc, vector_t a, vector_t b) { return Isa::fmadd(a, b, acc); }
-  static void store(float* p, vec v) { Isa::store(p, v); }
+  static Vec load(const float* p) { return Vec::loadu(p); }
+  static Vec broadcast(const float* p) { return Vec(*p); }
+  static Vec madd(Vec acc, Vec a, Vec b) { return at::vec::fmadd(a, b, acc); }
+  static void store(float* p, Vec v) { v.store(p); }
 };
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 // bf16: a pair of depths a lane, VDPBF16PS.
 struct BFloat16 {
   using value_t = uint16_t;
@@ -106,11 +80,11 @@ struct Problem {
 template <typename F, int R, bool first>
 void row_block(const Problem<F>& p, int64_t block, int64_t row0) {
   constexpr int64_t step = kCols * F::kDepth;  // values of the block at one lane's depths
-  constexpr int64_t lane_values = Isa::kLanes * F::kDepth;  // values of one vector
+  constexpr int64_t lane_values = Vec::size() * F::kDepth;  // values of one vector
   constexpr int64_t ahead = kPrefetchAhead / sizeof(typename F::value_t);
-  vec acc[R][kVectors];
+  Vec acc[R][kVectors];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = Isa::zero();
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = Vec(0.f);
   const auto* w = p.w + block * p.k * kCols;
   const auto* x = p.x + row0 * p.k;
   for (int64_t depth = 0; depth < p.k; depth += F::kDepth, w += step) {
@@ -126,9 +100,9 @@ void row_block(const Problem<F>& p, int64_t block, int64_t row0) {
     }
   }
   for (int v = 0; v < kVectors; ++v) {
-    const int64_t col = block * kCols + Isa::kLanes * v;
-    const vec bias = p.bias != nullptr ? Isa::load(p.bias + col) : Isa::zero();
-    for (int r = 0; r < R; ++r) F::store(p.y + (row0 + r) * p.n + col, Isa::add(acc[r][v], bias));
+    const int64_t col = block * kCols + Vec::size() * v;
+    const Vec bias = p.bias != nullptr ? Vec::loadu(p.bias + col) : Vec(0.f);
+    for (int r = 0; r < R; ++r) F::store(p.y + (row0 + r) * p.n + col, acc[r][v] + bias);
   }
 }
 
@@ -165,7 +139,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32
 // Depths a 32-bit lane holds for this dtype; 0 where this build has no kernel for it.
 int64_t depth_of(at::ScalarType dtype) {
   if (dtype == at::kFloat) return Float32::kDepth;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
   if (dtype == at::kBFloat16) return BFloat16::kDepth;
 #endif
   return 0;
@@ -200,7 +174,7 @@ at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const at::Tensor bias32 = lora_serve::float32_bias(bias, n, "simd_linear");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = x.new_empty({x.size(0), n});
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kBFloat16) {
     run<BFloat16>(xc, packed, bias32, y);
     return y;
