@@ -131,35 +131,47 @@ def main(argv: list[str] | None = None) -> None:
     del runners, decoders  # the baseline engines' memory goes back before the peer comparison's
     gc.collect()
     args.out.mkdir(parents=True, exist_ok=True)
-    peer_rows, peer_text, peer_images = [], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}", []
+    peer = PeerSection([], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}", [])
     if peer_python is not None:
-        rounds = args.rounds or (1 if args.quick else 3)
-        peer_rows = peer_report.rows(compare_with_vllm(peer_python, args, rounds, env, selection))
-        peer_text = peer_report.markdown(peer_rows, rounds, env)
-        peer_images = [peer_report.plot(peer_rows, args.out / "engine_vs_vllm.png")]
+        peer = vllm_section(peer_python, args, env, selection)
     else:
         print(NOT_INSTALLED)
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "plan": plan.__dict__,
-           "results": [r.to_dict() for r in results], "vs_vllm": [_row_dict(r) for r in peer_rows]}
+           "results": [r.to_dict() for r in results], "vs_vllm": [_row_dict(r) for r in peer.rows]}
     (args.out / "engine.json").write_text(json.dumps(raw, indent=2) + "\n")
-    images = plots.write_all(results, args.out) + peer_images
-    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images, peer_text))
-    print(peer_text)
+    images = plots.write_all(results, args.out) + peer.images
+    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images, peer.text))
+    print(peer.text)
     print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
+
+
+@dataclass
+class PeerSection:
+    """The comparison with vLLM as the report shows it."""
+    rows: list[peer_report.Row]
+    text: str  # markdown
+    images: list[Path]
+
+
+def vllm_section(python: Path, args, env: dict, selection: peer_compare.Selection) -> PeerSection:
+    """Run the comparison with vLLM (args.rounds, 3 or 1 with --quick) and plot it into args.out."""
+    rounds = args.rounds or (1 if args.quick else 3)
+    rows = peer_report.rows(compare_with_vllm(python, args, rounds, env, selection))
+    return PeerSection(rows, peer_report.markdown(rows, rounds, env),
+                       [peer_report.plot(rows, args.out / "engine_vs_vllm.png")])
 
 
 def vllm_only(python: Path, args, selection: peer_compare.Selection) -> None:
     """The comparison with vLLM alone: engine_vs_vllm.md, .json and .png in args.out."""
-    env, rounds = environment(), args.rounds or (1 if args.quick else 3)
+    env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = peer_report.rows(compare_with_vllm(python, args, rounds, env, selection))
-    text = peer_report.markdown(rows, rounds, env)
-    image = peer_report.plot(rows, args.out / "engine_vs_vllm.png")
-    raw = {"mode": "quick" if args.quick else "full", "environment": env, "vs_vllm": [_row_dict(r) for r in rows]}
+    peer = vllm_section(python, args, env, selection)
+    raw = {"mode": "quick" if args.quick else "full", "environment": env,
+           "vs_vllm": [_row_dict(r) for r in peer.rows]}
     (args.out / "engine_vs_vllm.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (args.out / "engine_vs_vllm.md").write_text(text)
-    print(text)
-    print(f"wrote {args.out / 'engine_vs_vllm.md'}, {args.out / 'engine_vs_vllm.json'}, {image}")
+    (args.out / "engine_vs_vllm.md").write_text(peer.text)
+    print(peer.text)
+    print(f"wrote {args.out / 'engine_vs_vllm.md'}, {args.out / 'engine_vs_vllm.json'}, {peer.images[0]}")
 
 
 def compare_with_vllm(python: Path, args, rounds: int, env: dict,
