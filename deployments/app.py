@@ -9,8 +9,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.auth import ApiKeyConfig, KeyRing
-from deployments.direct_ingress import direct_ingress_env
+from deployments.direct_ingress import direct_ingress_env, haproxy_enabled
 from deployments.gate import MAX_REQUEST_BYTES, GateConfig
+from deployments.ingress_router import AdapterRouter
 from deployments.llm_server import LLMServer
 from deployments.openmp import replica_env_vars
 from deployments.request_router import router_config
@@ -59,8 +60,14 @@ def build_app(args: dict | None = None) -> Application:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
-    return LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
+    server = LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
         parsed.engine, gate=gate, routing=policy)
+    if not haproxy_enabled():
+        return server
+    model_name = EngineConfig.from_overrides(**parsed.engine).model
+    return server._with_ingress_request_router(AdapterRouter.options(
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": direct_ingress_env()}}).bind(
+            server, model_name))
 
 
 def _engine_actor_options() -> dict:

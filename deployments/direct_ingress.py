@@ -1,15 +1,15 @@
-"""Direct ingress: each engine replica also serves HTTP on a port of its own, beside Serve's proxy.
+"""Direct ingress: each engine replica serves HTTP on a port of its own, behind HAProxy or beside Serve's proxy.
 
 Through Serve's HTTP proxy a request costs two Ray calls before its route runs: the proxy hands the replica the
 request's scope, and the replica calls the proxy back for the body. Its events then travel replica -> proxy ->
 client. Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS) starts the ingress deployment's own uvicorn
 server in each replica, on a port the controller allocates from [RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
-RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT); the proxy keeps serving its port with adapter-aware routing
-(deployments/request_router.py), and a replica that receives a request on its own port still forwards it to a
-better peer (deployments/peer_view.py). Serve lists the replicas' ports as target groups for an external load
-balancer (ServeInstanceDetails.target_groups, the dashboard's /api/serve/applications/). Serve's HAProxy mode
-(RAY_SERVE_ENABLE_HA_PROXY) would put such a balancer on the proxy's port, but Ray 2.60 refuses a custom request
-router on the ingress deployment there, so the proxy stays.
+RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT). With RAY_SERVE_ENABLE_HA_PROXY, HAProxy serves Serve's HTTP port and relays
+each request to the port of the replica that the ingress request router picks (deployments/ingress_router.py);
+without it Serve's Python proxy keeps the HTTP port, with adapter-aware routing (deployments/request_router.py). A
+replica that receives a request on its own port still forwards it to a better peer (deployments/peer_view.py).
+Serve lists the replicas' ports as target groups for an external load balancer (ServeInstanceDetails.target_groups,
+the dashboard's /api/serve/applications/).
 
 Measured on 2 cores (`serve run serve_config.yaml`, one replica, SmolLM2 bf16, streamed /v1/completions x 64
 tokens, closed loop; per-request timestamps in the replica): from the client to the route's first line took
@@ -21,17 +21,23 @@ the proxy and 120-142 and 373-401 for vLLM.
 
 The controller reads these variables, and so does every replica: serve_config.yaml sets them in the
 controller's runtime_env, and build_app, which Serve runs in that environment, hands them on to the engine
-replicas (direct_ingress_env).
+replicas and to the ingress request router (direct_ingress_env).
 """
 
 from __future__ import annotations
 
 import os
 
-PREFIX = "RAY_SERVE_DIRECT_INGRESS"
 ENABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+ENABLE_HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY"
+PREFIXES = ("RAY_SERVE_DIRECT_INGRESS", "RAY_SERVE_HAPROXY", "RAY_SERVE_INGRESS_REQUEST_ROUTER")
 
 
 def direct_ingress_env() -> dict[str, str]:
-    """Serve's direct-ingress variables of this process (build_app's: the controller's runtime_env)."""
-    return {k: v for k, v in os.environ.items() if k == ENABLE or k.startswith(PREFIX)}
+    """Serve's direct-ingress and HAProxy variables of this process (build_app's: the controller's runtime_env)."""
+    return {k: v for k, v in os.environ.items() if k in (ENABLE, ENABLE_HAPROXY) or k.startswith(PREFIXES)}
+
+
+def haproxy_enabled() -> bool:
+    """Whether Serve runs HAProxy on its HTTP port (the controller's environment, which build_app runs in)."""
+    return os.environ.get(ENABLE_HAPROXY) == "1"

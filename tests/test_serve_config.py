@@ -43,3 +43,11 @@ def test_serve_config_gives_each_engine_replica_its_own_port():
     env = _validated(CONFIGS[0]).controller_options.runtime_env["env_vars"]
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) < int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
+
+
+def test_serve_config_puts_haproxy_on_port_8000_routing_on_the_body():
+    """HAProxy asks the ingress request router for a replica, with the body, which names the adapter."""
+    env = _validated(CONFIGS[0]).controller_options.runtime_env["env_vars"]
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] == "1"
+    assert int(env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"]) >= 64 << 10

