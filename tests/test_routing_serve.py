@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, serving, write_tiny_adapters
+from tests.helpers import PROMPTS, adapter_requests, replica_stats, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma")
@@ -36,25 +36,6 @@ def server(serve_cluster, tiny_llama_path, tmp_path_factory):
         yield url
 
 
-def _replicas() -> dict[str, dict]:
-    """Each live replica's stats, by replica."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
-    seen: dict[str, dict] = {}
-    for _ in range(40):
-        stats = handle.stats.remote().result(timeout_s=30)
-        seen[stats["replica"]] = stats
-        if len(seen) == 2:
-            break
-    assert len(seen) == 2, "the handle reached one replica only"
-    return seen
-
-
-def _requests_of(adapter: str) -> dict[str, int]:
-    return {r: s["adapters"].get(adapter, {}).get("requests", 0) for r, s in _replicas().items()}
-
-
 def _generate(url: str, prompt: str, adapter: str | None = None, tokens: int = 4) -> None:
     parameters = {"max_new_tokens": tokens, "ignore_eos_token": True, **({"adapter_id": adapter} if adapter else {})}
     r = requests.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
@@ -64,12 +45,12 @@ def _generate(url: str, prompt: str, adapter: str | None = None, tokens: int = 4
 def test_adapter_requests_go_to_the_replica_holding_it_in_a_slot(server):
     _generate(server, PROMPTS[0], "alpha")
     time.sleep(SETTLE_S)
-    [holder] = [r for r, s in _replicas().items() if "alpha" in s["resident_adapters"]]
+    [holder] = [r for r, s in replica_stats().items() if "alpha" in s["resident_adapters"]]
     for i in range(10):
         _generate(server, PROMPTS[i % len(PROMPTS)], "alpha")
-    assert _requests_of("alpha") == {r: 11 if r == holder else 0 for r in _replicas()}
+    assert adapter_requests("alpha") == {r: 11 if r == holder else 0 for r in replica_stats()}
     _through_serve_router("alpha", 6)  # Serve's router alone, from the reports it collects
-    assert _requests_of("alpha") == {r: 17 if r == holder else 0 for r in _replicas()}
+    assert adapter_requests("alpha") == {r: 17 if r == holder else 0 for r in replica_stats()}
 
 
 def _through_serve_router(adapter: str, n: int) -> None:
@@ -88,14 +69,14 @@ def _through_serve_router(adapter: str, n: int) -> None:
 
 def test_a_shared_prefix_goes_to_the_replica_that_cached_it(server):
     prefix = " ".join(PROMPTS) * 2  # well over ten 16-token blocks
-    before = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    before = {r: s["prefix_cache"] for r, s in replica_stats().items()}
     _generate(server, prefix + " first")
     time.sleep(SETTLE_S)
-    middle = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    middle = {r: s["prefix_cache"] for r, s in replica_stats().items()}
     [cacher] = [r for r in middle if middle[r]["queried_tokens"] > before[r]["queried_tokens"]]
     for i in range(8):
         _generate(server, f"{prefix} question {i}")
-    after = {r: s["prefix_cache"] for r, s in _replicas().items()}
+    after = {r: s["prefix_cache"] for r, s in replica_stats().items()}
     other = next(r for r in after if r != cacher)
     assert after[other]["queried_tokens"] == middle[other]["queried_tokens"]  # nothing reached the other one
     assert after[cacher]["hit_tokens"] - middle[cacher]["hit_tokens"] >= 8 * 10 * 16
@@ -118,7 +99,7 @@ def test_a_flood_for_one_adapter_spreads_over_replicas(server):
         time.sleep(6)
         stop.set()
         sent = sum(f.result(timeout=120) for f in futures)
-    served = _requests_of("beta")
+    served = adapter_requests("beta")
     assert sum(served.values()) == sent + 1
     assert min(served.values()) >= sent // 10, served  # the second replica took a real share
 
@@ -128,7 +109,7 @@ def test_a_replica_that_dies_is_routed_around(server):
 
     _generate(server, PROMPTS[2], "gamma")
     time.sleep(SETTLE_S)
-    [holder] = [r for r, s in _replicas().items() if "gamma" in s["resident_adapters"]]
+    [holder] = [r for r, s in replica_stats().items() if "gamma" in s["resident_adapters"]]
     [actor] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "LLMServer" in a["name"] and holder.split("@")[0] in a["name"]]
     ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
