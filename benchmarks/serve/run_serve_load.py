@@ -5,17 +5,18 @@
     PYTHONPATH=. python -m benchmarks serve_load --vllm-python /work/vllm-venv/bin/python
     PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
-lora-serve runs twice a round when the config enables direct ingress: through Serve's proxy, and on its replica's
-own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in float32 with --dtype float32
-for every server and the offline engine (on a CPU without bf16 matrix instructions vLLM emulates bf16, 5x slower
-than its float32, and lora-serve computes bf16 in float32). Streamed /v1/completions of N new
-tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted right),
-closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round starts
+lora-serve runs twice a round when the config enables direct ingress: through its HTTP port (HAProxy, or Serve's
+proxy), and on its replica's own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in
+float32 with --dtype float32 for every server and the offline engine (on a CPU without bf16 matrix instructions
+vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32). Streamed
+/v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per
+chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round starts
 every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and stops it,
 so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured (an idle
 vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores of
 throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
-(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores) runs the same requests in every round,
+(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores, with the engine args of the config's
+application: the same LoRA slots and KV cache as the server) runs the same requests in every round,
 before the servers start, twice: all at once, and at most 32 at a time (max_num_seqs = the top concurrency, so a
 finished request lets the next one in, as a closed loop of 32 clients does). HTTP share = HTTP tok/s at 32
 concurrent / each offline tok/s of that round: against all at once it counts the larger batch that HTTP at 32
@@ -42,12 +43,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
+import yaml  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
                                save_results, value_range)
 from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
-                                           start_lora_serve, start_vllm)
+                                           start_lora_serve, start_vllm, with_dtype)
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -216,7 +218,8 @@ def run(args) -> dict:
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
     loads = {c: single if c == 1 else prompts for c in concurrency}
     results: list[Scenario] = []
-    engines = {c: LLM(MODEL, dtype=args.dtype, max_num_seqs=c, log_stats=False)
+    engine = served_engine(args.config, args.dtype)
+    engines = {c: LLM(**{**engine, "max_num_seqs": c, "log_stats": False})
                for c in sorted({len(prompts), max(concurrency)}, reverse=True)}
     for llm in engines.values():
         llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -231,6 +234,13 @@ def run(args) -> dict:
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "offline": [offline_name(c, n) for c in engines],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
+
+
+def served_engine(config: Path, dtype: str | None) -> dict:
+    """The engine args of the config's application (its model, LoRA slots, KV cache), in `dtype` when given: the
+    offline engine is the one the server runs."""
+    [application] = with_dtype(yaml.safe_load(config.read_text()), dtype)["applications"]
+    return dict(application["args"]["engine"])
 
 
 def _of(raw: dict, system: str, concurrency: int | None = None) -> list[dict]:
