@@ -17,9 +17,9 @@ the replica (deployments/peer_view.py), which tokenizes the prompt anyway: the r
 a request.
 
 Measured on 2 cores (AVX2 EPYC, `benchmarks serve_load --dtype float32`: SmolLM2, 64 streamed completions of 64
-tokens, closed loop, 3 interleaved rounds with vLLM's OpenAI server): at 32 streams HAProxy served 0.98-1.14x vLLM's
-tokens/s with TTFT p50 776-1,022 ms against vLLM's 1,127-1,206, where Serve's Python proxy served 0.89-0.98x with
-1,209-1,259 ms; the router took 0.02 of the 2 cores, HAProxy under 0.005. A route call takes about 7 ms idle.
+tokens, closed loop, 3 interleaved rounds with vLLM's OpenAI server): at 32 streams HAProxy served 0.98-1.17x vLLM's
+tokens/s with TTFT p50 856-1,201 ms against vLLM's 1,063-1,243, where Serve's Python proxy served 0.93-1.05x with
+1,153-1,282 ms; the router took 0.03 of the 2 cores, HAProxy under 0.005. A route call takes about 7 ms idle.
 """
 
 import json
