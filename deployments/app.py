@@ -54,7 +54,7 @@ class AppArgs(StrictModel):
 def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs(**(args or {}))
-        EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
+        engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
         gate = parsed.gate()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {exc}") from exc
@@ -64,7 +64,7 @@ def build_app(args: dict | None = None) -> Application:
         parsed.engine, gate=gate, routing=policy)
     if not haproxy_enabled():
         return server
-    return with_ingress_router(server, EngineConfig.from_overrides(**parsed.engine).model)
+    return with_ingress_router(server, engine.model)
 
 
 def with_ingress_router(server: Application, model_name: str) -> Application:

@@ -61,6 +61,7 @@ class AdapterRouter:
     def __init__(self, server: DeploymentHandle, model_name: str):
         self._server = server
         self._model_name = model_name
+        self._deployment = DeploymentID(name=server.deployment_name, app_name=server.app_name)
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict:
@@ -79,5 +80,4 @@ class AdapterRouter:
 
     def _full_replica_id(self, unique_id: str) -> str:
         """HAProxy names replicas by Serve's full replica id (SERVE_REPLICA::<app>#<deployment>#<unique id>)."""
-        deployment = DeploymentID(name=self._server.deployment_name, app_name=self._server.app_name)
-        return ReplicaID(unique_id, deployment).to_full_id_str()
+        return ReplicaID(unique_id, self._deployment).to_full_id_str()

@@ -168,7 +168,6 @@ def test_an_adapters_requests_go_to_the_replica_holding_it(cluster):
     assert adapter_requests("gamma") == {r: 7 if r == holder else 0 for r in replica_stats()}
 
 
-
 def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):
     haproxy, _, _ = cluster
     response = requests.post(f"{haproxy}/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": -1},
