@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,10 +112,10 @@ def value_range(values: list[float | None], digits: int = 1) -> str:
     return fmt(lo, digits) if round(lo, digits) == round(hi, digits) else f"{fmt(lo, digits)}-{fmt(hi, digits)}"
 
 
-def report_header(title: str, name: str, quick: bool, env: dict) -> list[str]:
+def report_header(title: str, command: str, env: dict) -> list[str]:
     """The first lines of a results file: its title, the command that made it, the date and the CPU."""
-    return [f"# {title}", "", f"Command: `PYTHONPATH=. python -m benchmarks {name}{' --quick' if quick else ''}`  ",
-            f"Date: {env['date']}  ", f"CPU: {env['cpu']} ({env['cpu_count']} cores)", ""]
+    return [f"# {title}", "", f"Command: `{command}`  ", f"Date: {env['date']}  ",
+            f"CPU: {env['cpu']} ({env['cpu_count']} cores)", ""]
 
 
 def ratio(value, reference):
@@ -139,7 +141,17 @@ def benchmark_args(doc: str, quick_help: str, argv: list[str] | None, add_argume
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     if add_arguments is not None:
         add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command = command_line(parser.prog, sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def command_line(prog: str, options: list[str]) -> str:
+    """The command that ran a benchmark, for its results file: every option but the output folder (prog is
+    `benchmarks NAME` under `python -m benchmarks NAME`)."""
+    kept = [o for i, o in enumerate(options) if o != "--out" and not o.startswith("--out=")
+            and (i == 0 or options[i - 1] != "--out")]
+    return "PYTHONPATH=. python -m " + shlex.join([*prog.split(), *kept])
 
 
 def save_results(folder: Path, name: str, raw: dict, plot, text: str) -> None:

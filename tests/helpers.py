@@ -1,11 +1,14 @@
-"""Helpers the tests share: prompts, a free loopback port, tiny adapters, and the HF greedy reference."""
+"""Helpers the tests share: prompts, a free loopback port, tiny adapters, the HF greedy reference, and plain HTTP
+clients of a served app (completions, streamed chunks, its model)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from contextlib import contextmanager
 from pathlib import Path
 
+import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,3 +103,22 @@ def replica_stats(replicas: int = 2) -> dict[str, dict]:
 def adapter_requests(adapter: str) -> dict[str, int]:
     """The requests each replica served for an adapter."""
     return {r: s["adapters"].get(adapter, {}).get("requests", 0) for r, s in replica_stats().items()}
+
+
+def served_model(url: str) -> str:
+    """The base model's name that the app at `url` lists first."""
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def complete(url: str, model: str, prompt: str, stream: bool = False, max_tokens: int = 6) -> requests.Response:
+    """A greedy /v1/completions request of `max_tokens` tokens (ignore_eos), streamed or not."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
+
+
+def streamed_chunks(response: requests.Response) -> list[dict]:
+    """The JSON chunks of an SSE completion stream, after checking that it ends with [DONE]."""
+    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(line[len(b"data: "):]) for line in lines[:-1]]

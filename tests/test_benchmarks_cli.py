@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.common import benchmark_args
 from deployments.token_texts import TokenTexts
 
 ROOT = Path(__file__).parent.parent
@@ -33,6 +34,16 @@ def test_the_cli_refuses_an_unknown_benchmark_by_name_and_passes_options_on():
     assert helped.returncode == 0 and "--minutes" in helped.stdout
     refused = _benchmarks("soak", "--no-such-option")
     assert refused.returncode == 2 and "--no-such-option" in refused.stderr
+
+
+def test_a_results_file_names_the_options_it_ran_with_but_not_its_folder(monkeypatch):
+    """The results' "Command:" line: the options as given (quoted for a shell), without --out."""
+    monkeypatch.setattr(sys, "argv", ["benchmarks serve_load"])
+    add = lambda parser: parser.add_argument("--variant", action="append", default=[])  # noqa: E731
+    args = benchmark_args("doc", "quick", ["--out", "/tmp/x", "--variant", "a=my config.yaml", "--out=/tmp/y",
+                                           "--quick"], add)
+    assert args.command == "PYTHONPATH=. python -m benchmarks serve_load --variant 'a=my config.yaml' --quick"
+    assert args.variant == ["a=my config.yaml"] and args.out == Path("/tmp/y")
 
 
 def test_token_texts_decode_as_the_tokenizer_and_once(tokenizer):

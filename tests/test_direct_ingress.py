@@ -4,12 +4,11 @@ through Serve's proxy (deployments/direct_ingress.py)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, free_port
+from tests.helpers import PROMPTS, complete, free_port, served_model, streamed_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -38,22 +37,13 @@ def urls(tiny_llama_path, tmp_path_factory):
         ray.shutdown()
 
 
-def _complete(url: str, prompt: str, stream: bool = False, max_tokens: int = 6) -> requests.Response:
-    body = {"model": _model(url), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": stream}
-    return requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
-
-
-def _model(url: str) -> str:
-    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-
 def test_the_replica_port_answers_as_the_proxy_does(urls):
     proxy, direct = urls
-    assert _model(direct) == _model(proxy)
+    model = served_model(proxy)
+    assert served_model(direct) == model
     for prompt in PROMPTS[:3]:
-        through_proxy = _complete(proxy, prompt).json()["choices"][0]["text"]
-        response = _complete(direct, prompt)
+        through_proxy = complete(proxy, model, prompt).json()["choices"][0]["text"]
+        response = complete(direct, model, prompt)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == through_proxy
 
@@ -62,11 +52,10 @@ def test_the_replica_port_streams(urls):
     proxy, direct = urls
     # 48 tokens: a few engine steps' outputs can reach the event loop together, and a short answer may then
     # stream as one event with its text whole (it did, once, under CI's load with 6 tokens)
-    expected = _complete(proxy, PROMPTS[0], max_tokens=48).json()["choices"][0]["text"]
-    response = _complete(direct, PROMPTS[0], stream=True, max_tokens=48)
-    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
-    assert lines[-1] == b"data: [DONE]"
-    chunks = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    model = served_model(proxy)
+    expected = complete(proxy, model, PROMPTS[0], max_tokens=48).json()["choices"][0]["text"]
+    response = complete(direct, model, PROMPTS[0], stream=True, max_tokens=48)
+    chunks = streamed_chunks(response)
     assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == expected
 
 

@@ -3,7 +3,6 @@ environment the app carries the ingress request router (deployments/ingress_rout
 replica with each request's body, and relays the request to that replica's own port. Routes, streams, adapters
 and errors answer as on a replica's port, and an adapter's requests go to the replica holding it."""
 
-import json
 import shutil
 
 import psutil
@@ -11,7 +10,8 @@ import pytest
 import requests
 
 from deployments.ingress_router import requested_adapter
-from tests.helpers import PROMPTS, adapter_requests, free_port, replica_stats, write_tiny_adapters
+from tests.helpers import (PROMPTS, adapter_requests, complete, free_port, replica_stats, served_model, streamed_chunks,
+                           write_tiny_adapters)
 
 pytestmark = pytest.mark.slow
 
@@ -103,35 +103,23 @@ def _wait_for_haproxy(url: str, attempts: int = 120) -> str:
     raise TimeoutError(f"HAProxy at {url} did not serve the app")
 
 
-def _complete(url: str, model: str, prompt: str, stream: bool = False, max_tokens: int = 6) -> requests.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": stream}
-    return requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
-
-
-def _base_model(url: str) -> str:
-    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-
 def test_haproxy_answers_as_the_replica_port_does(cluster):
     """Both replicas answer alike (greedy): whichever the router picks, the text is the replica port's."""
     haproxy, replica, _ = cluster
-    model = _base_model(replica)
+    model = served_model(replica)
     for name in (model, "alpha", "beta"):
         for prompt in PROMPTS[:2]:
-            direct = _complete(replica, name, prompt).json()["choices"][0]["text"]
-            response = _complete(haproxy, name, prompt)
+            direct = complete(replica, name, prompt).json()["choices"][0]["text"]
+            response = complete(haproxy, name, prompt)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == direct
 
 
 def test_haproxy_streams(cluster):
     haproxy, replica, _ = cluster
-    expected = _complete(replica, "alpha", PROMPTS[0], max_tokens=48).json()["choices"][0]["text"]
-    response = _complete(haproxy, "alpha", PROMPTS[0], stream=True, max_tokens=48)
-    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
-    assert lines[-1] == b"data: [DONE]"
-    chunks = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    expected = complete(replica, "alpha", PROMPTS[0], max_tokens=48).json()["choices"][0]["text"]
+    response = complete(haproxy, "alpha", PROMPTS[0], stream=True, max_tokens=48)
+    chunks = streamed_chunks(response)
     assert len(chunks) >= 2 and "".join(c["choices"][0]["text"] for c in chunks) == expected
 
 
@@ -158,13 +146,13 @@ def test_an_adapters_requests_go_to_the_replica_holding_it(cluster):
     import time
 
     haproxy, _, router = cluster
-    assert _complete(haproxy, "gamma", PROMPTS[0]).status_code == 200  # no other test asks for gamma
+    assert complete(haproxy, "gamma", PROMPTS[0]).status_code == 200  # no other test asks for gamma
     time.sleep(2.5)  # the holder's report reaches Serve's routers within two report intervals
     [holder] = [r for r, s in replica_stats().items() if "gamma" in s["resident_adapters"]]
     for i in range(6):
         answer = requests.post(f"{router}/internal/route", json={"model": "gamma", "prompt": "hi"}, timeout=30).json()
         assert answer["replica_id"].endswith("#" + holder.split("@")[0])
-        assert _complete(haproxy, "gamma", PROMPTS[i % len(PROMPTS)]).status_code == 200
+        assert complete(haproxy, "gamma", PROMPTS[i % len(PROMPTS)]).status_code == 200
     assert adapter_requests("gamma") == {r: 7 if r == holder else 0 for r in replica_stats()}
 
 
@@ -176,5 +164,5 @@ def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):
     response = requests.post(f"{haproxy}/v1/completions", data=b'{"model": ', timeout=30,
                              headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
-    response = _complete(haproxy, "no-such-adapter", "hi")
+    response = complete(haproxy, "no-such-adapter", "hi")
     assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]

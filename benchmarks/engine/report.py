@@ -50,8 +50,8 @@ def decode_section(results: list[Result]) -> str:
     return markdown_table(header, table)
 
 
-def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path], peer: str) -> str:
-    command = "PYTHONPATH=. python -m benchmarks engine" + (" --quick" if quick else "")
+def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path], peer: str,
+             command: str) -> str:
     parts = [
         "# lora-serve engine benchmark: SmolLM2-135M-Instruct on CPU",
         "> **Quick smoke run** (`--quick`): tiny workloads, numbers only show the pipeline works." if quick else "",

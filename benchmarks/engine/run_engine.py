@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
            "results": [r.to_dict() for r in results], "vs_vllm": [_row_dict(r) for r in peer.rows]}
     (args.out / "engine.json").write_text(json.dumps(raw, indent=2) + "\n")
     images = plots.write_all(results, args.out) + peer.images
-    (args.out / "engine.md").write_text(report.markdown(results, plan, env, args.quick, images, peer.text))
+    text = report.markdown(results, plan, env, args.quick, images, peer.text, args.command)
+    (args.out / "engine.md").write_text(text)
     print(peer.text)
     print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
 

@@ -148,7 +148,7 @@ def engine_section(engine: dict, plan: dict) -> str:
 
 def markdown(raw: dict, images: list[Path]) -> str:
     env, quick = raw["environment"], raw["mode"] == "quick"
-    command = "PYTHONPATH=. python -m benchmarks lora" + (" --quick" if quick else "")
+    command = raw["command"]
     header = [
         "# lora-serve multi-LoRA benchmark: SmolLM2-135M-Instruct on CPU",
         "",
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         lat = latency(root, ids, plan)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = {"mode": "quick" if args.quick else "full", "environment": env, "code": code, "plan": plan.__dict__,
+    raw = {"mode": "quick" if args.quick else "full", "command": args.command, "environment": env, "code": code,
+           "plan": plan.__dict__,
            "course": course, "engine": engine, "latency": lat}
     (args.out / "lora.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     images = plots(course, engine, args.out)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
               f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another process spins for a share "
               f"of every 10 ms; {raw['rounds']} interleaved rounds, medians.")
     title = f"Engine beside another process's CPU ({raw['mode']})"
-    text = "\n".join(report_header(title, "contention", args.quick, env)
+    text = "\n".join(report_header(title, args.command, env)
                      + [method, "", table(raw), "", "![contention](contention.png)", ""])
     save_results(args.out, "contention", raw, plot, text)
 

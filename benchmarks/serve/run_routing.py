@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             f"interleaved rounds, each server started alone; ranges over rounds. Hit rates from the replicas' /info "
             f"counters over the timed load.")
     title = f"Routing: lora-serve's router against plain multiplexing ({raw['mode']})"
-    text = "\n".join(report_header(title, "routing", args.quick, env)
+    text = "\n".join(report_header(title, args.command, env)
                      + [note, "", table(raw), "", "![routing](routing.png)", ""])
     save_results(args.out, "routing", raw, plot, text)
 

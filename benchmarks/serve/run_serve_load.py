@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, both cores bound, Intel OpenMP); "
             f"both in {raw['dtype']}. TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / "
             f"(tokens - 1).")
-    text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", "serve_load", args.quick, env)
+    text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", args.command, env)
                      + [note, "", table(raw), "", share_table(raw), "", cpu_table(raw), "",
                         "![serve load](serve_load.png)", ""])
     save_results(args.out, "serve_load", raw, plot, text)

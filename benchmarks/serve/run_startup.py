@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               "port; cold: an empty build cache (lora-serve's C++ CPU operators, vLLM's torch.compile artifacts), "
               "warm: the one the cold start filled; model files on disk in both; rounds interleaved.")
     notes = [] if args.vllm_python else [NOT_INSTALLED, ""]
-    text = "\n".join(report_header(f"Start-up ({raw['mode']})", "startup", args.quick, env)
+    text = "\n".join(report_header(f"Start-up ({raw['mode']})", args.command, env)
                      + [method, "", *notes, table(raw), "", "![startup](startup.png)", ""])
     save_results(args.out, "startup", raw, plot, text)
 

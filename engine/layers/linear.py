@@ -85,12 +85,15 @@ class PrepackedLinear(nn.Module):
         onednn = self.kernel is None or self.kernel.max_rows is not None
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None)
         self.register_buffer("own_weight", self.kernel.pack(weight) if self.kernel is not None else None)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias)
+        # the own kernels add the bias in float32: converted once here (a no-op for float32), not on every call
+        self.register_buffer("own_bias", bias.float() if bias is not None and self.kernel is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.kernel is not None and self.kernel.takes(rows):
-            y = self.kernel.run(rows, self.own_weight, self.bias)
+            y = self.kernel.run(rows, self.own_weight, self.own_bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
