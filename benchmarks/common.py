@@ -142,16 +142,17 @@ def benchmark_args(doc: str, quick_help: str, argv: list[str] | None, add_argume
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args(argv)
-    args.command = command_line(parser.prog, sys.argv[1:] if argv is None else argv)
+    args.command = command_line(sys.argv[0], sys.argv[1:] if argv is None else argv)
     return args
 
 
-def command_line(prog: str, options: list[str]) -> str:
-    """The command that ran a benchmark, for its results file: every option but the output folder (prog is
-    `benchmarks NAME` under `python -m benchmarks NAME`)."""
+def command_line(script: str, options: list[str]) -> str:
+    """The command that ran a benchmark, for its results file: every option but the output folder. script is the
+    benchmark's run_NAME.py (sys.argv[0] once `python -m benchmarks NAME` has handed over to it)."""
     kept = [o for i, o in enumerate(options) if o != "--out" and not o.startswith("--out=")
             and (i == 0 or options[i - 1] != "--out")]
-    return "PYTHONPATH=. python -m " + shlex.join([*prog.split(), *kept])
+    name = Path(script).stem.removeprefix("run_")
+    return "PYTHONPATH=. python -m " + shlex.join(["benchmarks", name, *kept])
 
 
 def save_results(folder: Path, name: str, raw: dict, plot, text: str) -> None:

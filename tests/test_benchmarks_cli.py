@@ -38,7 +38,8 @@ def test_the_cli_refuses_an_unknown_benchmark_by_name_and_passes_options_on():
 
 def test_a_results_file_names_the_options_it_ran_with_but_not_its_folder(monkeypatch):
     """The results' "Command:" line: the options as given (quoted for a shell), without --out."""
-    monkeypatch.setattr(sys, "argv", ["benchmarks serve_load"])
+    # `python -m benchmarks serve_load` runs the module as __main__: sys.argv[0] is then its file
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "serve" / "run_serve_load.py")])
     add = lambda parser: parser.add_argument("--variant", action="append", default=[])  # noqa: E731
     args = benchmark_args("doc", "quick", ["--out", "/tmp/x", "--variant", "a=my config.yaml", "--out=/tmp/y",
                                            "--quick"], add)
