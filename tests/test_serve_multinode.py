@@ -104,8 +104,8 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_ser
         assert time.monotonic() < deadline, "the replica that fetched the adapter never reported it"
         time.sleep(0.5)
     # the other replica hears of it at its next report; its report thread can run late on 2 busy cores (under the
-    # full suite it once served one of the 12 before it had heard)
-    time.sleep(5 * REPORT_INTERVAL_S)
+    # full suite it served one of the 12 before it had heard, after 2.5 and once after 5 report intervals)
+    time.sleep(10 * REPORT_INTERVAL_S)
     for _ in range(12):
         assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
 
