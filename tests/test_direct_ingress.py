@@ -4,7 +4,6 @@ through Serve's proxy (deployments/direct_ingress.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 import requests
 

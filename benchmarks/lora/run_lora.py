@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     raw = {"mode": "quick" if args.quick else "full", "command": args.command, "environment": env, "code": code,
-           "plan": plan.__dict__,
-           "course": course, "engine": engine, "latency": lat}
+           "plan": plan.__dict__, "course": course, "engine": engine, "latency": lat}
     (args.out / "lora.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     images = plots(course, engine, args.out)
     (args.out / "lora.md").write_text(markdown(raw, images))
