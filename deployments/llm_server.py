@@ -94,6 +94,7 @@ class LLMServer(HttpRoutes):
         self.metrics.memory(self.engine.memory())
         self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
         self._peers = PeerView(routing) if routing is not None else None
+        self._forwarded = 0  # requests this replica sent to a peer
         self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
         self._report = ReplicaReport(self.replica)
         self._node_store: frozenset[str] = frozenset()  # adapters in this node's object store, per the cache actor
@@ -121,6 +122,7 @@ class LLMServer(HttpRoutes):
         if route is not None:
             if self._peer_handle is None:
                 self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
+            self._forwarded += 1
             return self._peer_handle.forwarded.remote(route, prompt, params, stream)
         request_id = uuid.uuid4().hex
         return _LocalEvents(self._generate(request_id, prompt, params, key, stream),
@@ -230,7 +232,9 @@ class LLMServer(HttpRoutes):
                 "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
                 "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
                 "resident_adapters": s.resident_adapters, "adapters": adapters,
-                "prefix_cache": _prefix_cache(s)}
+                "prefix_cache": _prefix_cache(s),
+                "forwarded": self._forwarded,
+                "peer_adapters": self._peers.held_by_peers() if self._peers is not None else {}}
 
     def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,

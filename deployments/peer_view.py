@@ -30,6 +30,10 @@ class PeerView:
     def has_peers(self) -> bool:
         return bool(self._reports)
 
+    def held_by_peers(self) -> dict[str, list[str]]:
+        """Each peer's adapters in its device slots or CPU copy, as this replica last heard: what it routes by."""
+        return {r.replica: sorted(set(r.device) | set(r.cpu)) for r in self._reports}
+
     def update(self, reports: list[ReplicaReport] | None) -> None:
         """The peers' latest reports (None while the cache actor restarts: serve everything here until then)."""
         self._reports, self._sent = list(reports or ()), Counter()

@@ -22,6 +22,11 @@ from lora_cache.replica_report import ReplicaReport
 
 ROUTING_STATS_KEY = "lora_serve"  # record_routing_stats() -> {ROUTING_STATS_KEY: ReplicaReport}
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve's controller collects the reports for the routers
+# A forwarded request's target holds what the sender lacks; a probe of it that misses Serve's first deadline
+# (0.1 s) is most often the sender's handle opening its connection, on a busy node. The target is probed this many
+# times, under the deadlines Serve's backoff grows (0.1, 0.2, 0.4 s), before the other ranks: the next of which
+# is usually the sender itself, that would then fetch the adapter and serve it after a pointless Ray hop.
+TARGET_PROBES = 3
 
 
 class LoraAwareRouter(FIFOMixin, RequestRouter):
@@ -36,8 +41,16 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True  # every candidate is ranked each time
         reports = [_report(r) for r in candidate_replicas]
         by_name = {report.replica: r for report, r in zip(reports, candidate_replicas)}
-        ranks = rank(_route_request(pending_request), reports, self.policy)
+        request = _route_request(pending_request)
+        ranks = probe_order(request, rank(request, reports, self.policy))
         return [[by_name[report.replica] for report in group] for group in ranks]
+
+
+def probe_order(request: RouteRequest, ranks: list[list[ReplicaReport]]) -> list[list[ReplicaReport]]:
+    """The ranks in the order Serve probes them: a target at the front is tried TARGET_PROBES times."""
+    if request.target is None or not ranks or ranks[0][0].replica != request.target:
+        return ranks
+    return [ranks[0]] * TARGET_PROBES + ranks[1:]
 
 
 def _report(replica: RunningReplica) -> ReplicaReport:

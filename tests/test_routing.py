@@ -76,6 +76,19 @@ def test_target_goes_first_unless_outside_the_band():
     assert _names(rank(RouteRequest("a", target="chosen"), reports, POLICY)) == [{"slot"}, {"chosen"}]
 
 
+def test_serve_probes_a_target_several_times_before_the_other_ranks():
+    from deployments.request_router import TARGET_PROBES, probe_order
+
+    reports = [ReplicaReport("sender"), ReplicaReport("holder", cpu=("a",))]
+    ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)
+    assert _names(probe_order(RouteRequest("a", target="holder"), ranks)) == [{"holder"}] * TARGET_PROBES + [{"sender"}]
+    untargeted = rank(RouteRequest("a"), reports, POLICY)
+    assert probe_order(RouteRequest("a"), untargeted) == untargeted
+    reports[1] = ReplicaReport("holder", cpu=("a",), running=40)  # outside the band: not first, not repeated
+    ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)
+    assert _names(probe_order(RouteRequest("a", target="holder"), ranks)) == [{"sender"}, {"holder"}]
+
+
 def test_policy_refuses_bad_values():
     with pytest.raises(ValueError, match="hot_adapter_requests"):
         RoutingPolicy(imbalance=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -103,15 +104,38 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_ser
     while not adapter_residence(ray.get(actor.stats.remote())).get(ROUTED, {}).get("cpu_replicas"):
         assert time.monotonic() < deadline, "the replica that fetched the adapter never reported it"
         time.sleep(0.5)
-    # the other replica hears of it at its next report; its report thread can run late on 2 busy cores (under the
-    # full suite it served one of the 12 before it had heard, after 2.5 and once after 5 report intervals)
-    time.sleep(10 * REPORT_INTERVAL_S)
-    for _ in range(12):
-        assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
-
     handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
-    served = {}  # replica -> requests it ran for the adapter
-    for _ in range(30):
+    deadline = time.monotonic() + 60  # the other replica hears of it at its next report, late on 2 busy cores
+    while not all(r.knows for r in _replicas(handle, ROUTED)):
+        assert time.monotonic() < deadline, "a replica never heard which peer holds the adapter"
+        time.sleep(REPORT_INTERVAL_S)
+    before = _replicas(handle, ROUTED)
+    with ThreadPoolExecutor(3) as pool:  # 3 at a time: the proxy, routing by load, sends some to each replica
+        codes = list(pool.map(lambda _: requests.post(f"{url}/generate", json=body, timeout=120).status_code,
+                              range(12)))
+    assert codes == [200] * 12
+    after = {r.replica: r for r in _replicas(handle, ROUTED)}
+    assert [after[r.replica].served - r.served for r in before] == [0, 12], (before, after)
+    # the replica without the adapter received some of the 12, and forwarded them
+    assert after[before[0].replica].forwarded > before[0].forwarded, (before, after)
+
+
+@dataclass
+class _Replica:
+    replica: str
+    served: int  # the adapter's requests it ran
+    knows: bool  # it holds the adapter, or has heard which peer does
+    forwarded: int  # requests it forwarded to a peer, for any adapter
+
+
+def _replicas(handle, adapter: str) -> list[_Replica]:
+    """Both replicas, the one that ran fewer of the adapter's requests first."""
+    seen: dict[str, _Replica] = {}
+    for _ in range(100):  # Serve's router spreads these calls over both replicas
         stats = handle.stats.remote().result()
-        served[stats["replica"]] = stats["adapters"].get(ROUTED, {}).get("requests", 0)
-    assert len(served) == 2 and sorted(served.values()) == [0, 13], served
+        served = stats["adapters"].get(adapter, {}).get("requests", 0)
+        heard = any(adapter in held for held in stats["peer_adapters"].values())
+        seen[stats["replica"]] = _Replica(stats["replica"], served, served > 0 or heard, stats["forwarded"])
+        if len(seen) == 2:
+            return sorted(seen.values(), key=lambda r: r.served)
+    raise AssertionError(f"stats calls reached only {list(seen)}")
