@@ -101,6 +101,17 @@ def test_silu_and_mul_is_bitwise_the_pytorch_mlp(dtype, tokens, width):
     assert torch.equal(ops.silu_and_mul(gate_up), LlamaMLP(config).act(gate) * up)
 
 
+def test_the_module_shares_the_processs_libstdcxx_and_its_checks_raise():
+    """One C++ library in the process: a module with its own static copy crashed formatting a check's message."""
+    module = cpu_ops.load()
+    assert module is not None, "the C++ CPU operators did not build"
+    linked = subprocess.run(["ldd", module.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in linked, linked
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 64 slots"):
+        module.write_kv_cache(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 4, 16, 8),
+                              torch.zeros(1, 4, 16, 8), torch.tensor([64]))
+
+
 def test_a_build_killed_half_way_does_not_block_later_starts():
     """A replica stopped while it compiles leaves torch's lock file behind; the next start must not wait on it."""
     assert cpu_ops.load() is not None, "the C++ CPU operators did not build"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the CUDA tests (kernels natively, decode graphs with and without adapters, the
-# engine's HF and PEFT equivalence on CUDA), then the GPU benchmark. Logs and results go to $OUT (or ./gpu-out).
+# engine's HF and PEFT equivalence on CUDA) and the C++ CPU operators' tests, then the GPU benchmark. Logs and
+# results go to $OUT (or ./gpu-out).
 #
 #   bash benchmarks/gpu/on_device.sh TOKENIZER_CACHE [quick|full|tests|bench]
 #
@@ -19,7 +20,8 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 if [[ $mode != bench ]]; then
   tests=(tests/test_paged_attention_kernel.py tests/test_lora_kernels.py tests/test_cuda_graphs.py
          tests/test_hf_equivalence.py tests/test_multi_lora.py tests/test_lora_layer.py tests/test_sampling.py
-         tests/test_scheduler.py tests/test_prefix_caching.py tests/test_async_engine.py tests/test_attention.py)
+         tests/test_scheduler.py tests/test_prefix_caching.py tests/test_async_engine.py tests/test_attention.py
+         tests/test_cpu_ops.py)  # the C++ CPU operators on the host's CPU (a Xeon with AMX on the kinds seen)
   # -k: the penalty reference test runs the real SmolLM2, whose weights are not carried
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m "not slow" -k "not presence_and_frequency" -p no:cacheprovider \
     -v -rfEs --durations=15 --timeout "${PER_TEST_TIMEOUT:-120}" \

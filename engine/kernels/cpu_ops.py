@@ -54,11 +54,30 @@ def has_cpu_flag(flag: str) -> bool:
 
 
 def build_name() -> str:
-    """Extension name: changes with the sources, the CPU's flags and the torch version."""
-    digest = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode())
+    """Extension name: changes with the sources, the CPU's flags, the torch version and the link flags."""
+    digest = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode() + " ".join(link_flags()).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     return f"lora_serve_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def link_flags() -> tuple[str, ...]:
+    """The shared libstdc++ this process already runs on (torch loaded it), named to the linker before the one the
+    compiler adds itself. Where the compiler links a static libstdc++ instead (seen on a GPU host's image whose
+    $CXX is a GCC of its own, /opt/gcc: the module defined 4,660 std symbols and needed no libstdc++.so; 139 with
+    this flag), the module carries a second copy of the C++ library, and formatting a number into a TORCH_CHECK
+    message there crashed the process on the other copy's locale where it should have raised the check's
+    RuntimeError. A tuple: torch's loader extends the list it is given."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return (path,)
+    except OSError:
+        pass
+    return ()
 
 
 def vector_flags() -> list[str]:
@@ -116,7 +135,7 @@ def load():
                 print(f"[lora-serve] building the C++ CPU operators in {folder} (once per machine)", flush=True)
             started = time.perf_counter()
             module = load_extension(name, [str(BINDINGS), str(unity_source(folder))], extra_cflags=flags,
-                                    build_directory=str(folder), verbose=False)
+                                    extra_ldflags=list(link_flags()), build_directory=str(folder), verbose=False)
             if fresh:
                 print(f"[lora-serve] C++ CPU operators built in {time.perf_counter() - started:.1f} s", flush=True)
             return module
