@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, free_port, replica_stats, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
@@ -55,12 +55,9 @@ def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
 def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_server, tiny_llama_path,
                                                                       adapters_root):
     import ray
-    from ray import serve
 
     url, llm_nodes = cluster_server
-    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
-    replicas = {handle.stats.remote().result()["node_id"] for _ in range(20)}
-    assert replicas == llm_nodes  # one replica on each of the two nodes
+    assert {s["node_id"] for s in replica_stats().values()} == llm_nodes  # one replica on each of the two nodes
 
     llm = LLM(str(tiny_llama_path), max_loras=4, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=8, temperature=0)
@@ -77,8 +74,7 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_se
     assert all(tokens == expected[a] for a, tokens in answers)
 
     holders = {}  # adapter -> nodes whose replica fetched it
-    for _ in range(20):
-        stats = handle.stats.remote().result()
+    for stats in replica_stats().values():
         for adapter, usage in stats["adapters"].items():
             if usage["requests"]:
                 holders.setdefault(adapter, set()).add(stats["node_id"])
@@ -91,7 +87,6 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_ser
     """The proxy picks replicas by load alone; a replica that gets a request for an adapter only the other one
     holds forwards it there."""
     import ray
-    from ray import serve
 
     from deployments.llm_server import REPORT_INTERVAL_S
     from lora_cache.actor import ACTOR_NAME, adapter_residence
@@ -104,17 +99,16 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_ser
     while not adapter_residence(ray.get(actor.stats.remote())).get(ROUTED, {}).get("cpu_replicas"):
         assert time.monotonic() < deadline, "the replica that fetched the adapter never reported it"
         time.sleep(0.5)
-    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
     deadline = time.monotonic() + 60  # the other replica hears of it at its next report, late on 2 busy cores
-    while not all(r.knows for r in _replicas(handle, ROUTED)):
+    while not all(r.knows for r in _replicas(ROUTED)):
         assert time.monotonic() < deadline, "a replica never heard which peer holds the adapter"
         time.sleep(REPORT_INTERVAL_S)
-    before = _replicas(handle, ROUTED)
+    before = _replicas(ROUTED)
     with ThreadPoolExecutor(3) as pool:  # 3 at a time: the proxy, routing by load, sends some to each replica
         codes = list(pool.map(lambda _: requests.post(f"{url}/generate", json=body, timeout=120).status_code,
                               range(12)))
     assert codes == [200] * 12
-    after = {r.replica: r for r in _replicas(handle, ROUTED)}
+    after = {r.replica: r for r in _replicas(ROUTED)}
     assert [after[r.replica].served - r.served for r in before] == [0, 12], (before, after)
     # the replica without the adapter received some of the 12, and forwarded them
     assert after[before[0].replica].forwarded > before[0].forwarded, (before, after)
@@ -128,14 +122,11 @@ class _Replica:
     forwarded: int  # requests it forwarded to a peer, for any adapter
 
 
-def _replicas(handle, adapter: str) -> list[_Replica]:
+def _replicas(adapter: str) -> list[_Replica]:
     """Both replicas, the one that ran fewer of the adapter's requests first."""
-    seen: dict[str, _Replica] = {}
-    for _ in range(100):  # Serve's router spreads these calls over both replicas
-        stats = handle.stats.remote().result()
+    replicas = []
+    for name, stats in replica_stats().items():
         served = stats["adapters"].get(adapter, {}).get("requests", 0)
         heard = any(adapter in held for held in stats["peer_adapters"].values())
-        seen[stats["replica"]] = _Replica(stats["replica"], served, served > 0 or heard, stats["forwarded"])
-        if len(seen) == 2:
-            return sorted(seen.values(), key=lambda r: r.served)
-    raise AssertionError(f"stats calls reached only {list(seen)}")
+        replicas.append(_Replica(name, served, served > 0 or heard, stats["forwarded"]))
+    return sorted(replicas, key=lambda r: r.served)
