@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.common import benchmark_args
@@ -88,3 +90,37 @@ def test_the_load_benchmark_sets_every_application_s_dtype_and_refuses_others():
     assert with_dtype(shipped, None) == shipped
     refused = _benchmarks("serve_load", "--dtype", "float16")
     assert refused.returncode == 2 and "invalid choice: 'float16'" in refused.stderr
+
+
+def test_the_contention_cell_refuses_a_busy_loop_and_wakers_together():
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.serve.contention_worker", "--duty", "0.1", "--wakers",
+                              "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--duty and --wakers measure different things" in refused.stderr
+
+
+def test_the_wakers_process_wakes_about_once_a_period_per_thread_and_takes_little_cpu():
+    """3 threads waking every 2 ms: about 1,500 voluntary context switches a second, and a small share of a core."""
+    wakers = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", "--wakers", "3", "0.002"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert wakers.stdout.readline().strip() == "ready"
+        before, cpu_before = _voluntary_switches(wakers.pid), _cpu_seconds(wakers.pid)
+        time.sleep(1.0)
+        switches, cpu = _voluntary_switches(wakers.pid) - before, _cpu_seconds(wakers.pid) - cpu_before
+    finally:
+        wakers.kill()
+    assert 300 < switches < 1700 and cpu < 0.5
+
+
+def _voluntary_switches(pid: int) -> int:
+    """Summed over the process's threads (/proc/PID/status counts the main thread's alone)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

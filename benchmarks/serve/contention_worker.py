@@ -1,7 +1,8 @@
 """One cell of benchmarks/serve/run_contention: the engine serving a closed loop in-process while another process
-takes a share of a core.
+takes a share of a core, or while threads that wake and take the GIL run beside it.
 
     python -m benchmarks.serve.contention_worker --threads 2 --duty 0.25     # prints one JSON line
+    python -m benchmarks.serve.contention_worker --concurrency 1 --requests 8 --wakers 3 --wakers-in engine
 
 The engine is an AsyncEngine (its step loop on its own thread, as in a replica), with no Ray and no HTTP, so what
 it loses here comes only from the CPU that the other process takes. The other process is benchmarks/serve/busy_loop.py.
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from benchmarks.serve.busy_loop import start_wakers
 from benchmarks.workloads import PROMPTS
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -30,9 +32,12 @@ from engine import AsyncEngine, EngineConfig, SamplingParams
 class Cell:
     threads: int
     duty: float
-    other_cores: float  # what the busy loop actually got
+    other_cores: float  # what the busy loop (or the other process's wakers) actually got
     tok_s: float
     tpot_ms_p50: float
+    concurrency: int = 32
+    wakers: int = 0
+    wakers_in: str = "none"  # "engine": threads of the engine's process; "other": of another process
 
 
 async def stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> float:
@@ -57,8 +62,8 @@ async def closed_loop(engine: AsyncEngine, prompts: list[str], params: SamplingP
     return time.perf_counter() - start, tpots
 
 
-def _start_busy_loop(duty: float) -> subprocess.Popen:
-    other = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", str(duty)], stdout=subprocess.PIPE,
+def _start_busy_loop(*args: str) -> subprocess.Popen:
+    other = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", *args], stdout=subprocess.PIPE,
                              text=True)
     assert other.stdout.readline().strip() == "ready"
     return other
@@ -78,7 +83,7 @@ def run(args) -> Cell:
     nonce = uuid.uuid4().hex[:8]  # no prefix-cache hits from an earlier cell
     prompts = [f"{nonce}-{i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(args.requests)]
     asyncio.run(closed_loop(engine, prompts[:8], SamplingParams(max_tokens=4), 8))  # warm-up
-    other = _start_busy_loop(args.duty) if args.duty > 0 else None
+    other = _start_other(args)
     try:
         before = _cpu_seconds(other)
         seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
@@ -88,7 +93,19 @@ def run(args) -> Cell:
             other.kill()
         engine.shutdown()
     return Cell(args.threads, args.duty, other_cores, args.requests * args.tokens / seconds,
-                statistics.median(tpots) * 1000)
+                statistics.median(tpots) * 1000, args.concurrency, args.wakers,
+                args.wakers_in if args.wakers else "none")
+
+
+def _start_other(args) -> subprocess.Popen | None:
+    """The busy loop, or the wakers: in another process, or as threads of this one (then None is returned)."""
+    if args.duty > 0:
+        return _start_busy_loop(str(args.duty))
+    if args.wakers and args.wakers_in == "other":
+        return _start_busy_loop("--wakers", str(args.wakers), str(args.waker_period_ms / 1000))
+    if args.wakers:
+        start_wakers(args.wakers, args.waker_period_ms / 1000)
+    return None
 
 
 def main() -> None:
@@ -99,7 +116,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
-    print(json.dumps(asdict(run(parser.parse_args()))), flush=True)
+    parser.add_argument("--wakers", type=int, default=0, help="threads that wake every --waker-period-ms")
+    parser.add_argument("--waker-period-ms", type=float, default=3.0)
+    parser.add_argument("--wakers-in", choices=("engine", "other"), default="engine",
+                        help="the engine's process (they contend for its GIL) or another process")
+    args = parser.parse_args()
+    if args.duty > 0 and args.wakers:
+        parser.error("--duty and --wakers measure different things: give one of them")
+    print(json.dumps(asdict(run(args))), flush=True)
 
 
 if __name__ == "__main__":

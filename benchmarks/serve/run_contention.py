@@ -1,6 +1,7 @@
-"""What another process's CPU costs the engine: the in-process engine at 32 streams beside a busy loop.
+"""What another process's CPU costs the engine: the in-process engine at 32 streams beside a busy loop; and what
+threads that take the GIL cost it at one stream, in its own process or in another.
 
-    PYTHONPATH=. python -m benchmarks contention            # about 7 minutes
+    PYTHONPATH=. python -m benchmarks contention            # about 15 minutes
     PYTHONPATH=. python -m benchmarks contention --quick
 
 Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
@@ -9,7 +10,13 @@ process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts
 and Ray processes do.
 On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op and the other one
 waits for it at the op's end: the engine loses about twice the CPU the other process takes. With 1 engine thread
-the other core absorbs the bursts. Rounds are interleaved. Writes benchmarks/results/contention.md, .json, .png.
+the other core absorbs the bursts.
+
+The second part runs one stream (8 requests of 64 tokens) with 3 threads that each wake every 3 ms (1,000 wake-ups
+a second, about what a replica's Ray main thread and event loops make under one stream) and do nothing else: in
+the engine's own process, where each wake-up takes the GIL that the engine's step thread needs between its ops,
+or in another process, where they take only CPU. Rounds are interleaved. Writes
+benchmarks/results/contention.md, .json, .png.
 """
 
 from __future__ import annotations
@@ -33,28 +40,61 @@ from deployments.openmp import replica_env_vars  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
+WAKERS = 3
+WAKERS_IN = ("none", "engine", "other")
 
 
-def cell(threads: int, duty: float, requests: int) -> dict:
+def cell(*options: str) -> dict:
     env = {**os.environ, **replica_env_vars(), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "benchmarks.serve.contention_worker", "--threads", str(threads),
-               "--duty", str(duty), "--requests", str(requests)]
+    command = [sys.executable, "-m", "benchmarks.serve.contention_worker", *options]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def busy_cell(threads: int, duty: float, requests: int) -> dict:
+    return cell("--threads", str(threads), "--duty", str(duty), "--requests", str(requests))
+
+
+def waker_cell(wakers_in: str, requests: int) -> dict:
+    wakers = ["--wakers", str(WAKERS), "--wakers-in", wakers_in] if wakers_in != "none" else []
+    return cell("--concurrency", "1", "--requests", str(requests), *wakers)
+
+
 def run(args) -> dict:
-    requests = 32 if args.quick else 96
+    requests, single = (32, 4) if args.quick else (96, 8)
     plan = [(r, t, d) for r in range(args.rounds) for t in THREADS for d in DUTIES]
-    cells = []
-    for rnd, threads, duty in tqdm(plan, desc="contention", unit="cell"):
-        cells.append({"round": rnd, **cell(threads, duty, requests)})
-        tqdm.write(f"round {rnd} threads={threads} duty={duty}: {cells[-1]['tok_s']:.1f} tok/s")
-    return {"requests": requests, "rounds": args.rounds, "cells": cells}
+    cells, wakes = [], []
+    with tqdm(total=len(plan) + args.rounds * len(WAKERS_IN), desc="contention", unit="cell") as bar:
+        for rnd in range(args.rounds):
+            for _, threads, duty in [p for p in plan if p[0] == rnd]:
+                cells.append({"round": rnd, **busy_cell(threads, duty, requests)})
+                bar.update()
+                tqdm.write(f"round {rnd} threads={threads} duty={duty}: {cells[-1]['tok_s']:.1f} tok/s")
+            order = WAKERS_IN if rnd % 2 == 0 else WAKERS_IN[::-1]
+            for wakers_in in order:
+                wakes.append({"round": rnd, **waker_cell(wakers_in, single)})
+                bar.update()
+                tqdm.write(f"round {rnd} one stream, wakers in {wakers_in}: {wakes[-1]['tpot_ms_p50']:.1f} ms TPOT")
+    return {"requests": requests, "single_requests": single, "rounds": args.rounds, "cells": cells, "wakes": wakes}
 
 
 def _cells(raw: dict, threads: int, duty: float) -> list[dict]:
     return [c for c in raw["cells"] if c["threads"] == threads and c["duty"] == duty]
+
+
+def wakes_table(raw: dict) -> str:
+    """One stream: TPOT with no wakers, with wakers in the engine's process, and in another process."""
+    by = {w: [c for c in raw.get("wakes", []) if c["wakers_in"] == w] for w in WAKERS_IN}
+    if not all(by.values()):
+        return ""
+    alone = _median(by["none"], "tpot_ms_p50")
+    where = {"none": "none", "engine": f"{WAKERS} threads of the engine's process (they take its GIL)",
+             "other": f"{WAKERS} threads of another process"}
+    rows = [[where[w], fmt(_median(by[w], "tpot_ms_p50"), 1),
+             " / ".join(fmt(c["tpot_ms_p50"], 1) for c in by[w]), f"{_median(by[w], 'tpot_ms_p50') / alone:.2f}x",
+             fmt(_median(by[w], "tok_s"), 1)] for w in WAKERS_IN]
+    return markdown_table(["threads waking every 3 ms", "TPOT p50 ms (median)", "per round", "of none",
+                           "tok/s"], rows)
 
 
 def _median(cells: list[dict], key: str) -> float:
@@ -102,9 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     method = (f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, {raw['requests']} "
               f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another process spins for a share "
               f"of every 10 ms; {raw['rounds']} interleaved rounds, medians.")
+    wakes = (f"One stream ({raw['single_requests']} requests x 64 tokens, 2 engine threads) beside {WAKERS} Python "
+             f"threads that each wake every 3 ms and do nothing else, in the engine's process or in another one:")
     title = f"Engine beside another process's CPU ({raw['mode']})"
     text = "\n".join(report_header(title, args.command, env)
-                     + [method, "", table(raw), "", "![contention](contention.png)", ""])
+                     + [method, "", table(raw), "", wakes, "", wakes_table(raw), "", "![contention](contention.png)",
+                        ""])
     save_results(args.out, "contention", raw, plot, text)
 
 

@@ -198,7 +198,8 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
     server = spec.start(args, tmp)
     try:
         server.wait_healthy(600)
-        asyncio.run(closed_loop(server, loads[8][:8], 8, 8))  # warm-up
+        warm = loads[max(loads)][:8]
+        asyncio.run(closed_loop(server, warm, 8, 8))  # warm-up
         scenarios = []
         for c, prompts in loads.items():
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
