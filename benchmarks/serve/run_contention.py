@@ -41,6 +41,7 @@ from deployments.openmp import replica_env_vars  # noqa: E402
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
 WAKERS = 3
+WAKER_PERIOD_MS = 3
 WAKERS_IN = ("none", "engine", "other")
 
 
@@ -56,17 +57,18 @@ def busy_cell(threads: int, duty: float, requests: int) -> dict:
 
 
 def waker_cell(wakers_in: str, requests: int) -> dict:
-    wakers = ["--wakers", str(WAKERS), "--wakers-in", wakers_in] if wakers_in != "none" else []
+    wakers = ["--wakers", str(WAKERS), "--wakers-in", wakers_in, "--waker-period-ms", str(WAKER_PERIOD_MS)] \
+        if wakers_in != "none" else []
     return cell("--concurrency", "1", "--requests", str(requests), *wakers)
 
 
 def run(args) -> dict:
     requests, single = (32, 4) if args.quick else (96, 8)
-    plan = [(r, t, d) for r in range(args.rounds) for t in THREADS for d in DUTIES]
+    busy = [(t, d) for t in THREADS for d in DUTIES]
     cells, wakes = [], []
-    with tqdm(total=len(plan) + args.rounds * len(WAKERS_IN), desc="contention", unit="cell") as bar:
+    with tqdm(total=args.rounds * (len(busy) + len(WAKERS_IN)), desc="contention", unit="cell") as bar:
         for rnd in range(args.rounds):
-            for _, threads, duty in [p for p in plan if p[0] == rnd]:
+            for threads, duty in busy:
                 cells.append({"round": rnd, **busy_cell(threads, duty, requests)})
                 bar.update()
                 tqdm.write(f"round {rnd} threads={threads} duty={duty}: {cells[-1]['tok_s']:.1f} tok/s")
@@ -93,7 +95,7 @@ def wakes_table(raw: dict) -> str:
     rows = [[where[w], fmt(_median(by[w], "tpot_ms_p50"), 1),
              " / ".join(fmt(c["tpot_ms_p50"], 1) for c in by[w]), f"{_median(by[w], 'tpot_ms_p50') / alone:.2f}x",
              fmt(_median(by[w], "tok_s"), 1)] for w in WAKERS_IN]
-    return markdown_table(["threads waking every 3 ms", "TPOT p50 ms (median)", "per round", "of none",
+    return markdown_table([f"threads waking every {WAKER_PERIOD_MS} ms", "TPOT p50 ms (median)", "per round", "of none",
                            "tok/s"], rows)
 
 
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
               f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another process spins for a share "
               f"of every 10 ms; {raw['rounds']} interleaved rounds, medians.")
     wakes = (f"One stream ({raw['single_requests']} requests x 64 tokens, 2 engine threads) beside {WAKERS} Python "
-             f"threads that each wake every 3 ms and do nothing else, in the engine's process or in another one:")
+             f"threads that each wake every {WAKER_PERIOD_MS} ms and do nothing else, in the engine's process or in "
+             f"another one:")
     title = f"Engine beside another process's CPU ({raw['mode']})"
     text = "\n".join(report_header(title, args.command, env)
                      + [method, "", table(raw), "", wakes, "", wakes_table(raw), "", "![contention](contention.png)",
