@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import requests
@@ -51,9 +52,15 @@ def write_tiny_adapters(base_path, root: Path, names) -> Path:
     return root
 
 
+@lru_cache(maxsize=2)
+def _hf_model(path: str):
+    """The fp32 HF model at path, loaded once for the tests that take several references from it."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
     """Reference: transformers generate, one prompt at a time, fp32 greedy."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _hf_model(str(path))
     tok = AutoTokenizer.from_pretrained(path)
     results = []
     for prompt in prompts:

@@ -38,18 +38,23 @@ def _actor(tiny_llama_path, adapters_root, capacity_bytes: int = 4 << 30):
     return LoRACacheActor.remote(base_config, SourceConfig(adapters_root=str(adapters_root)), capacity_bytes)
 
 
-def test_concurrent_requests_cause_one_load(ray_cluster, tiny_llama_path, adapters_root):
-    actor = _actor(tiny_llama_path, adapters_root)
-    refs = ray.get([actor.get.remote("a") for _ in range(8)])
+@pytest.fixture(scope="module")
+def shared_actor(ray_cluster, tiny_llama_path, adapters_root):
+    """One actor for the tests that only read through it: each actor is a worker process, seconds to start."""
+    return _actor(tiny_llama_path, adapters_root)
+
+
+def test_concurrent_requests_cause_one_load(shared_actor):
+    assert "a" not in ray.get(shared_actor.stats.remote())["load_counts"]  # the first to ask for it
+    refs = ray.get([shared_actor.get.remote("a") for _ in range(8)])
     assert len({r[0].hex() for r in refs}) == 1
-    stats = ray.get(actor.stats.remote())
-    assert stats["load_counts"] == {"a": 1} and stats["misses"] >= 1
+    stats = ray.get(shared_actor.stats.remote())
+    assert stats["load_counts"]["a"] == 1 and stats["misses"] >= 1
 
 
-def test_lru_eviction_by_bytes(ray_cluster, tiny_llama_path, adapters_root):
-    probe = _actor(tiny_llama_path, adapters_root)
-    ray.get(probe.get.remote("a"))
-    one = ray.get(probe.stats.remote())["bytes"]
+def test_lru_eviction_by_bytes(shared_actor, tiny_llama_path, adapters_root):
+    ray.get(shared_actor.get.remote("a"))
+    one = ray.get(shared_actor.stats.remote())["adapters"]["a"]["nbytes"]  # the three adapters are alike in size
     actor = _actor(tiny_llama_path, adapters_root, capacity_bytes=2 * one)
     for name in ("a", "b", "a", "c"):  # "a" was used after "b": "b" is the least recently used
         ray.get(actor.get.remote(name))
@@ -73,8 +78,8 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
     assert ray.get(actor.stats.remote())["load_counts"] == {"b": 1}
 
 
-def test_bad_adapter_error_reaches_the_replica_with_its_reason(ray_cluster, tiny_llama_path, adapters_root):
-    client = RayAdapterCache(_actor(tiny_llama_path, adapters_root), follow_registry=False)
+def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor):
+    client = RayAdapterCache(shared_actor, follow_registry=False)
     with pytest.raises(AdapterError, match="pickled"):
         client.get("pickled")
     with pytest.raises(AdapterError, match="not found"):
@@ -83,7 +88,7 @@ def test_bad_adapter_error_reaches_the_replica_with_its_reason(ray_cluster, tiny
         client.get("../a")
 
 
-def test_engine_through_actor_equals_local_cache(ray_cluster, tiny_llama_path, adapters_root):
+def test_engine_through_actor_equals_local_cache(shared_actor, tiny_llama_path, adapters_root):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     adapters = ["a", None, "b", "c"]
     local = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
@@ -91,7 +96,7 @@ def test_engine_through_actor_equals_local_cache(ray_cluster, tiny_llama_path, a
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    provider = RayAdapterCache(_actor(tiny_llama_path, adapters_root), follow_registry=False)
+    provider = RayAdapterCache(shared_actor, follow_registry=False)
     engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider)
     for i, (prompt, adapter) in enumerate(zip(PROMPTS[:4], adapters)):
         engine.add_request(str(i), prompt, params, adapter)

@@ -79,12 +79,21 @@ def smollm2(smollm2_path):
     return LLM(str(smollm2_path), dtype="float32", log_stats=False)
 
 
+PENALISED_PROMPTS = ["The list of colours: red, green,", "1, 2, 3, 4,", "Repeat after me: hello hello hello"]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(smollm2_path):
+    return hf_greedy(smollm2_path, PENALISED_PROMPTS, 20)
+
+
 @pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (-0.5, 1.2)])
-def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_path, tokenizer, presence, frequency):
+def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_path, tokenizer, plain_reference,
+                                                            presence, frequency):
     # The real model repeats tokens (" the", ",") where a random one does not: the penalties change its text.
     from transformers import LogitsProcessorList
 
-    prompts = ["The list of colours: red, green,", "1, 2, 3, 4,", "Repeat after me: hello hello hello"]
+    prompts = PENALISED_PROMPTS
     penalised = SamplingParams(max_tokens=20, temperature=0, presence_penalty=presence, frequency_penalty=frequency)
     plain = SamplingParams(max_tokens=20, temperature=0)
     outs = smollm2.generate(prompts + prompts, [penalised] * 3 + [plain] * 3, use_tqdm=False)  # mixed in a batch
@@ -92,7 +101,7 @@ def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_pat
         processor = OutputPenalties(len(tokenizer(prompt).input_ids), presence, frequency)
         (reference,) = hf_greedy(smollm2_path, [prompt], 20, logits_processor=LogitsProcessorList([processor]))
         assert out.token_ids == reference
-    assert [o.token_ids for o in outs[3:]] == hf_greedy(smollm2_path, prompts, 20)
+    assert [o.token_ids for o in outs[3:]] == plain_reference
     assert any(p.token_ids != q.token_ids for p, q in zip(outs[:3], outs[3:]))  # the penalties did act
 
 

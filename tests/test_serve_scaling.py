@@ -66,7 +66,7 @@ def _new_replica_holds_preloaded_adapter(first: str, adapter: str) -> None:
 
 def _load(url: str, stop: threading.Event, workers: int = 6) -> list[int]:
     """Keep `workers` long requests in flight until stop is set; the HTTP statuses of all of them."""
-    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 400, "ignore_eos_token": True}}
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200, "ignore_eos_token": True}}
 
     def worker(_):
         statuses = []

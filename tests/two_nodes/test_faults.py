@@ -5,7 +5,6 @@ closed connection) within its timeout, and afterwards the surviving replicas hol
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma")
@@ -21,35 +20,16 @@ TIMEOUT_S = 120  # a request still unanswered after this has hung
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_path, tmp_path_factory):
-    import ray
-    from ray import serve
-    from ray._common.utils import get_default_ray_temp_dir
-    from ray.cluster_utils import Cluster
-
+def server(two_nodes, tiny_llama_path, tmp_path_factory):
     from deployments.llm_server import LLMServer
 
-    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("fault-adapters"), ADAPTERS)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
-    nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1}) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    port = free_port()
-    # One proxy, on the head: on one machine every simulated node's proxy would listen on this port (SO_REUSEPORT),
-    # and the kernel could hand a connection to the proxy of the node being removed, which a real client, holding
-    # a live node's address, does not meet (a request sat 120 s unanswered there once)
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
               "adapters_root": str(root), "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
     llm = LLMServer.options(num_replicas=2, health_check_period_s=1, health_check_timeout_s=10,
                             ray_actor_options={"num_cpus": 0.5, "resources": {"llm_node": 1}})
-    serve.run(llm.bind(engine), name="lora-serve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", cluster, nodes
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    with serving(two_nodes, llm.bind(engine)) as url:
+        yield url
 
 
 def _request(url: str, i: int) -> str:
@@ -123,36 +103,32 @@ def _answers(url: str) -> None:
             time.sleep(1)
 
 
-def test_killing_the_cache_actor_under_load(cluster):
+def test_killing_the_cache_actor_under_load(server):
     import ray
 
     from lora_cache.actor import ACTOR_NAME
 
-    url, _, _ = cluster
-    _under_load(url, lambda: ray.kill(ray.get_actor(ACTOR_NAME), no_restart=False))
+    _under_load(server, lambda: ray.kill(ray.get_actor(ACTOR_NAME), no_restart=False))
     _nothing_held()
-    _answers(url)
+    _answers(server)
 
 
-def test_killing_a_replica_under_load(cluster):
+def test_killing_a_replica_under_load(server):
     import ray
-
-    url, _, _ = cluster
 
     def kill_one():
         [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if "lora-serve#LLMServer" in a["name"]][:1]
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
-    outcomes = _under_load(url, kill_one)
+    outcomes = _under_load(server, kill_one)
     assert set(outcomes) <= {"200", "200+cut", "500", "503", "closed"}, outcomes
     _nothing_held()
-    _answers(url)
+    _answers(server)
 
 
-def test_removing_a_node_under_load(cluster):
-    url, ray_cluster, nodes = cluster
-    outcomes = _under_load(url, lambda: ray_cluster.remove_node(nodes[0]))
+def test_removing_a_node_under_load(two_nodes, server):
+    outcomes = _under_load(server, lambda: two_nodes.cluster.remove_node(two_nodes.nodes[0]))
     assert set(outcomes) <= {"200", "200+cut", "500", "503", "closed"}, outcomes
     _nothing_held()
-    _answers(url)
+    _answers(server)

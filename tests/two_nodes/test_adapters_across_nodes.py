@@ -1,8 +1,8 @@
-"""A simulated two-node cluster: one engine replica per node, both serving adapters through the one cache actor."""
+"""A simulated two-node cluster (tests/two_nodes/conftest.py): one engine replica per node, both serving adapters
+through the one cache actor."""
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from tests.helpers import PROMPTS, free_port, replica_stats, write_tiny_adapters
+from tests.helpers import PROMPTS, replica_stats, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
@@ -24,39 +24,21 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster_server(tiny_llama_path, adapters_root, tmp_path_factory):
-    import ray
-    from ray import serve
-    from ray._common.utils import get_default_ray_temp_dir
-    from ray.cluster_utils import Cluster
-
+def server(two_nodes, tiny_llama_path, adapters_root):
     from deployments.llm_server import LLMServer
 
-    # Cluster records its address under Ray's default temp folder, whatever temp_dir says: on a machine where
-    # no Ray ever ran, that folder does not exist yet.
-    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
-    nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1, f"node_{name}": 1}) for name in "ab"]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 4,
               "adapters_root": str(adapters_root)}
     llm = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5, "resources": {"llm_node": 1}})
-    serve.run(llm.bind(engine), name="lora-serve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", {node.node_id for node in nodes}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    with serving(two_nodes, llm.bind(engine)) as url:
+        yield url
 
 
-def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_server, tiny_llama_path,
+def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(two_nodes, server, tiny_llama_path,
                                                                       adapters_root):
     import ray
 
-    url, llm_nodes = cluster_server
+    url, llm_nodes = server, two_nodes.node_ids()
     assert {s["node_id"] for s in replica_stats().values()} == llm_nodes  # one replica on each of the two nodes
 
     llm = LLM(str(tiny_llama_path), max_loras=4, adapters_root=str(adapters_root), log_stats=False)
@@ -83,7 +65,7 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(cluster_se
     assert cache["load_counts"] == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
 
 
-def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_server):
+def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(server):
     """The proxy picks replicas by load alone; a replica that gets a request for an adapter only the other one
     holds forwards it there."""
     import ray
@@ -91,7 +73,7 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(cluster_ser
     from deployments.llm_server import REPORT_INTERVAL_S
     from lora_cache.actor import ACTOR_NAME, adapter_residence
 
-    url, _ = cluster_server
+    url = server
     body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 4, "adapter_id": ROUTED}}
     assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
     actor = ray.get_actor(ACTOR_NAME)
