@@ -9,6 +9,7 @@ Status codes are chosen here, at the edge: the replica says why it refuses (depl
 """
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -29,8 +30,9 @@ from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import OVERLOADED_RETRY_AFTER_S
-from lora_cache.actor import ACTOR_NAME, adapter_residence
+from lora_cache.actor import ACTOR_NAME
 from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.cache_stats import AdapterResidence, CacheStats
 from lora_cache.merge import MergeSpec
 from lora_cache.registry import Registration
 from lora_cache.sources import validate_adapter_id
@@ -95,6 +97,14 @@ def _check_scope(tenant: Tenant, adapter: str | None) -> None:
         tenant.check_base()
     else:
         tenant.check_adapter(adapter)
+
+
+def _adapter_card(name: str, base_model: str, where: AdapterResidence) -> dict:
+    """An adapter's entry in /v1/models: OpenAI's model fields, its content id and lora_path, and its residence."""
+    residence = dataclasses.asdict(where)
+    return {"id": name, "object": "model", "owned_by": "lora-serve", "parent": base_model,
+            "content_id": residence.pop("content_id"), "lora_path": residence.pop("lora_path"),
+            "residence": residence}
 
 
 class _Metered:
@@ -169,11 +179,12 @@ class HttpRoutes:
         """The served model and engine limits, one replica's memory accounting and prefix-cache counts, and where
         each adapter resides."""
         c = self.config
+        adapters = await self._adapters(_tenant(http))
         return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "quantization": c.quantization,
                 "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
                 "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
                 "max_waiting_requests": c.max_waiting_requests, **self._replica_info(),
-                "adapters": await self._adapters(_tenant(http))}
+                "adapters": {a: dataclasses.asdict(where) for a, where in adapters.items()}}
 
     @app.post("/")
     async def root(self, request: GenerateRequest, http: Request):
@@ -253,9 +264,8 @@ class HttpRoutes:
         """The base model and the adapters the cache actor knows: each with the content id of its weights (once
         loaded), its lora_path when it was loaded at run time, and where it resides."""
         base = {"id": self.model_name, "object": "model", "owned_by": "lora-serve", "parent": None}
-        adapters = [{"id": a, "object": "model", "owned_by": "lora-serve", "parent": self.model_name,
-                     "content_id": where.pop("content_id"), "lora_path": where.pop("lora_path"),
-                     "residence": where} for a, where in (await self._adapters(_tenant(http))).items()]
+        adapters = [_adapter_card(a, self.model_name, where)
+                    for a, where in (await self._adapters(_tenant(http))).items()]
         return {"object": "list", "data": [base] + adapters}
 
     @app.post("/v1/load_lora_adapter")
@@ -273,16 +283,16 @@ class HttpRoutes:
         await _lifecycle(self._unregister(request.lora_name))
         return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
 
-    async def _adapters(self, tenant: Tenant) -> dict[str, dict]:
+    async def _adapters(self, tenant: Tenant) -> dict[str, AdapterResidence]:
         """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads), of the
         adapters in the tenant's scope."""
         if not self.lora_enabled:
             return {}
         try:
-            stats = await ray.get_actor(ACTOR_NAME).stats.remote()
+            stats: CacheStats = await ray.get_actor(ACTOR_NAME).stats.remote()
         except ValueError:  # no replica has created the cache actor yet
             return {}
-        residence = adapter_residence(stats)
+        residence = stats.residence()
         return {adapter: residence[adapter] for adapter in tenant.visible(residence)}
 
     @app.post("/v1/completions")

@@ -36,6 +36,7 @@ from deployments.metrics import ServingMetrics
 from deployments.openmp import intel_openmp_loaded
 from deployments.pacing import EventPacer
 from deployments.peer_view import PeerView
+from deployments.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
 from deployments.request_router import ROUTING_STATS_KEY, router_config
 from deployments.routing import RouteRequest, RoutingPolicy
 from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
@@ -225,25 +226,19 @@ class LLMServer(HttpRoutes):
         await self._adapter(adapter)
         self.metrics.adapter_fetch(timer, hit, time.monotonic() - start)
 
-    def stats(self) -> dict:
-        s = self.engine.stats()
-        adapters = {adapter: dataclasses.asdict(usage) for adapter, usage in self.engine.adapter_stats().items()}
-        return {"replica": self.replica, "node_id": self.node_id, "waiting": s.waiting, "running": s.running,
-                "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
-                "kv_utilisation": s.kv_utilisation, "waiting_for_adapter": s.waiting_for_adapter,
-                "resident_adapters": s.resident_adapters, "adapters": adapters,
-                "prefix_cache": _prefix_cache(s),
-                "forwarded": self._forwarded,
-                "peer_adapters": self._peers.held_by_peers() if self._peers is not None else {}}
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats.of(self.replica, self.node_id, self.engine.stats(), self.engine.adapter_stats(),
+                               self._forwarded, self._peers.held_by_peers() if self._peers is not None else {})
 
     def _replica_info(self) -> dict:
         """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
         adapter slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, all of this
         one replica, named."""
         s = self.engine.stats()
-        return {"replica": self.replica, "memory": self.engine.memory().to_dict(), "prefix_cache": _prefix_cache(s),
-                "adapter_slots": _adapter_slots(s), "running": s.running, "waiting": s.waiting,
-                "kv_blocks_used": s.kv_blocks_used}
+        return {"replica": self.replica, "memory": self.engine.memory().to_dict(),
+                "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
+                "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
+                "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.autoscaling.EngineLoadPolicy."""
@@ -283,17 +278,6 @@ class LLMServer(HttpRoutes):
         self._stop.set()
         if getattr(self, "adapter_cache", None) is not None:
             self.adapter_cache.close()
-
-
-def _prefix_cache(s: EngineStats) -> dict:
-    return {"queried_tokens": s.prefix_cache_queried_tokens, "hit_tokens": s.prefix_cache_hit_tokens,
-            "hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.prefix_cache_blocks,
-            "evictions": s.prefix_cache_evictions}
-
-
-def _adapter_slots(s: EngineStats) -> dict:
-    return {"acquisitions": s.adapter_slot_acquisitions, "loads": s.adapter_slot_loads,
-            "hit_rate": s.adapter_slot_hit_rate}
 
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:

@@ -20,6 +20,7 @@ import ray
 from transformers import AutoConfig
 
 from lora_cache.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
+from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
 from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
 from lora_cache.provider import HeldAdapters
@@ -173,36 +174,18 @@ class LoRACacheActor:
         self.residence = {r: v for r, v in self.residence.items() if now - v.reported_at < RESIDENCE_TTL_S}
         return self.residence
 
-    def _replicas(self) -> dict[str, dict]:
-        return {r: {"device": list(v.device), "cpu": list(v.cpu)} for r, v in self._live_residence().items()}
+    def _replicas(self) -> dict[str, ReplicaHolding]:
+        return {r: ReplicaHolding(tuple(v.device), tuple(v.cpu)) for r, v in self._live_residence().items()}
 
-    def stats(self) -> dict:
+    def stats(self) -> CacheStats:
         entries, loads = self.entries.snapshot(), self.entries.load_stats()
-        return {"adapters": {a: {"nbytes": e.nbytes, "content_id": e.content_id} for a, e in entries.items()},
-                "registered": {n: str(loc) for n, loc in self.registry.locations.items()},
-                "generations": dict(self.registry.generations), "replicas": self._replicas(),
-                "bytes": self.entries.nbytes(), "capacity_bytes": self.entries.capacity_bytes,
-                "hits": self.hits, "misses": self.misses,
-                "load_counts": {a: load.loads for a, load in loads.items()},
-                "load_seconds": {a: load.seconds for a, load in loads.items()}}
-
-
-def adapter_residence(stats: dict) -> dict[str, dict]:
-    """Per adapter name the cache knows, for its current key (lora_cache/registry.py): the content id of its
-    weights once loaded, its lora_path when loaded at run time, in the object store or not, the replicas holding
-    it in device slots and in their CPU copy, and how often it was read from its source."""
-    view = RegistryView(generations=stats["generations"])
-    known = set(stats["adapters"]) | set(stats["load_counts"])
-    for replica in stats["replicas"].values():
-        known |= set(replica["device"]) | set(replica["cpu"])
-    known = {k for k in known if view.is_current(k)} | {view.key(n) for n in stats["registered"]}
-    replicas = stats["replicas"]
-    return {key_name(k): {"content_id": stats["adapters"].get(k, {}).get("content_id"),
-                          "lora_path": stats["registered"].get(key_name(k)),
-                          "object_store": k in stats["adapters"],
-                          "device_replicas": sorted(r for r, v in replicas.items() if k in v["device"]),
-                          "cpu_replicas": sorted(r for r, v in replicas.items() if k in v["cpu"]),
-                          "source_loads": stats["load_counts"].get(k, 0)} for k in sorted(known)}
+        return CacheStats(
+            adapters={a: CachedAdapter(e.nbytes, e.content_id) for a, e in entries.items()},
+            registered={n: str(loc) for n, loc in self.registry.locations.items()},
+            generations=dict(self.registry.generations), replicas=self._replicas(),
+            nbytes=self.entries.nbytes(), capacity_bytes=self.entries.capacity_bytes, hits=self.hits,
+            misses=self.misses, load_counts={a: load.loads for a, load in loads.items()},
+            load_seconds={a: load.seconds for a, load in loads.items()})
 
 
 def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,

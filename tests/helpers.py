@@ -13,6 +13,8 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from deployments.replica_stats import ReplicaStats
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a land far away, there lived a",
@@ -91,16 +93,16 @@ def serving(cluster, app, name: str = "lora-serve"):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
 
 
-def replica_stats(replicas: int = 2) -> dict[str, dict]:
+def replica_stats(replicas: int = 2) -> dict[str, ReplicaStats]:
     """Each live replica's stats (LLMServer.stats) in the app lora-serve, by replica, asked through a handle until
     `replicas` of them answered."""
     from ray import serve
 
     handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
-    seen: dict[str, dict] = {}
+    seen: dict[str, ReplicaStats] = {}
     for _ in range(40):
         stats = handle.stats.remote().result(timeout_s=30)
-        seen[stats["replica"]] = stats
+        seen[stats.replica] = stats
         if len(seen) == replicas:
             break
     assert len(seen) == replicas, f"the handle reached {len(seen)} of {replicas} replicas"
@@ -109,7 +111,7 @@ def replica_stats(replicas: int = 2) -> dict[str, dict]:
 
 def adapter_requests(adapter: str) -> dict[str, int]:
     """The requests each replica served for an adapter."""
-    return {r: s["adapters"].get(adapter, {}).get("requests", 0) for r, s in replica_stats().items()}
+    return {r: s.adapter_requests(adapter) for r, s in replica_stats().items()}
 
 
 def served_model(url: str) -> str:

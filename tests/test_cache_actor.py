@@ -45,23 +45,23 @@ def shared_actor(ray_cluster, tiny_llama_path, adapters_root):
 
 
 def test_concurrent_requests_cause_one_load(shared_actor):
-    assert "a" not in ray.get(shared_actor.stats.remote())["load_counts"]  # the first to ask for it
+    assert "a" not in ray.get(shared_actor.stats.remote()).load_counts  # the first to ask for it
     refs = ray.get([shared_actor.get.remote("a") for _ in range(8)])
     assert len({r[0].hex() for r in refs}) == 1
     stats = ray.get(shared_actor.stats.remote())
-    assert stats["load_counts"]["a"] == 1 and stats["misses"] >= 1
+    assert stats.load_counts["a"] == 1 and stats.misses >= 1
 
 
 def test_lru_eviction_by_bytes(shared_actor, tiny_llama_path, adapters_root):
     ray.get(shared_actor.get.remote("a"))
-    one = ray.get(shared_actor.stats.remote())["adapters"]["a"]["nbytes"]  # the three adapters are alike in size
+    one = ray.get(shared_actor.stats.remote()).adapters["a"].nbytes  # the three adapters are alike in size
     actor = _actor(tiny_llama_path, adapters_root, capacity_bytes=2 * one)
     for name in ("a", "b", "a", "c"):  # "a" was used after "b": "b" is the least recently used
         ray.get(actor.get.remote(name))
     stats = ray.get(actor.stats.remote())
-    assert sorted(stats["adapters"]) == ["a", "c"] and stats["bytes"] <= 2 * one
+    assert sorted(stats.adapters) == ["a", "c"] and stats.nbytes <= 2 * one
     ray.get(actor.get.remote("b"))
-    assert ray.get(actor.stats.remote())["load_counts"]["b"] == 2
+    assert ray.get(actor.stats.remote()).load_counts["b"] == 2
 
 
 def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root):
@@ -71,11 +71,11 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
     ray.kill(actor, no_restart=False)
     assert client.get("a") is held  # served from the replica's own copy while the actor restarts
     deadline = time.monotonic() + 30  # the kill lands asynchronously: wait for the restarted, empty actor
-    while "a" in ray.get(actor.stats.remote())["load_counts"] and time.monotonic() < deadline:
+    while "a" in ray.get(actor.stats.remote()).load_counts and time.monotonic() < deadline:
         time.sleep(0.1)
     fresh = client.get("b")  # the restarted actor loads on demand
     assert fresh.adapter_id == "b"
-    assert ray.get(actor.stats.remote())["load_counts"] == {"b": 1}
+    assert ray.get(actor.stats.remote()).load_counts == {"b": 1}
 
 
 def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor):

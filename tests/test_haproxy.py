@@ -148,7 +148,7 @@ def test_an_adapters_requests_go_to_the_replica_holding_it(cluster):
     haproxy, _, router = cluster
     assert complete(haproxy, "gamma", PROMPTS[0]).status_code == 200  # no other test asks for gamma
     time.sleep(2.5)  # the holder's report reaches Serve's routers within two report intervals
-    [holder] = [r for r, s in replica_stats().items() if "gamma" in s["resident_adapters"]]
+    [holder] = [r for r, s in replica_stats().items() if "gamma" in s.resident_adapters]
     for i in range(6):
         answer = requests.post(f"{router}/internal/route", json={"model": "gamma", "prompt": "hi"}, timeout=30).json()
         assert answer["replica_id"].endswith("#" + holder.split("@")[0])

@@ -292,16 +292,16 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
         while True:  # the kill lands asynchronously: wait for the restarted actor, its object store tier empty
             try:
                 stats = ray.get(actor.stats.remote())
-                if not stats["adapters"]:
+                if not stats.adapters:
                     break
             except ray.exceptions.RayActorError:
                 pass
             assert time.monotonic() < deadline, "the actor did not restart"
             time.sleep(0.2)
         # it read its registrations back from the disk cache folder
-        assert stats["registered"] == {"from-s3": "s3://adapters/models/acme/two",
+        assert stats.registered == {"from-s3": "s3://adapters/models/acme/two",
                                        "from-hub": "hf://acme/registered@v3"}
-        assert stats["generations"] == {"from-s3": 1, "from-hub": 1}
+        assert stats.generations == {"from-s3": 1, "from-hub": 1}
         [ref] = ray.get(actor.get.remote("from-s3#1"))
         assert ray.get(ref).content_id == from_s3.content_id
     finally:

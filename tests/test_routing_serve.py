@@ -45,7 +45,7 @@ def _generate(url: str, prompt: str, adapter: str | None = None, tokens: int = 4
 def test_adapter_requests_go_to_the_replica_holding_it_in_a_slot(server):
     _generate(server, PROMPTS[0], "alpha")
     time.sleep(SETTLE_S)
-    [holder] = [r for r, s in replica_stats().items() if "alpha" in s["resident_adapters"]]
+    [holder] = [r for r, s in replica_stats().items() if "alpha" in s.resident_adapters]
     for i in range(10):
         _generate(server, PROMPTS[i % len(PROMPTS)], "alpha")
     assert adapter_requests("alpha") == {r: 11 if r == holder else 0 for r in replica_stats()}
@@ -69,17 +69,17 @@ def _through_serve_router(adapter: str, n: int) -> None:
 
 def test_a_shared_prefix_goes_to_the_replica_that_cached_it(server):
     prefix = " ".join(PROMPTS) * 2  # well over ten 16-token blocks
-    before = {r: s["prefix_cache"] for r, s in replica_stats().items()}
+    before = {r: s.prefix_cache for r, s in replica_stats().items()}
     _generate(server, prefix + " first")
     time.sleep(SETTLE_S)
-    middle = {r: s["prefix_cache"] for r, s in replica_stats().items()}
-    [cacher] = [r for r in middle if middle[r]["queried_tokens"] > before[r]["queried_tokens"]]
+    middle = {r: s.prefix_cache for r, s in replica_stats().items()}
+    [cacher] = [r for r in middle if middle[r].queried_tokens > before[r].queried_tokens]
     for i in range(8):
         _generate(server, f"{prefix} question {i}")
-    after = {r: s["prefix_cache"] for r, s in replica_stats().items()}
+    after = {r: s.prefix_cache for r, s in replica_stats().items()}
     other = next(r for r in after if r != cacher)
-    assert after[other]["queried_tokens"] == middle[other]["queried_tokens"]  # nothing reached the other one
-    assert after[cacher]["hit_tokens"] - middle[cacher]["hit_tokens"] >= 8 * 10 * 16
+    assert after[other].queried_tokens == middle[other].queried_tokens  # nothing reached the other one
+    assert after[cacher].hit_tokens - middle[cacher].hit_tokens >= 8 * 10 * 16
 
 
 def test_a_flood_for_one_adapter_spreads_over_replicas(server):
@@ -109,7 +109,7 @@ def test_a_replica_that_dies_is_routed_around(server):
 
     _generate(server, PROMPTS[2], "gamma")
     time.sleep(SETTLE_S)
-    [holder] = [r for r, s in replica_stats().items() if "gamma" in s["resident_adapters"]]
+    [holder] = [r for r, s in replica_stats().items() if "gamma" in s.resident_adapters]
     [actor] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "LLMServer" in a["name"] and holder.split("@")[0] in a["name"]]
     ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)

@@ -542,15 +542,16 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
     handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
 
     def beta_tokens():
-        return handle.stats.remote().result()["adapters"].get("beta", {}).get("generated_tokens", 0)
+        usage = handle.stats.remote().result().adapters.get("beta")
+        return usage.generated_tokens if usage is not None else 0
 
     before = beta_tokens()
     r = requests.post(f"{server}/generate_stream", json={"inputs": PROMPTS[0], "parameters": {
         "max_new_tokens": 450, "ignore_eos_token": True, "adapter_id": "beta"}}, stream=True, timeout=60)
     assert next(line for line in r.iter_lines() if line).startswith(b"data:")  # the stream is running
     r.close()
-    stats = _poll(lambda: (s := handle.stats.remote().result())["running"] == 0 and s["waiting"] == 0 and s)
-    assert stats["kv_blocks_used"] == 0
+    stats = _poll(lambda: (s := handle.stats.remote().result()).running == 0 and s.waiting == 0 and s)
+    assert stats.kv_blocks_used == 0
     assert beta_tokens() - before < 450  # cancelled mid-stream, not run to its end
 
     before = beta_tokens()  # an OpenAI stream of 2 choices: leaving stops both
@@ -558,8 +559,8 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
                                                          "n": 2, "stream": True}, stream=True, timeout=60)
     assert next(line for line in r.iter_lines() if line).startswith(b"data:")
     r.close()
-    stats = _poll(lambda: (s := handle.stats.remote().result())["running"] == 0 and s["waiting"] == 0 and s)
-    assert stats["kv_blocks_used"] == 0
+    stats = _poll(lambda: (s := handle.stats.remote().result()).running == 0 and s.waiting == 0 and s)
+    assert stats.kv_blocks_used == 0
     assert beta_tokens() - before < 2 * 450
 
 

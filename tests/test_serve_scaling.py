@@ -59,9 +59,9 @@ def _new_replica_holds_preloaded_adapter(first: str, adapter: str) -> None:
     seen = {}
     for _ in range(30):
         stats = _replica_stats()
-        seen[stats["replica"]] = stats["adapters"].get(adapter, {})
+        seen[stats.replica] = stats.adapters.get(adapter)
     added = [usage for replica, usage in seen.items() if replica != first]
-    assert added and added[0]["residence"] == "device" and added[0]["requests"] == 0, seen
+    assert added and added[0].residence == "device" and added[0].requests == 0, seen
 
 
 def _load(url: str, stop: threading.Event, workers: int = 6) -> list[int]:
@@ -83,7 +83,7 @@ def _load(url: str, stop: threading.Event, workers: int = 6) -> list[int]:
 
 def test_queue_depth_scales_the_engine_up_and_idleness_back_down(server):
     assert _running_replicas() == 1
-    first = _replica_stats()["replica"]
+    first = _replica_stats().replica
     stop = threading.Event()
     loader = threading.Thread(target=lambda: _load(server, stop))
     loader.start()

@@ -39,7 +39,7 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(two_nodes,
     import ray
 
     url, llm_nodes = server, two_nodes.node_ids()
-    assert {s["node_id"] for s in replica_stats().values()} == llm_nodes  # one replica on each of the two nodes
+    assert {s.node_id for s in replica_stats().values()} == llm_nodes  # one replica on each of the two nodes
 
     llm = LLM(str(tiny_llama_path), max_loras=4, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=8, temperature=0)
@@ -57,12 +57,12 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(two_nodes,
 
     holders = {}  # adapter -> nodes whose replica fetched it
     for stats in replica_stats().values():
-        for adapter, usage in stats["adapters"].items():
-            if usage["requests"]:
-                holders.setdefault(adapter, set()).add(stats["node_id"])
+        for adapter, usage in stats.adapters.items():
+            if usage.requests:
+                holders.setdefault(adapter, set()).add(stats.node_id)
     assert set().union(*holders.values()) == llm_nodes  # both nodes served adapters
     cache = ray.get(ray.get_actor("lora-serve-adapter-cache").stats.remote())
-    assert cache["load_counts"] == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
+    assert cache.load_counts == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
 
 
 def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(server):
@@ -71,14 +71,14 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(server):
     import ray
 
     from deployments.llm_server import REPORT_INTERVAL_S
-    from lora_cache.actor import ACTOR_NAME, adapter_residence
+    from lora_cache.actor import ACTOR_NAME
 
     url = server
     body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 4, "adapter_id": ROUTED}}
     assert requests.post(f"{url}/generate", json=body, timeout=120).status_code == 200
     actor = ray.get_actor(ACTOR_NAME)
     deadline = time.monotonic() + 30
-    while not adapter_residence(ray.get(actor.stats.remote())).get(ROUTED, {}).get("cpu_replicas"):
+    while not ((held := ray.get(actor.stats.remote()).residence().get(ROUTED)) and held.cpu_replicas):
         assert time.monotonic() < deadline, "the replica that fetched the adapter never reported it"
         time.sleep(0.5)
     deadline = time.monotonic() + 60  # the other replica hears of it at its next report, late on 2 busy cores
@@ -108,7 +108,7 @@ def _replicas(adapter: str) -> list[_Replica]:
     """Both replicas, the one that ran fewer of the adapter's requests first."""
     replicas = []
     for name, stats in replica_stats().items():
-        served = stats["adapters"].get(adapter, {}).get("requests", 0)
-        heard = any(adapter in held for held in stats["peer_adapters"].values())
-        replicas.append(_Replica(name, served, served > 0 or heard, stats["forwarded"]))
+        served = stats.adapter_requests(adapter)
+        heard = any(adapter in held for held in stats.peer_adapters.values())
+        replicas.append(_Replica(name, served, served > 0 or heard, stats.forwarded))
     return sorted(replicas, key=lambda r: r.served)

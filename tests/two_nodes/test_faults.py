@@ -85,8 +85,8 @@ def _nothing_held(timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = [handle.stats.remote().result(timeout_s=30) for _ in range(6)]
-        held = [(s["replica"], s["running"], s["waiting"], s["kv_blocks_used"]) for s in stats
-                if s["running"] or s["waiting"] or s["kv_blocks_used"]]
+        held = [(s.replica, s.running, s.waiting, s.kv_blocks_used) for s in stats
+                if s.running or s.waiting or s.kv_blocks_used]
         if not held:
             return
         assert time.monotonic() < deadline, f"requests or KV blocks left after the load: {held}"

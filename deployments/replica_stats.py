@@ -1,0 +1,70 @@
+"""One engine replica's state, as LLMServer.stats() answers it through a Serve handle, and the engine counters
+/info publishes.
+
+Operators and the serving tests ask a replica through its handle what it runs, holds and forwarded; the answer
+crosses the Ray hop, so it is a dataclass (ReplicaStats) and not a dict: a renamed field fails where it is read.
+It copies the engine's figures (engine.EngineStats; engine.llm_engine.AdapterStats per adapter) with the replica's
+identity and routing state beside them. /info turns the prefix-cache and slot counters into JSON at
+the HTTP edge (dataclasses.asdict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import EngineStats
+from engine.llm_engine import AdapterStats
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int  # prompt tokens looked up in the prefix cache
+    hit_tokens: int  # of them, found
+    hit_rate: float
+    cached_blocks: int
+    evictions: int
+
+    @classmethod
+    def of(cls, s: EngineStats) -> PrefixCacheStats:
+        return cls(s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens, s.prefix_cache_hit_rate,
+                   s.prefix_cache_blocks, s.prefix_cache_evictions)
+
+
+@dataclass(frozen=True)
+class AdapterSlotStats:
+    acquisitions: int  # requests that took an adapter's device slot
+    loads: int  # of them, copies into a slot
+    hit_rate: float
+
+    @classmethod
+    def of(cls, s: EngineStats) -> AdapterSlotStats:
+        return cls(s.adapter_slot_acquisitions, s.adapter_slot_loads, s.adapter_slot_hit_rate)
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    replica: str  # Serve's replica id
+    node_id: str  # the Ray node it runs on
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_utilisation: float
+    waiting_for_adapter: int  # waiting requests whose adapter is not in a device slot yet
+    resident_adapters: list[str]  # in device slots
+    adapters: dict[str, AdapterStats]  # per adapter: requests, tokens, residence, loads
+    prefix_cache: PrefixCacheStats
+    forwarded: int  # requests this replica sent to a peer that holds their adapter
+    peer_adapters: dict[str, list[str]]  # per peer replica: the adapters it holds, as this one last heard
+
+    def adapter_requests(self, adapter: str) -> int:
+        """The requests this replica has run for an adapter."""
+        usage = self.adapters.get(adapter)
+        return usage.requests if usage is not None else 0
+
+    @classmethod
+    def of(cls, replica: str, node_id: str, s: EngineStats, adapters: dict[str, AdapterStats], forwarded: int,
+           peer_adapters: dict[str, list[str]]) -> ReplicaStats:
+        return cls(replica, node_id, s.waiting, s.running, s.kv_blocks_used, s.kv_blocks_total, s.kv_utilisation,
+                   s.waiting_for_adapter, list(s.resident_adapters), adapters, PrefixCacheStats.of(s), forwarded,
+                   peer_adapters)
