@@ -45,6 +45,9 @@ class EngineConfig:
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
+    # CUDA: fused Triton element-wise operators (engine/kernels/cuda_ops.py: the residual addition with RMSNorm,
+    # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)
+    cuda_fused_ops: bool = True
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory

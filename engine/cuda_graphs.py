@@ -7,21 +7,22 @@ its inputs into the buffers, pads the batch to the next bucket and replays the g
 (and mixed steps) stay eager: their shapes vary with every prompt.
 
 What makes the forward capturable: attention reads the paged cache in place through block tables and
-context lengths held on the device (engine/kernels/paged_attention.py); multi-LoRA takes each token's
-adapter slot as a tensor (engine/kernels/lora.py), so loading another adapter into a slot changes
-what a replay computes without a new capture. Padded rows decode one dummy token into a scratch KV
+context lengths held on the device (engine/kernels/paged_attention.py); multi-LoRA takes the tokens
+grouped by adapter slot as tensors (engine/kernels/lora.py), so loading another adapter into a slot
+changes what a replay computes without a new capture. Padded rows decode one dummy token into a scratch KV
 block that no sequence owns, and their outputs are dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, KVCache
-from engine.layers.lora_batch import LoRAStepState
+from engine.layers.lora_batch import LoRAStepState, SlotOrder, slot_order_values
 
 
 @dataclass
@@ -44,8 +45,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], lora_state: LoRAStepState, max_batch: int,
-                 max_blocks: int, scratch_block: int, block_size: int, device: torch.device):
+                 max_blocks: int, scratch_block: int, block_size: int, device: torch.device,
+                 kv_write: Callable[..., None] | None = None, max_loras: int = 0):
         self.model = model
+        self.kv_write = kv_write  # the fused K/V cache write (AttentionMetadata.kv_write), or None
         self.kv_caches = kv_caches
         self.lora_state = lora_state
         self.buckets = batch_buckets(max_batch)
@@ -57,7 +60,10 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), self.scratch_slot, **longs)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, **longs)
         self.context_lens = torch.ones(max_batch, **longs)
-        self.lora_slots = torch.full((max_batch,), -1, **longs)
+        # the tokens grouped by adapter slot (engine/kernels/lora.py): rows sorted by slot, each slot's start, count
+        self.max_loras = max_loras
+        self.order_tokens = torch.zeros(max_batch, **longs)
+        self.order_slots = torch.zeros(2 * max_loras, **longs)  # starts, then counts (all 0: no adapter token)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -68,12 +74,13 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slot_mapping[:size], size, self.block_tables[:size], None, [],
-                                 self.context_lens[:size])
-        self.lora_state.token_slots = self.lora_slots[:size]
+                                 self.context_lens[:size], kv_write=self.kv_write)
+        self.lora_state.slot_order = SlotOrder(self.order_tokens[:size], self.order_slots[:self.max_loras],
+                                               self.order_slots[self.max_loras:])
         try:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         finally:
-            self.lora_state.token_slots = None
+            self.lora_state.slot_order = None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -102,15 +109,17 @@ class DecodeGraphs:
     def _fill(self, step: DecodeInputs, n: int, size: int) -> None:
         width = max(len(table) for table in step.block_tables)
         tables = [table + [self.scratch_block] * (width - len(table)) for table in step.block_tables]
-        flat = (step.input_ids + step.positions + step.slot_mapping + step.context_lens + step.lora_slots
+        order = slot_order_values(step.lora_slots, self.max_loras)  # n rows, then the slots' starts and counts
+        flat = (step.input_ids + step.positions + step.slot_mapping + step.context_lens + order
                 + [token for table in tables for token in table])
         host = torch.tensor(flat, dtype=torch.long).pin_memory()
         values = host.to(self.input_ids.device, non_blocking=True)  # one host-to-device copy
-        rows = values[:5 * n].view(5, n)
-        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens,
-                                self.lora_slots), rows):
+        rows = values[:4 * n].view(4, n)
+        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), rows):
             buffer[:n].copy_(row)
-        self.block_tables[:n, :width].copy_(values[5 * n:].view(n, width))
+        self.order_tokens[:n].copy_(values[4 * n:5 * n])
+        self.order_slots.copy_(values[5 * n:5 * n + 2 * self.max_loras])
+        self.block_tables[:n, :width].copy_(values[5 * n + 2 * self.max_loras:].view(n, width))
         self._pad(n, size)
 
     def _pad(self, n: int, size: int) -> None:
@@ -119,5 +128,4 @@ class DecodeGraphs:
             return
         self.slot_mapping[n:size].fill_(self.scratch_slot)
         self.context_lens[n:size].fill_(1)
-        self.block_tables[n:size, 0].fill_(self.scratch_block)
-        self.lora_slots[n:size].fill_(-1)
+        self.block_tables[n:size, 0].fill_(self.scratch_block)  # and no slot holds them: no adapter delta

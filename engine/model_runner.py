@@ -19,9 +19,10 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance, token_slots
+from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batch, padding_allowance, slot_order,
+                                      token_slots)
 from engine.memory import MemoryReport, weight_bytes
-from engine.models import load_model, use_cpu_ops
+from engine.models import load_model, use_fused_ops
 from engine.sampler import token_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -117,14 +118,18 @@ class ModelRunner:
                                 config.load_format, self.cpu_ops)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
-        if self.cpu_ops is not None:
-            use_cpu_ops(self.model, self.cpu_ops)
+        self.cuda_ops = self._cuda_ops(config)
+        if self.cpu_ops is not None or self.cuda_ops is not None:
+            use_fused_ops(self.model, self.cpu_ops or self.cuda_ops)
+        self.kv_write = (cpu_attention.write_kv_cache if self.cpu_ops is not None
+                         else None if self.cuda_ops is None else self.cuda_ops.write_kv_cache)
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
         self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
                               and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim,
                                                                      self.block_size))
         self.lora_state = LoRAStepState()
+        self.max_loras = config.max_loras
         self.lora_layers = []
         if config.max_loras:
             self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
@@ -134,6 +139,14 @@ class ModelRunner:
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         self.graphs = self._decode_graphs(config, max_model_len)
         self._logits_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float_logits)
+
+    def _cuda_ops(self, config: EngineConfig):
+        """The Triton fused element-wise operators on CUDA (imported there only: triton may be absent on CPU)."""
+        if self.device.type != "cuda" or not config.cuda_fused_ops:
+            return None
+        from engine.kernels import cuda_ops
+
+        return cuda_ops
 
     def _reads_cache_in_place(self) -> bool:
         """Whether decode attention reads the cache in place (CUDA: Triton; CPU: the C++ kernel, where it builds
@@ -149,7 +162,8 @@ class ModelRunner:
             return None
         max_blocks = -(-max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.kv_caches, self.lora_state, config.max_num_seqs, max_blocks,
-                              self.layout.num_blocks, self.block_size, self.device)
+                              self.layout.num_blocks, self.block_size, self.device, self.kv_write,
+                              config.max_loras)
         graphs.capture()
         return graphs
 
@@ -206,19 +220,28 @@ class ModelRunner:
             hidden = self.graphs.run(self._decode_inputs(ordered))
             return StepResult(self._float_logits(self.model.compute_logits(hidden)), ordered, [])
         step = self._prepare(ordered)
-        if self.lora_layers and self.cpu_ops is not None:  # the C++ call reads each token's slot
-            self.lora_state.token_slots = token_slots(step.adapter_runs, self.device)
-        elif self.lora_layers:
-            self.lora_state.batch = build_lora_batch(step.adapter_runs, self.device, self.lora_padding)
+        self._set_lora_state(step.adapter_runs)
         try:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attention)
         finally:
-            self.lora_state.batch = self.lora_state.token_slots = None
+            self.lora_state.batch = self.lora_state.token_slots = self.lora_state.slot_order = None
         scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
         if not step.sample_rows:
             return StepResult(torch.empty(0, device=self.device), [], scores)
         rows = torch.tensor(step.sample_rows, device=self.device)
         return StepResult(self._float_logits(self.model.compute_logits(hidden[rows])), step.sampling, scores)
+
+    def _set_lora_state(self, runs: list[AdapterRun]) -> None:
+        """What the LoRA linears read this step (LoRAStepState): nothing when no token has an adapter."""
+        if not self.lora_layers or all(run.slot < 0 for run in runs):
+            return
+        if self.device.type == "cuda":  # the Triton kernels: tokens grouped by slot
+            slots = [run.slot for run in runs for _ in range(run.tokens)]
+            self.lora_state.slot_order = slot_order(slots, self.max_loras, self.device)
+        elif self.cpu_ops is not None:  # the C++ call reads each token's slot
+            self.lora_state.token_slots = token_slots(runs, self.device)
+        else:
+            self.lora_state.batch = build_lora_batch(runs, self.device, self.lora_padding)
 
     def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits in float32. On CPU they are widened into a buffer kept from step to step: a
@@ -316,14 +339,14 @@ class ModelRunner:
 
     def _attention_metadata(self, slots: torch.Tensor, decode: list[ScheduledSeq], prefills: list[PrefillSegment],
                             in_place: list[InPlaceChunk]) -> AttentionMetadata:
-        write = self.cpu_ops is not None
+        write = self.kv_write
         if self.in_place:
             queries = self._in_place_queries(in_place)
-            return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries, cpu_kv_write=write,
+            return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries, kv_write=write,
                                      cpu_prompt_kernel=self.prompt_kernel)
         tables = self._decode_tables(decode)
         return AttentionMetadata(slots, len(decode), tables.block_tables, tables.mask, prefills, tables.context_lens,
-                                 tables.rows, cpu_kv_write=write, cpu_prompt_kernel=self.prompt_kernel)
+                                 tables.rows, kv_write=write, cpu_prompt_kernel=self.prompt_kernel)
 
     def _in_place_queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
         """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import AttentionMetadata, PrefillSegment, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -22,13 +22,14 @@ def _reference(q, keys, values):
     return F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=visible).transpose(0, 1)
 
 
-WRITES = [False, pytest.param(True, marks=pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ operators"))]
+WRITES = [None, pytest.param(cpu_attention.write_kv_cache, marks=pytest.mark.skipif(cpu_ops.load() is None,
+                                                                     reason="no C++ operators"))]
 
 
-@pytest.mark.parametrize("cpu_kv_write", WRITES)
+@pytest.mark.parametrize("kv_write", WRITES, ids=["index-copy", "cpu-kv-write"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_decode", [1, 16, 21])
-def test_paged_attention_matches_reference(dtype, num_decode, cpu_kv_write):
+def test_paged_attention_matches_reference(dtype, num_decode, kv_write):
     torch.manual_seed(num_decode)
     gen = torch.Generator().manual_seed(0)
     contexts = [int(x) for x in torch.randint(1, 30, (num_decode,), generator=gen)]
@@ -64,7 +65,7 @@ def test_paged_attention_matches_reference(dtype, num_decode, cpu_kv_write):
     decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]])
     visible = torch.arange(max_blocks * BLOCK)[None, :] < torch.tensor(contexts)[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))[:, None, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments, cpu_kv_write=cpu_kv_write)
+    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments, kv_write=kv_write)
     out = paged_attention(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), (k_cache, v_cache), meta)
     expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2

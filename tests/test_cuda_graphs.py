@@ -1,4 +1,5 @@
-"""Decode CUDA graphs (with the in-place paged attention and indexed LoRA kernels) equal the eager path.
+"""Decode CUDA graphs (with the in-place paged attention, the LoRA slot-tile kernels and the fused element-wise
+operators) equal the eager path; the fused operators equal the eager ops.
 
 CUDA only: these run on a GPU machine with LORA_SERVE_DEVICE=cuda; on CPU they are skipped (the
 kernels' own tests run there in Triton's interpreter).
@@ -45,3 +46,13 @@ def test_graphs_with_adapters_equal_eager(tiny_llama_path, tmp_path):
     llm, graphs = _run(tiny_llama_path, names, **lora)
     assert llm.engine.runner.graphs.replays > 0
     _compare(eager, graphs, 1e-4)
+
+
+def test_fused_ops_equal_eager_ops(tiny_llama_path):
+    """The Triton element-wise operators (engine/kernels/cuda_ops.py), on by default, against the eager ops in
+    float32: the same tokens. (In bf16 an ulp of difference turns this random model's near-ties into other tokens;
+    bf16 is checked against transformers' bf16 teacher-forced in test_hf_equivalence, with the operators on.)"""
+    _, plain = _run(tiny_llama_path, dtype="float32", cuda_fused_ops=False)
+    llm, fused = _run(tiny_llama_path, dtype="float32")
+    assert llm.engine.runner.cuda_ops is not None
+    _compare(plain, fused, 1e-4)

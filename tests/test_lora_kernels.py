@@ -1,4 +1,5 @@
-"""The Triton multi-LoRA decode kernels against a float64 reference over gathered slot weights.
+"""The Triton multi-LoRA kernels (tokens grouped by slot, tiles of one slot's tokens) against a float64 reference
+over gathered slot weights.
 
 The weights are the strided views of one packed buffer that LoRALinear itself builds (A of every
 sub-module side by side, one B per sub-module), so the kernels are checked on the layout they serve.
@@ -21,7 +22,7 @@ triton = pytest.importorskip("triton")
 
 from engine.kernels.lora import lora_expand_, lora_shrink
 from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch
+from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, slot_order
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [])
@@ -56,8 +57,12 @@ def _lora_linear(in_features: int, rank: int, outs: list[int], dtype: torch.dtyp
     return layer
 
 
-def _slots(tokens: int, index_dtype: torch.dtype = torch.long) -> torch.Tensor:
-    return torch.tensor((SLOTS * tokens)[:tokens], dtype=index_dtype, device=DEVICE)
+def _slots(tokens: int) -> torch.Tensor:
+    return torch.tensor((SLOTS * tokens)[:tokens], device=DEVICE)
+
+
+def _order(slots: torch.Tensor):
+    return slot_order(slots.tolist(), MAX_LORAS, DEVICE)
 
 
 def _reference_shrink(x: torch.Tensor, a_slots: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -83,10 +88,11 @@ def test_shrink_matches_reference(dtype, in_features, rank, outs):
     slots = _slots(7)
     wide = torch.randn(7, 2 * in_features + 3, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     x = wide[:, 3::2]  # a strided view: the kernel must use x's strides
-    shrunk = lora_shrink(x, layer.a_slots, slots)
+    shrunk = lora_shrink(x, layer.a_slots, _order(slots))
     assert shrunk.dtype == torch.float32 and shrunk.shape == (7, rank * len(outs))
-    assert _relative_error(shrunk, _reference_shrink(x, layer.a_slots, slots)) < SHRINK_TOLERANCE
-    assert shrunk[slots < 0].eq(0).all()
+    adapter_rows = slots >= 0  # base-model rows are left unwritten: nothing reads them
+    want = _reference_shrink(x, layer.a_slots, slots)[adapter_rows]
+    assert _relative_error(shrunk[adapter_rows], want) < SHRINK_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +106,7 @@ def test_expand_matches_reference_in_place(dtype, in_features, rank, outs):
     y = buffer[:, 2:2 + sum(outs)]  # the columns beside y are poison: an out-of-bounds write shows up as a change
     y.copy_(torch.randn(y.shape, generator=gen))
     before = y.clone()
-    assert lora_expand_(y, shrunk, layer.b_slots, slots, rank) is y
+    assert lora_expand_(y, shrunk, layer.b_slots, _order(slots), rank) is y
     ref = _reference_expand(before, shrunk, layer.b_slots, slots, rank)
     assert _relative_error(y, ref) < EXPAND_TOLERANCE[dtype]
     assert torch.equal(y[slots < 0], before[slots < 0])  # base-model rows untouched, bit for bit
@@ -108,21 +114,51 @@ def test_expand_matches_reference_in_place(dtype, in_features, rank, outs):
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_single_tokens_split_in_and_int32_slots(tokens):
-    """Few tokens split `in` across many programs (partial sums); slot indices may be int32."""
+def test_single_tokens_split_in(tokens):
+    """Few tokens split `in` across many programs (partial sums)."""
     layer = _lora_linear(1000, 64, [32], torch.float32, seed=tokens)
-    slots = _slots(tokens, torch.int32)
+    slots = torch.tensor([2, 0, 2][:tokens], device=DEVICE)
     x = torch.randn(tokens, 1000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    shrunk = lora_shrink(x, layer.a_slots, slots)
-    assert _relative_error(shrunk, _reference_shrink(x, layer.a_slots, slots.long())) < SHRINK_TOLERANCE
+    shrunk = lora_shrink(x, layer.a_slots, _order(slots))
+    assert _relative_error(shrunk, _reference_shrink(x, layer.a_slots, slots)) < SHRINK_TOLERANCE
     y = torch.zeros(tokens, 32, device=DEVICE)
-    lora_expand_(y, shrunk, layer.b_slots, slots, 64)
-    ref = _reference_expand(torch.zeros_like(y), shrunk, layer.b_slots, slots.long(), 64)
+    lora_expand_(y, shrunk, layer.b_slots, _order(slots), 64)
+    ref = _reference_expand(torch.zeros_like(y), shrunk, layer.b_slots, slots, 64)
     assert _relative_error(y, ref) < EXPAND_TOLERANCE[torch.float32]
 
 
-def test_indexed_path_matches_grouped_path():
-    """LoRALinear's decode-graph path (token slots as a tensor) gives its grouped eager path's output."""
+def test_one_slot_over_several_tiles():
+    """A prefill-sized batch: tiles of 64 tokens, one slot's tokens spread over several of them and interleaved
+    with another slot's and base-model rows."""
+    tokens = 300
+    layer = _lora_linear(80, 8, [24, 8, 8], torch.float32, seed=9)
+    slots = torch.tensor([(0, 3, -1, 0, 0)[i % 5] for i in range(tokens)], device=DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, 80, generator=gen).to(DEVICE)
+    order = _order(slots)
+    shrunk = lora_shrink(x, layer.a_slots, order)
+    adapter_rows = slots >= 0
+    want = _reference_shrink(x, layer.a_slots, slots)
+    assert _relative_error(shrunk[adapter_rows], want[adapter_rows]) < SHRINK_TOLERANCE
+    y = torch.randn(tokens, 40, generator=gen).to(DEVICE)
+    before = y.clone()
+    lora_expand_(y, shrunk, layer.b_slots, order, 8)
+    ref = _reference_expand(before, shrunk.nan_to_num(), layer.b_slots, slots, 8)
+    assert _relative_error(y, ref) < EXPAND_TOLERANCE[torch.float32]
+    assert torch.equal(y[~adapter_rows], before[~adapter_rows])
+
+
+def test_slot_order_groups_rows_by_slot():
+    order = slot_order([2, -1, 0, 2, 3, -1], MAX_LORAS, torch.device("cpu"))
+    assert order.tokens.tolist()[:4] == [2, 0, 3, 4]  # slot 0's row, slot 2's two rows in batch order, slot 3's
+    assert order.starts.tolist() == [0, 1, 1, 3] and order.counts.tolist() == [1, 0, 2, 1]
+    with pytest.raises(ValueError, match="not below 4"):
+        slot_order([4], MAX_LORAS, torch.device("cpu"))
+
+
+def test_kernel_path_matches_grouped_path():
+    """LoRALinear's CUDA path (the kernels over the tokens grouped by slot) gives its grouped batched-matmul
+    path's output."""
     rank, outs = 8, [24, 8, 8]
     layer = _lora_linear(64, rank, outs, torch.float32, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -135,17 +171,17 @@ def test_indexed_path_matches_grouped_path():
     layer.state.batch = build_lora_batch([AdapterRun(slot, 1) for slot in slots], DEVICE)
     grouped = layer(x)
     layer.state.batch = None
-    layer.state.token_slots = torch.tensor(slots, device=DEVICE)
-    indexed = layer(x)
-    assert _relative_error(indexed, grouped.double()) < 1e-4
+    layer.state.slot_order = slot_order(slots, MAX_LORAS, DEVICE)
+    tiled = layer(x)
+    assert _relative_error(tiled, grouped.double()) < 1e-4
 
 
 def test_mismatched_shapes_are_refused():
     layer = _lora_linear(64, 8, [24, 8], torch.float32, seed=7)
-    slots = _slots(3)
+    order = _order(_slots(3))
     with pytest.raises(ValueError, match="lora_shrink"):
-        lora_shrink(torch.zeros(3, 63, device=DEVICE), layer.a_slots, slots)
-    with pytest.raises(ValueError, match="slot_index"):
-        lora_shrink(torch.zeros(3, 64, device=DEVICE), layer.a_slots, slots[:2])
+        lora_shrink(torch.zeros(3, 63, device=DEVICE), layer.a_slots, order)
+    with pytest.raises(ValueError, match="slot order"):
+        lora_shrink(torch.zeros(2, 64, device=DEVICE), layer.a_slots, order)
     with pytest.raises(ValueError, match="b_slots"):
-        lora_expand_(torch.zeros(3, 33, device=DEVICE), torch.zeros(3, 16, device=DEVICE), layer.b_slots, slots, 8)
+        lora_expand_(torch.zeros(3, 33, device=DEVICE), torch.zeros(3, 16, device=DEVICE), layer.b_slots, order, 8)

@@ -7,7 +7,7 @@ batch-1 decode step is the bytes of weights it must read over the copy bandwidth
 Prefix caching is off: the warm-ups and repeats reuse prompts, and a cache hit would time nothing.
 Each section runs on its own: one that fails is recorded with its traceback and the rest still run.
 
-    python -m benchmarks gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 6 minutes
+    python -m benchmarks gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 4 minutes
     python -m benchmarks gpu --device cpu --tiny                          # smoke run of every section
 
 Writes gpu.json, gpu.md and gpu.png (when matplotlib is present) to --out.
@@ -53,6 +53,7 @@ class Plan:
     ttft_prompt: int
     step_batches: tuple[int, ...]  # eager vs graphs: decode step time at these batch sizes
     step_new: int
+    lora_rounds: int = 3  # base and adapter runs, interleaved, after a full-length warm-up of each
 
     @staticmethod
     def full() -> Plan:
@@ -64,7 +65,7 @@ class Plan:
 
     @staticmethod
     def tiny() -> Plan:
-        return Plan(1 << 24, 16, 8, 2, (4, 8), 16, 8, 4, 8, 16, (1, 4), 8)
+        return Plan(1 << 24, 16, 8, 2, (4, 8), 16, 8, 4, 8, 16, (1, 4), 8, 1)
 
 
 @dataclass
@@ -187,9 +188,9 @@ def guarded(label: str, device: str, fn, *args) -> dict:
         return {"error": _error(error), "traceback": tb}
 
 
-def decode_one(bench: Bench, model: str) -> dict:
+def decode_one(bench: Bench, model: str, overrides: dict | None = None) -> dict:
     plan = bench.plan
-    llm = make_llm(bench, model, max_seqs=4, max_len=plan.decode_prompt + plan.decode_new + 16)
+    llm = make_llm(bench, model, max_seqs=4, max_len=plan.decode_prompt + plan.decode_new + 16, **(overrides or {}))
     prompt = bench.prompts(model, 1, plan.decode_prompt)
     run_llm(llm, prompt, 8)  # warm-up
     runs = [decode_ms(run_llm(llm, prompt, plan.decode_new)) for _ in range(plan.decode_repeats)]
@@ -202,10 +203,18 @@ def decode_one(bench: Bench, model: str) -> dict:
             "of_bound": bound / ms if bound else None}
 
 
+UNFUSED = ", eager element-wise ops"  # the decode rows run again with cuda_fused_ops=False: the fusion's gain
+
+
 def section_decode(bench: Bench) -> dict:
-    """Batch-1 decode ms/token of the 1B and 8B shapes, against weight bytes / copy bandwidth."""
-    return {model: guarded(f"decode {model}", bench.device, decode_one, bench, model)
-            for model in ("llama-3.2-1b", "llama-3-8b")}
+    """Batch-1 decode ms/token of the 1B and 8B shapes, against weight bytes / copy bandwidth; each shape with the
+    fused element-wise operators (the default) and with the eager PyTorch ops, in the same run."""
+    rows = {}
+    for model in ("llama-3.2-1b", "llama-3-8b"):
+        rows[model] = guarded(f"decode {model}", bench.device, decode_one, bench, model)
+        rows[model + UNFUSED] = guarded(f"decode {model}{UNFUSED}", bench.device, decode_one, bench, model,
+                                        {"cuda_fused_ops": False})
+    return rows
 
 
 def lora_serve_throughput(bench: Bench, model: str) -> dict:
@@ -248,7 +257,8 @@ def section_hf(bench: Bench) -> dict:
 
 def section_lora(bench: Bench) -> dict:
     """Same workload at the largest batch: one distinct adapter per request (round-robin), against base only, on
-    the same engine."""
+    the same engine: after a whole untimed run of each, `lora_rounds` timed runs of each, interleaved (base,
+    adapters, adapters, base, ...); the median run of each is reported, and every run's throughput."""
     plan, model = bench.plan, "llama-3.2-1b"
     root = bench.work / "adapters"
     config = transformers.AutoConfig.from_pretrained(bench.models[model])
@@ -259,12 +269,18 @@ def section_lora(bench: Bench) -> dict:
     llm = make_llm(bench, model, max_seqs=batch, max_len=plan.prompt + plan.new + 16, max_loras=plan.adapters,
                    max_lora_rank=plan.adapter_rank, adapters_root=str(root))
     prompts = bench.prompts(model, batch, plan.prompt)
-    base = llm_throughput(bench, llm, model, prompts, plan.new)
-    lora = llm_throughput(bench, llm, model, prompts, plan.new, [names[i % len(names)] for i in range(batch)])
+    adapters = [names[i % len(names)] for i in range(batch)]
+    for warm_up in (None, adapters):  # a whole run of each first: the first timed run was the slowest by 20%
+        run_llm(llm, prompts, plan.new, warm_up)
+    runs = {"base": [], "lora": []}
+    order = ("base", "lora", "lora", "base") * plan.lora_rounds  # ABBA: a drift weighs on both alike
+    for kind in order[:2 * plan.lora_rounds]:
+        runs[kind].append(llm_throughput(bench, llm, model, prompts, plan.new, adapters if kind == "lora" else None))
     del llm
     free_device(bench.device)
+    base, lora = (sorted(runs[kind], key=lambda run: run["tok_s"])[len(runs[kind]) // 2] for kind in runs)
     return {"batch": batch, "adapters": plan.adapters, "rank": plan.adapter_rank, "base": base, "lora": lora,
-            "ratio": lora["tok_s"] / base["tok_s"]}
+            "ratio": lora["tok_s"] / base["tok_s"], "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()}}
 
 
 def section_ttft_graphs(bench: Bench) -> dict:
@@ -374,7 +390,15 @@ def _lora_section(results: dict) -> list[str]:
                            [["base only", _f(lo["base"]["tok_s"], 0), _f(lo["base"]["ttft_median_ms"], 0)],
                             [f"{lo['adapters']} adapters", _f(lo["lora"]["tok_s"], 0),
                              _f(lo["lora"]["ttft_median_ms"], 0)]]),
-            "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput.", ""]
+            "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput (median runs).", ""] + _lora_runs(lo)
+
+
+def _lora_runs(lo: dict) -> list[str]:
+    runs = lo.get("runs_tok_s")
+    if not runs:
+        return []
+    listed = {kind: ", ".join(_f(v, 0) for v in values) for kind, values in runs.items()}
+    return [f"Every run, in tok/s, base: {listed['base']}; adapters: {listed['lora']}.", ""]
 
 
 def _graphs_section(results: dict, plan: dict) -> list[str]:

@@ -18,17 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_dot import dot
+
 BLOCK_N = 64  # context tokens per tile: 4 KV blocks of 16; large enough for the tensor cores, small for registers
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """tl.dot in full fp32 precision when IEEE (fp32 caches: TF32 would not match the reference), else as is."""
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -61,12 +53,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
                     + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + blocks[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+        scores = tl.where(valid[None, :], dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         weights = tl.exp(scores - new_best[:, None])
         rescale = tl.exp(best - new_best)
         total = total * rescale + tl.sum(weights, 1)
-        acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE)  # a no-op cast in fp32
+        acc = acc * rescale[:, None] + dot(weights.to(v.dtype), v, IEEE)  # a no-op cast in fp32
         best = new_best
     out = acc / total[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],

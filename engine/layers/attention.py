@@ -19,6 +19,7 @@ contiguous data. Measured on 2 CPU cores, SmolLM2's shapes, bf16, one layer's de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included (CUDA kernel)
     decode_rows: torch.Tensor | None = None  # block_rows() of decode_block_tables (CPU path), once per step
     in_place: InPlaceQueries | None = None  # CPU kernel: the decodes and short chunks; `prefills` the rest
-    # the step's keys and values go into the cache in one C++ call (CPU operators loaded), not two index_copy_:
-    # decided once by the runner for every model, as the attention path is
-    cpu_kv_write: bool = False
+    # the step's keys and values go into the cache in one call of the fused operators (C++ on CPU, Triton on CUDA:
+    # write_kv_cache(k, v, k_cache, v_cache, slot_mapping)), not two index_copy_; None: index_copy_. Chosen once by
+    # the runner for every model, as the attention path is
+    kv_write: Callable[..., None] | None = None
     # long prompt chunks attend in the C++ prompt kernel (cpu_attention.prompt_kernel_usable), not SDPA's
     cpu_prompt_kernel: bool = False
 
@@ -74,8 +76,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                     meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
     k_cache, v_cache = cache
-    if meta.cpu_kv_write:
-        cpu_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.kv_write is not None:
+        meta.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         _write(k_cache, k, meta.slot_mapping)
         _write(v_cache, v, meta.slot_mapping)

@@ -2,14 +2,16 @@
 
 Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its
 sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
-sub-module (scaling folded in), so that no zero block of a fused B is ever read. In a decode CUDA
-graph each token instead reads its own slot's weights in place (Triton kernels, engine/kernels/lora.py).
-On CPU with the C++ operators, every eager step does the same: one call per linear (cpu/lora.cpp), with A
-stored K-major for its dot products, and in the model's dtype (bf16 halves the bytes every token reads: with 32
+sub-module (scaling folded in), so that no zero block of a fused B is ever read. On CUDA every step (decode graphs
+and eager steps alike) groups its tokens by slot, and tiles of one slot's tokens multiply that slot's weights in
+place (Triton kernels, engine/kernels/lora.py).
+On CPU with the C++ operators each token reads its own slot's weights in place: one call per linear (cpu/lora.cpp),
+with A stored K-major for its dot products, and in the model's dtype (bf16 halves the bytes every token reads: with 32
 adapters in one bf16 step they were 4 MB a layer in float32). That replaced about ten small ops per linear: 64
 decodes over 8 rank-8 q,k,v,o adapters kept 72-74% of the base model's throughput in bf16 that way on 2 cores of
 a Xeon, and 93-98% with the C++ call (fp32: 88% -> 97-103%).
-Otherwise, eagerly, the step's tokens arrive grouped by adapter slot (lora_batch.py); per group the delta is
+Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (lora_batch.py); per group
+the delta is
 batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
 (or, when one group holds every token in order, the expand matmul adds into it in place).
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
@@ -87,8 +89,15 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
-        if self.state.token_slots is not None:  # slots as a tensor: a decode CUDA graph, or CPU with the C++ call
-            return self._indexed_delta(x, y, self.state.token_slots)
+        if self.state.slot_order is not None:  # CUDA: every step, a decode graph's capture too
+            from engine.kernels.lora import lora_expand_, lora_shrink
+
+            order = self.state.slot_order
+            return lora_expand_(y, lora_shrink(x, self.a_slots, order), self.b_slots, order, self.max_rank)
+        if self.state.token_slots is not None:  # CPU with the C++ operators: one call per linear
+            if self.slots_with_weights:  # a linear that no resident adapter targets adds nothing
+                self.cpu_ops.lora_add_(y, x, self.a_slots, self.b_slots, self.state.token_slots, self.max_rank)
+            return y
         batch = self.state.batch
         if batch is None or not self.slots_with_weights:
             return y
@@ -104,17 +113,6 @@ class LoRALinear(nn.Module):
         if batch.token_rows is None:
             return y.add_(delta)
         return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
-
-    def _indexed_delta(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Every token reads its own slot's A and B in place, no weight copy: one C++ call on CPU (cpu/lora.cpp),
-        Triton on CUDA (static shapes, for the decode graphs)."""
-        if self.cpu_ops is not None:
-            if self.slots_with_weights:  # a linear that no resident adapter targets adds nothing
-                self.cpu_ops.lora_add_(y, x, self.a_slots, self.b_slots, slots, self.max_rank)
-            return y
-        from engine.kernels.lora import lora_expand_, lora_shrink
-
-        return lora_expand_(y, lora_shrink(x, self.a_slots, slots), self.b_slots, slots, self.max_rank)
 
     def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: gathered copies, or

@@ -54,14 +54,50 @@ class LoRABatch:
         return None
 
 
+@dataclass
+class SlotOrder:
+    """The flat batch's rows grouped by adapter slot: tokens[starts[s]:starts[s] + counts[s]] are slot s's rows, in
+    batch order; base-model rows are in no slot's range. All on the device, read by the kernels."""
+    tokens: torch.Tensor  # [T] int64
+    starts: torch.Tensor  # [slots] int64
+    counts: torch.Tensor  # [slots] int64
+
+
+def slot_order_values(slots: list[int], num_slots: int) -> list[int]:
+    """tokens (padded to len(slots)), starts and counts of a SlotOrder, on the host, as one flat list (the caller
+    copies it to the device in one transfer)."""
+    counts = [0] * num_slots
+    for slot in slots:
+        if slot >= 0:
+            counts[slot] += 1
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    order = sorted((row for row, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)
+    return order + [0] * (len(slots) - len(order)) + starts + counts
+
+
+def slot_order(slots: list[int], num_slots: int, device: torch.device) -> SlotOrder:
+    """The SlotOrder of the rows' slots (-1: base model), for slots 0 .. num_slots - 1."""
+    if any(slot >= num_slots for slot in slots):
+        raise ValueError(f"slot_order: a slot in {sorted(set(slots))} is not below {num_slots}")
+    values = torch.tensor(slot_order_values(slots, num_slots), dtype=torch.long).to(device)
+    tokens, starts, counts = values.split([len(slots), num_slots, num_slots])
+    return SlotOrder(tokens, starts, counts)
+
+
 class LoRAStepState:
-    """The runner sets `batch` before each eager forward pass; every LoRALinear reads it. A decode CUDA graph
-    is captured with `token_slots` set instead: each token's slot as a tensor (-1: base model), read by the
-    indexed LoRA kernels when the graph replays; on CPU with the C++ operators every step sets `token_slots`."""
+    """What every LoRALinear of a step reads, set by the runner before the forward pass, one of three:
+    - on CUDA, `slot_order`: the tokens grouped by slot, for the Triton kernels (a decode CUDA graph is captured
+      with the graph's own static SlotOrder, which each replay refills);
+    - on CPU with the C++ operators, `token_slots`: each token's slot as a tensor (-1: base model);
+    - otherwise `batch`: the grouped layout of build_lora_batch."""
 
     def __init__(self):
         self.batch: LoRABatch | None = None
         self.token_slots: torch.Tensor | None = None
+        self.slot_order: SlotOrder | None = None
 
 
 def padding_allowance(row_flops: int) -> int:
@@ -101,7 +137,7 @@ def build_lora_batch(runs: list[AdapterRun], device: torch.device, allowance: in
 
 
 def token_slots(runs: list[AdapterRun], device: torch.device) -> torch.Tensor | None:
-    """Each token's slot (-1: the base model), for the kernels that index by it (LoRALinear._indexed_delta); None
+    """Each token's slot (-1: the base model), for the C++ call that indexes by it (cpu/lora.cpp); None
     when no token has an adapter."""
     if all(run.slot < 0 for run in runs):
         return None

@@ -70,12 +70,13 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-def use_cpu_ops(model: nn.Module, ops) -> None:
-    """Hand the C++ CPU operators (engine/kernels/cpu_ops.py) to every module with a fused path (RMSNorm and
-    its residual addition, rotary in attention, SiLU times up in the MLP)."""
+def use_fused_ops(model: nn.Module, ops) -> None:
+    """Hand a set of fused operators (the C++ CPU operators, engine/kernels/cpu_ops.py, or the Triton ones on CUDA,
+    engine/kernels/cuda_ops.py: the same calls) to every module with a fused path (RMSNorm and its residual
+    addition, rotary in attention, SiLU times up in the MLP)."""
     for module in model.modules():
-        if hasattr(module, "cpu_ops"):
-            module.cpu_ops = ops
+        if hasattr(module, "fused_ops"):
+            module.fused_ops = ops
 
 
 @torch.no_grad()
