@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import random
 
-from engine.detokenizer import IncrementalDetokenizer, token_decoder
+import pytest
+
+from engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, token_decoder
 
 TEXTS = ["Hello, world! Ünïcödé façade — naïve café.",
          "日本語のテキストと絵文字 🚀🔥👩‍👩‍👧",
          "  leading spaces\n\ttabs and\r\nlines  "]
 
 
-def _stream(tokenizer, text, stop=(), prompt="Say:"):
-    detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt).input_ids, list(stop))
+def _stream(tokenizer, text, stop=(), prompt="Say:", stream=True):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt).input_ids, list(stop), stream=stream)
     pieces, hit = [], False
     for token in tokenizer(text, add_special_tokens=False).input_ids:
         hit = detok.add_token(token)
@@ -23,11 +25,36 @@ def _stream(tokenizer, text, stop=(), prompt="Say:"):
     return pieces, detok, hit
 
 
-def test_stream_equals_full_decode_and_never_breaks_utf8(tokenizer):
+@pytest.mark.parametrize("stream", [True, False], ids=["decode-stream", "python-path"])
+def test_stream_equals_full_decode_and_never_breaks_utf8(tokenizer, stream):
     for text in TEXTS:
-        pieces, detok, _ = _stream(tokenizer, text)
+        pieces, detok, _ = _stream(tokenizer, text, stream=stream)
         assert "".join(pieces) == detok.text == text
         assert not any("\ufffd" in piece for piece in pieces)
+        assert (detok.stream is not None) == stream  # SmolLM2's fast tokenizer takes the tokenizers stream
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_both_paths_and_a_switch_between_them_give_the_full_decode(tokenizer, skip):
+    """Random ids (special tokens, partial UTF-8 byte tokens) through the tokenizers stream, the Python path, and the
+    stream left for the Python path part-way (what a stream that refuses a token does), against one decode of all
+    of them."""
+    rng = random.Random(1)
+    prompt = tokenizer("Say:").input_ids
+    for _ in range(30):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        texts = []
+        for switch in (None, 0, len(ids) // 2, len(ids)):
+            detok = IncrementalDetokenizer(tokenizer, prompt, [], skip_special_tokens=skip, stream=switch is not None)
+            for i, token in enumerate(ids):
+                if i == switch:
+                    detok.leave_stream()
+                detok.add_token(token)
+            texts.append(detok.text)
+        want = tokenizer.decode(prompt[-CONTEXT_TOKENS:] + ids, skip_special_tokens=skip)
+        want = want[len(tokenizer.decode(prompt[-CONTEXT_TOKENS:], skip_special_tokens=skip)):]
+        assert len(set(texts)) == 1, (ids, texts)
+        assert texts[0] in (want, want.rstrip("\ufffd")), (ids, texts, want)  # trailing partial bytes held back
 
 
 def test_stop_string_across_tokens_is_cut_and_never_streamed(tokenizer):
