@@ -109,7 +109,7 @@ class IncrementalDetokenizer:
 
 
 def stream_backend(tokenizer):
-    """The tokenizers library's tokenizer under `tokenizer` when its incremental decoding gives what
+    """The tokenizers library's tokenizer under `tokenizer` when its decoding, whole or incremental, gives what
     `tokenizer.decode` gives (a fast tokenizer without transformers' clean-up of spaces), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
@@ -119,7 +119,5 @@ def stream_backend(tokenizer):
 
 def token_decoder(tokenizer) -> Callable[..., str]:
     """decode(ids, skip_special_tokens=...) giving what `tokenizer.decode` gives, by the shortest path."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return tokenizer.decode
-    return backend.decode
+    backend = stream_backend(tokenizer)
+    return tokenizer.decode if backend is None else backend.decode

@@ -19,8 +19,8 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batch, padding_allowance, slot_order,
-                                      token_slots)
+from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batch, padding_allowance,
+                                      per_token_slots, slot_order, token_slots)
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_fused_ops
 from engine.sampler import token_logprobs
@@ -119,10 +119,10 @@ class ModelRunner:
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_ops = self._cuda_ops(config)
-        if self.cpu_ops is not None or self.cuda_ops is not None:
-            use_fused_ops(self.model, self.cpu_ops or self.cuda_ops)
-        self.kv_write = (cpu_attention.write_kv_cache if self.cpu_ops is not None
-                         else None if self.cuda_ops is None else self.cuda_ops.write_kv_cache)
+        fused = self.cpu_ops or self.cuda_ops  # the C++ or the Triton operators: the same calls
+        if fused is not None:
+            use_fused_ops(self.model, fused)
+        self.kv_write = fused.write_kv_cache if fused is not None else None
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
         self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
@@ -236,8 +236,7 @@ class ModelRunner:
         if not self.lora_layers or all(run.slot < 0 for run in runs):
             return
         if self.device.type == "cuda":  # the Triton kernels: tokens grouped by slot
-            slots = [run.slot for run in runs for _ in range(run.tokens)]
-            self.lora_state.slot_order = slot_order(slots, self.max_loras, self.device)
+            self.lora_state.slot_order = slot_order(per_token_slots(runs), self.max_loras, self.device)
         elif self.cpu_ops is not None:  # the C++ call reads each token's slot
             self.lora_state.token_slots = token_slots(runs, self.device)
         else:

@@ -65,8 +65,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     paged_attention(q, k_cache, v_cache, block_tables, context_lens, rows, torch.ones_like(rows), out)
     return out
 
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """A step's k, v [T, kv_heads, D] into their slots of the head-major caches, one call for both."""
-    cpu_ops.load().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -11,8 +11,7 @@ adapters in one bf16 step they were 4 MB a layer in float32). That replaced abou
 decodes over 8 rank-8 q,k,v,o adapters kept 72-74% of the base model's throughput in bf16 that way on 2 cores of
 a Xeon, and 93-98% with the C++ call (fp32: 88% -> 97-103%).
 Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (lora_batch.py); per group
-the delta is
-batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
+the delta is batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
 (or, when one group holds every token in order, the expand matmul adds into it in place).
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
 """

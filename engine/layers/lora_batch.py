@@ -136,13 +136,17 @@ def build_lora_batch(runs: list[AdapterRun], device: torch.device, allowance: in
         None if in_order else tensors[-1])
 
 
+def per_token_slots(runs: list[AdapterRun]) -> list[int]:
+    """Each token's slot (-1: the base model), in batch order."""
+    return [run.slot for run in runs for _ in range(run.tokens)]
+
+
 def token_slots(runs: list[AdapterRun], device: torch.device) -> torch.Tensor | None:
-    """Each token's slot (-1: the base model), for the C++ call that indexes by it (cpu/lora.cpp); None
-    when no token has an adapter."""
+    """Each token's slot as a tensor, for the C++ call that indexes by it (cpu/lora.cpp); None when no token has
+    an adapter."""
     if all(run.slot < 0 for run in runs):
         return None
-    slots = array("q", [run.slot for run in runs for _ in range(run.tokens)])
-    return torch.frombuffer(slots, dtype=torch.long).to(device)
+    return torch.frombuffer(array("q", per_token_slots(runs)), dtype=torch.long).to(device)
 
 
 def _segments(runs: list[AdapterRun], allowance: int) -> tuple[list[tuple[int, list[int]]], int]:
