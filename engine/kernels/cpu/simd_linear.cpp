@@ -76,10 +76,12 @@ struct Problem {
 };
 
 // Rows [row0, row0 + R) of x against column block `block`; `first` marks the pass that streams the block from
-// memory, which prefetches ahead of itself.
+// memory, which prefetches ahead of itself. A pass given `next` (a later column block's weights) also fetches
+// that block into L2, a step of depths for each of its own.
 template <typename F, int R, bool first>
-void row_block(const Problem<F>& p, int64_t block, int64_t row0) {
+void row_block(const Problem<F>& p, int64_t block, int64_t row0, const typename F::value_t* next) {
   constexpr int64_t step = kCols * F::kDepth;  // values of the block at one lane's depths
+  constexpr int64_t step_bytes = step * static_cast<int64_t>(sizeof(typename F::value_t));
   constexpr int64_t lane_values = Vec::size() * F::kDepth;  // values of one vector
   constexpr int64_t ahead = kPrefetchAhead / sizeof(typename F::value_t);
   Vec acc[R][kVectors];
@@ -89,8 +91,11 @@ void row_block(const Problem<F>& p, int64_t block, int64_t row0) {
   const auto* x = p.x + row0 * p.k;
   for (int64_t depth = 0; depth < p.k; depth += F::kDepth, w += step) {
     if (first) {
-      for (int64_t byte = 0; byte < step * static_cast<int64_t>(sizeof(*w)); byte += 64)
+      for (int64_t byte = 0; byte < step_bytes; byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + ahead) + byte, _MM_HINT_T0);
+    } else if (next != nullptr) {
+      for (int64_t byte = 0; byte < step_bytes; byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + depth * kCols) + byte, _MM_HINT_T1);
     }
     typename F::vector_t b[kVectors];
     for (int v = 0; v < kVectors; ++v) b[v] = F::load(w + lane_values * v);
@@ -107,17 +112,23 @@ void row_block(const Problem<F>& p, int64_t block, int64_t row0) {
 }
 
 template <typename F, bool first>
-void rows(const Problem<F>& p, int64_t block, int64_t row0, int count) {
+void rows(const Problem<F>& p, int64_t block, int64_t row0, int count, const typename F::value_t* next) {
   switch (count) {
-    case 1: return row_block<F, 1, first>(p, block, row0);
-    case 2: return row_block<F, 2, first>(p, block, row0);
-    case 3: return row_block<F, 3, first>(p, block, row0);
-    case 4: return row_block<F, 4, first>(p, block, row0);
-    case 5: return row_block<F, 5, first>(p, block, row0);
-    default: return row_block<F, kRows, first>(p, block, row0);
+    case 1: return row_block<F, 1, first>(p, block, row0, next);
+    case 2: return row_block<F, 2, first>(p, block, row0, next);
+    case 3: return row_block<F, 3, first>(p, block, row0, next);
+    case 4: return row_block<F, 4, first>(p, block, row0, next);
+    case 5: return row_block<F, 5, first>(p, block, row0, next);
+    default: return row_block<F, kRows, first>(p, block, row0, next);
   }
 }
 
+// Each thread takes a contiguous range of column blocks: one weight stream a thread. A block's first pass over the
+// rows reads it from memory, at the memory's pace; later passes read it from L2. So the second pass also fetches
+// the thread's next block into L2, and that block's first pass then runs at the FMAs' pace. On 2 cores of an AVX2
+// EPYC (Zen 3), float32, SmolLM2's decode steps: 2.7-4.8% shorter at 32 sequences and 4.1% at 16 (3 interleaved
+// comparisons; at one register block of rows or fewer a step is the weight stream alone, and nothing changes).
+// Spreading the next block's fetch over every later pass instead was no faster.
 template <typename F>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32, at::Tensor& y) {
   using value_t = typename F::value_t;
@@ -125,12 +136,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32
                      reinterpret_cast<const value_t*>(packed.data_ptr()),
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<value_t*>(y.data_ptr()),
                      x.size(0), y.size(1), x.size(1)};
-  at::parallel_for(0, p.n / kCols, 1, [&](int64_t begin, int64_t end) {  // contiguous blocks: one stream a thread
+  at::parallel_for(0, p.n / kCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
+      const value_t* next = block + 1 < end ? p.w + (block + 1) * p.k * kCols : nullptr;
       for (int64_t row0 = 0; row0 < p.m; row0 += kRows) {
         const int count = static_cast<int>(std::min<int64_t>(kRows, p.m - row0));
-        if (row0 == 0) rows<F, true>(p, block, row0, count);
-        else rows<F, false>(p, block, row0, count);
+        if (row0 == 0) rows<F, true>(p, block, row0, count, nullptr);
+        else rows<F, false>(p, block, row0, count, row0 == kRows ? next : nullptr);
       }
     }
   });
