@@ -18,9 +18,15 @@ LORAX_TYPES = {400: "validation", 401: "unauthorized", 403: "forbidden", 404: "n
 
 
 def error_body(path: str, message: str, status: int) -> dict:
-    if path.startswith("/v1/"):
-        return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None,
-                          "code": None}}
+    return openai_error(message, status) if path.startswith("/v1/") else lorax_error(message, status)
+
+
+def openai_error(message: str, status: int) -> dict:
+    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None,
+                      "code": None}}
+
+
+def lorax_error(message: str, status: int) -> dict:
     return {"error": message, "error_type": LORAX_TYPES.get(status, "server_error")}
 
 

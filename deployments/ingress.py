@@ -22,7 +22,8 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments import openai_protocol as oai
 from deployments.chat import chat_prompt
-from deployments.errors import RequestRefused, client_message, error_response
+from deployments.errors import RequestRefused, client_message, error_response, lorax_error, openai_error
+from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
@@ -131,6 +132,13 @@ class _Metered:
         cancel = getattr(self._events, "cancel", None)  # a refusal made here has nothing to stop
         if cancel is not None:
             cancel()
+
+
+def _raise_failure(pumps: list[asyncio.Task]) -> None:
+    """The exception of a choice's pump that has failed, if one has."""
+    for task in pumps:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
 
 
 def _cancel(streams) -> None:
@@ -360,15 +368,16 @@ class HttpRoutes:
             for _ in pumps:
                 while (line := await lines.get()) is not None:
                     yield line
-            for done in pumps:
-                done.result()  # a choice that failed fails the stream
+                _raise_failure(pumps)  # a choice that failed fails the stream at once
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield f"data: {json.dumps(render.usage_chunk(cid, usage(lasts, request.n)))}\n\n"
-            yield "data: [DONE]\n\n"
+        except PeerLost as exc:  # as vLLM: an error event, then the stream's end
+            yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
         finally:
             for task in pumps:
                 task.cancel()
             _cancel(streams)
+        yield "data: [DONE]\n\n"
 
     async def _sse(self, request: GenerateRequest, first: TokenEvent, events) -> AsyncIterator[str]:
         """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""
@@ -390,7 +399,11 @@ class HttpRoutes:
             yield "".join(lines)
             if event.finished:
                 return
-            event = await events.__anext__()
+            try:
+                event = await events.__anext__()
+            except PeerLost as exc:  # as TGI: an error event ends the stream
+                yield f"data:{json.dumps(lorax_error(str(exc), 500))}\n\n"
+                return
 
     @staticmethod
     def _full_text(request: GenerateRequest, generated: str) -> str:

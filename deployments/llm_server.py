@@ -29,6 +29,7 @@ from ray.serve.config import BackpressureConfig
 from transformers import AutoConfig
 
 from deployments.errors import client_message
+from deployments.event_streams import ForwardedEvents, LocalEvents
 from deployments.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
 from deployments.gate import Gate, GateConfig
 from deployments.ingress import HttpRoutes, app
@@ -50,23 +51,6 @@ from lora_cache.registry import Registration, key_name
 from lora_cache.replica_report import ReplicaReport
 
 REPORT_INTERVAL_S = 1.0
-
-
-class _LocalEvents:
-    """The events of a request this replica serves itself, with the cancel() of a Serve response stream."""
-
-    def __init__(self, events: AsyncIterator[TokenEvent | Refusal], abort):
-        self._events = events
-        self._abort = abort  # a coroutine function: stops the engine request and frees its KV blocks
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent | Refusal:
-        return await self._events.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self._abort())
 
 
 # The engine's own queue limit (max_waiting_requests, answered 429 in each API's error shape) is meant to act
@@ -116,7 +100,8 @@ class LLMServer(HttpRoutes):
     def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         """Served here, unless a peer ranks better for this request (deployments/peer_view.py): then forwarded
-        through Serve's router. The adapter travels as its current key (lora_cache/registry.py): the name, or a
+        through Serve's router, and served here after all if that peer dies before its first event
+        (deployments/event_streams.py). The adapter travels as its current key (lora_cache/registry.py): the name, or a
         new key once it was loaded at run time."""
         key = self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
         route = self._forward_route(prompt, key)
@@ -124,10 +109,15 @@ class LLMServer(HttpRoutes):
             if self._peer_handle is None:
                 self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
             self._forwarded += 1
-            return self._peer_handle.forwarded.remote(route, prompt, params, stream)
+            return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream),
+                                   lambda: self._serve_here(prompt, params, key, stream))
+        return self._serve_here(prompt, params, key, stream)
+
+    def _serve_here(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                    stream: bool) -> LocalEvents:
         request_id = uuid.uuid4().hex
-        return _LocalEvents(self._generate(request_id, prompt, params, key, stream),
-                            lambda: self.engine.abort(request_id))
+        return LocalEvents(self._generate(request_id, prompt, params, adapter, stream),
+                           lambda: self.engine.abort(request_id))
 
     def _forward_route(self, prompt: str | list[int], key: str | None) -> RouteRequest | None:
         """The request with the peer to forward it to, or None to serve it here. The prompt is tokenized for its

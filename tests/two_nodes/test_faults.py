@@ -5,6 +5,7 @@ closed connection) within its timeout, and afterwards the surviving replicas hol
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,64 @@ def _answers(url: str) -> None:
         while (r := requests.post(f"{url}/generate", json=body, timeout=60)).status_code != 200:
             assert time.monotonic() < deadline, r.text
             time.sleep(1)
+
+
+def _kill_replica_of(app_name: str) -> None:
+    import ray
+
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"{app_name}#" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def test_a_forwarded_request_survives_its_peer(two_nodes):
+    """A peer that dies before its first event: the request is served here instead, from the start; one that dies
+    after it: PeerLost, the routes' cue for an error event that ends the response."""
+    from ray import serve
+
+    from deployments.event_streams import ForwardedEvents, LocalEvents, PeerLost
+    from deployments.events import TokenEvent
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Peer:
+        async def events(self, first_after_s: float):
+            await asyncio.sleep(first_after_s)
+            yield TokenEvent([1], ["from the peer"])
+            await asyncio.sleep(60)
+            yield TokenEvent([2], ["never"])
+
+    served_here = []
+
+    async def here():
+        yield TokenEvent([7], ["served here"])
+
+    async def nothing_to_stop() -> None:
+        return None
+
+    def serve_here() -> LocalEvents:
+        served_here.append(True)
+        return LocalEvents(here(), nothing_to_stop)
+
+    async def scenario(handle) -> None:
+        before_first = ForwardedEvents(handle.events.remote(60), serve_here)
+        pending = asyncio.ensure_future(before_first.__anext__())
+        await asyncio.sleep(2)  # the call has reached the peer
+        _kill_replica_of("fault-peer")
+        assert (await asyncio.wait_for(pending, 30)).texts == ["served here"] and served_here == [True]
+        with pytest.raises(StopAsyncIteration):
+            await before_first.__anext__()
+
+        after_first = ForwardedEvents(handle.events.remote(0), serve_here)  # Serve has started a new replica
+        assert (await asyncio.wait_for(after_first.__anext__(), 60)).texts == ["from the peer"]
+        _kill_replica_of("fault-peer")
+        with pytest.raises(PeerLost, match="stopped before it finished"):
+            await asyncio.wait_for(after_first.__anext__(), 30)
+        assert served_here == [True]
+
+    handle = serve.run(Peer.bind(), name="fault-peer", route_prefix=None)
+    try:
+        asyncio.run(scenario(handle.options(stream=True)))
+    finally:
+        serve.delete("fault-peer")
 
 
 def test_killing_the_cache_actor_under_load(server):

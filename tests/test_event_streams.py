@@ -1,0 +1,99 @@
+"""The routes' streams when the replica serving a forwarded request dies after its first events
+(deployments/event_streams.py PeerLost): an error event in the API's own shape ends the response, which then
+closes as a finished one would, and the request's other choices are stopped. A peer that dies before its first
+event costs no error at all: tests/two_nodes/test_faults.py kills real Serve replicas for both cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from deployments import openai_protocol as oai
+from deployments.event_streams import PeerLost
+from deployments.events import TokenEvent
+from deployments.ingress import HttpRoutes
+from deployments.openai_render import CompletionRenderer
+from deployments.protocol import GenerateRequest
+from engine import EngineConfig
+
+
+class _PeerDiesAfter:
+    """A forwarded request's events whose peer dies once these have come back."""
+
+    def __init__(self, events: list[TokenEvent], every_s: float = 0.0):
+        self._events = iter(events)
+        self._every_s = every_s  # how long each event takes to come
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        await asyncio.sleep(self._every_s)
+        event = next(self._events, None)
+        if event is None:
+            raise PeerLost("the replica serving this request stopped before it finished; retry the request")
+        return event
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.fixture(scope="module")
+def routes(tiny_llama_path, tokenizer) -> HttpRoutes:
+    routes = HttpRoutes()
+    routes._init_routes(EngineConfig.from_overrides(str(tiny_llama_path)), tokenizer)
+    return routes
+
+
+async def _lines(stream) -> list[str]:
+    return [chunk async for chunk in stream]
+
+
+def _event(tokenizer, text: str) -> TokenEvent:
+    [token] = tokenizer(text, add_special_tokens=False).input_ids
+    return TokenEvent([token], [text])
+
+
+def test_a_tgi_stream_ends_with_an_error_event(routes, tokenizer):
+    events = _PeerDiesAfter([_event(tokenizer, " world")])
+    lines = asyncio.run(_lines(routes._sse(GenerateRequest(inputs="Hello"), _event(tokenizer, "Hello"), events)))
+    payloads = [json.loads(chunk.removeprefix("data:")) for chunk in "".join(lines).split("\n\n") if chunk]
+    assert [p["token"]["text"] for p in payloads[:2]] == ["Hello", " world"]
+    assert payloads[2] == {"error": "the replica serving this request stopped before it finished; retry the "
+                                    "request", "error_type": "server_error"}
+    assert len(payloads) == 3
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_openai_stream_ends_with_an_error_event_and_stops_the_other_choices(routes, tokenizer, n):
+    request = oai.CompletionRequest(model=routes.model_name, prompt="Hello", stream=True, max_tokens=8, n=n)
+    dying = _PeerDiesAfter([_event(tokenizer, " world")])
+    others = [_PeerDiesAfter([_event(tokenizer, " there")] * 50, every_s=0.01) for _ in range(n - 1)]
+    firsts = [_event(tokenizer, "Hello")] * n
+    lines = asyncio.run(_lines(routes._openai_sse(request, CompletionRenderer(request, routes.token_texts),
+                                                  "cmpl-test", firsts, [dying] + others)))
+    assert lines[-1] == "data: [DONE]\n\n"
+    error = json.loads(lines[-2].removeprefix("data: "))
+    assert error == {"error": {"message": "the replica serving this request stopped before it finished; retry "
+                                          "the request", "type": "server_error", "param": None, "code": None}}
+    texts = [json.loads(line.removeprefix("data: "))["choices"][0]["text"] for line in lines[:-2]]
+    assert texts.count(" there") < 10  # the other choice was not waited for
+    assert dying.cancelled and all(other.cancelled for other in others)
+    with pytest.raises(openai.APIError, match="stopped before it finished"):
+        _read_with_openai(lines)
+
+
+def _read_with_openai(lines: list[str]) -> list:
+    """The stream as OpenAI's own client reads a response's body."""
+    import httpx2
+    from openai.types import Completion
+
+    url = "http://127.0.0.1:9/v1"
+    response = httpx2.Response(200, content="".join(lines).encode(), headers={"content-type": "text/event-stream"},
+                               request=httpx2.Request("POST", f"{url}/completions"))
+    return list(openai.Stream(cast_to=Completion, response=response, client=openai.OpenAI(api_key="-", base_url=url)))
