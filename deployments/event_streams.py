@@ -27,6 +27,9 @@ log = logging.getLogger("ray.serve")
 class PeerLost(RuntimeError):
     """The replica serving a forwarded request died after some of its events had reached the client."""
 
+    def __init__(self):
+        super().__init__("the replica serving this request stopped before it finished; retry the request")
+
 
 class LocalEvents:
     """The events of a request this replica serves itself."""
@@ -62,8 +65,7 @@ class ForwardedEvents:
             event = await self._events.__anext__()
         except RayActorError as exc:
             if self._started:
-                raise PeerLost("the replica serving this request stopped before it finished; retry the "
-                               "request") from exc
+                raise PeerLost() from exc
             log.warning("the peer serving a forwarded request died before its first event (%s); serving it "
                         "here", type(exc).__name__)
             self._events.cancel()
