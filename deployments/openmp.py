@@ -7,12 +7,13 @@ to a few hundred iterations, so every parallel op wakes its other thread through
 thread there (61-72 us). That is why two torch threads served fewer tokens than one in a replica. Intel's runtime
 has no such penalty (44 us on the main thread, 47 on another); vLLM's CPU build preloads it too.
 
-Its threads spin for KMP_BLOCKTIME (200 ms by default) after a parallel region before they sleep, so the engine's
-second thread is awake for the next op of a step, as vLLM runs it. Measured in one sequence (`serve run`, streamed
-/v1/completions x 64 tokens, paced events): 2 threads on Intel's runtime served 347 tok/s at 32 concurrent
-streams and 175 at 8, against 272 and 162 for 1 thread on libgomp; with KMP_BLOCKTIME=1, 268 and 135. The runtime
-comes from the `intel-openmp` package (lib/libiomp5.so under the Python prefix); without it a replica keeps
-libgomp and leaves a core to the proxy and ingress (deployments/llm_server.py).
+The engine's own C++ operators run on threads of their own (engine/kernels/cpu/work_pool.cpp), which spin
+between a step's operators; OpenMP runs only torch's few parallel ops of a step (an embedding gather, an
+index). Intel's threads would spin for KMP_BLOCKTIME (200 ms by default) after each of those, on the cores the
+operators' threads need: 32 float32 decodes of SmolLM2 stepped in 126 ms that way against 82 ms with
+KMP_BLOCKTIME=0 (2 cores of an AVX2 EPYC). So the replica sets it to 0: OpenMP's threads sleep as soon as
+torch's op ends. The runtime comes from the `intel-openmp` package (lib/libiomp5.so under the Python prefix);
+without it a replica keeps libgomp and leaves a core to the proxy (deployments/llm_server.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def replica_env_vars() -> dict[str, str]:
     library = intel_openmp_library()
     if library is None:
         return {}
-    return {"LD_PRELOAD": str(library)}
+    return {"LD_PRELOAD": str(library), "KMP_BLOCKTIME": "0"}
 
 
 def intel_openmp_loaded() -> bool:

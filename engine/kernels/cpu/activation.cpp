@@ -8,8 +8,7 @@
 
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <cmath>
 
@@ -48,7 +47,7 @@ void run(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), width = out.size(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       silu_mul_row(xp + r * 2 * width, xp + r * 2 * width + width, op + r * width, width);
   });

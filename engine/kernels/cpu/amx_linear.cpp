@@ -16,13 +16,12 @@
 // in float32, and y is rounded to bf16 once, as oneDNN does.
 
 #include "ops.h"
+#include "work_pool.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 #include "amx.h"
 #include "float_types.h"
-
-#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <vector>
@@ -129,7 +128,7 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   at::Tensor packed = weight.new_empty({n / kCols, k / kDepth, 2, 16, kDepth});
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t s = 0; s < k / kDepth; ++s) {
         uint16_t* tile = dst + (g * (k / kDepth) + s) * kGroupSlice;
@@ -169,7 +168,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const Problem p{xp, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
                   m, rows, n, k, k / kDepth};
-  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {  // contiguous groups: one stream a thread
+  lora_serve::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {  // contiguous groups: one stream a thread
     lora_serve::configure_tiles(ROWS1 + 1);
     alignas(64) float acc[4][256];
     for (int64_t g = begin; g < end; ++g) {

@@ -6,8 +6,7 @@
 
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <cmath>
 
@@ -49,7 +48,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   auto out = input.new_empty({rows}, input.options().dtype(at::kLong));
   const float* xp = input.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = first_index_of(xp + r * n, n, row_max(xp + r * n, n));
   });
   return out;

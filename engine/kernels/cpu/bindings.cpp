@@ -26,5 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_linear_usable", &simd_linear_usable, "whether simd_linear takes this weight [out, in]");
   m.def("simd_pack_linear_weight", &simd_pack_linear_weight, "a weight [out, in] in simd_linear's order");
   m.def("simd_linear", &simd_linear, "x W^T (+ bias) with AVX-512 (bf16, float32) or AVX2 (float32), without AMX");
+  m.def("parallel_for_count_", &parallel_for_count_, "the operators' parallel loop, counting the runs of each item");
   m.def("write_kv_cache", &write_kv_cache, "a step's new keys and values into their cache slots (CPU)");
 }

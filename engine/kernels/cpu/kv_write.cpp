@@ -3,8 +3,7 @@
 // step on 2 cores (4% of a bf16 step); here each (token, KV head) row is one memcpy of head_dim values.
 
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <cstring>
 
@@ -26,7 +25,7 @@ void write(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
   auto* dst = static_cast<char*>(cache.data_ptr());
   const auto* src = static_cast<const char*>(x.data_ptr());
   const int64_t item = x.element_size();
-  at::parallel_for(0, tokens * heads, 512, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, tokens * heads, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads;
       std::memcpy(dst + ((h * slots_per_head + slots[t]) * dim) * item,

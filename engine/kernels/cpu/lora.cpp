@@ -22,8 +22,7 @@
 #include "bf16_scores.h"
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -157,7 +156,7 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slots, const Weights
   const bool bf16_shrink = shrink_in_bf16<scalar_t, weight_t>(w);
   const SlotGroups groups = group_by_slot(slots, x.size(0), num_slots);
   const int64_t count = static_cast<int64_t>(groups.starts.size()) - 1;
-  at::parallel_for(0, count, 2, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, count, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> x_row(w.in), y_buffer(kGroup * n), shrunk_buffer(kGroup * w.k);
     float* y_rows[kGroup];
     const float* shrunk[kGroup];

@@ -8,8 +8,7 @@
 
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <cmath>
 
@@ -48,7 +47,7 @@ void run(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::
   const scalar_t* wp = w.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   // a row is a few thousand floats at most: a thread needs dozens of rows to pay for waking it
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (dp != nullptr) add_row(xp + r * d, dp + r * d, d);
       norm_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));

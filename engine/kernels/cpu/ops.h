@@ -79,3 +79,7 @@ at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 // y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 with AVX-512 BF16 dot products, or float32 with FMAs), float32
 // sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
 at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+
+// The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
+// runs; the item fail_item raises instead. For the loop's own tests.
+void parallel_for_count_(at::Tensor& counts, int64_t grain, int64_t fail_item);

@@ -28,8 +28,7 @@
 #include "bf16_scores.h"
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -306,7 +305,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // only a tiny call stays on the calling thread, where waking the pool costs more than it saves; 64 decodes of
   // 40 tokens (bf16, 2 cores) took 290 us on one thread, 132 on two
   const int64_t grain = work * kv_heads < 1024 ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     Scratch w(s);
     for (int64_t item = begin; item < end; ++item) {
       const Tile& tile = tiles[item / kv_heads];

@@ -27,9 +27,8 @@
 // the AMX kernel, which keeps that CPU's work.
 
 #include "ops.h"
+#include "work_pool.h"
 #include "prompt_attention.h"
-
-#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
@@ -147,7 +146,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t per_token_tile = s.kv_heads * chunks;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, tiles * per_token_tile, 1, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, tiles * per_token_tile, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     std::vector<Tile> tiles_of_item(MAX_NT, Tile(s.d));
     Tile* w[MAX_NT];

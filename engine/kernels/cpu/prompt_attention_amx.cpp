@@ -28,8 +28,7 @@
 
 #include "amx.h"
 #include "prompt_tile.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <algorithm>
 #include <limits>
@@ -152,7 +151,7 @@ void amx_prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t v_size = s.steps * s.d * KS;
   const std::vector<uint16_t> vt = pack_all_values(vc, table, s);
   const int64_t tiles = (s.t + TQ - 1) / TQ;
-  at::parallel_for(0, tiles * s.heads, 1, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, tiles * s.heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     configure_tiles(OUT3 + 1);
     Tile w(s.d);

@@ -3,8 +3,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 #include "prompt_tile.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <algorithm>
 
@@ -51,7 +50,7 @@ template <typename Pack>
 std::vector<uint16_t> pack_all(const uint16_t* cache, const int64_t* table, const PromptShape& s, Pack pack) {
   const int64_t step_size = s.d * KS, head_size = s.steps * step_size;
   std::vector<uint16_t> packed(s.kv_heads * head_size);
-  at::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, s.kv_heads * s.steps, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / s.steps, step = i % s.steps;
       pack(cache + h * s.blocks * s.block_size * s.d, table, s, step, packed.data() + h * head_size + step * step_size);

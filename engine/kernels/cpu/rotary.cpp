@@ -7,8 +7,7 @@
 
 #include "float_types.h"
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 namespace lora_serve::rotary_detail {
 
@@ -61,7 +60,7 @@ void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::
   const scalar_t* sp = sin.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  lora_serve::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       rotate_token(xp + t * token_stride, head_stride, cp + t * d, sp + t * d, op + t * heads * d, heads, d);
   });

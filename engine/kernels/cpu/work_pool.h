@@ -1,0 +1,13 @@
+// The C++ operators' own threads: a parallel loop whose caller waits for the work, not for every thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace lora_serve {
+
+// fn(chunk_begin, chunk_end) over [begin, end) in chunks of at least `grain` items, on the calling thread and the
+// pool's (at::get_num_threads() in all); returns once every chunk has run (work_pool.cpp says why not OpenMP's).
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace lora_serve
