@@ -8,9 +8,11 @@ Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncE
 tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime, while a busy loop in another
 process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
 and Ray processes do.
-On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op and the other one
-waits for it at the op's end: the engine loses about twice the CPU the other process takes. With 1 engine thread
-the other core absorbs the bursts.
+On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op. On OpenMP's loops
+the other one waited for it at the op's end, and the engine lost 2.5-3.8 times the CPU the other process took; on
+the C++ operators' own loop (engine/kernels/cpu/work_pool.cpp) it takes the preempted thread's chunks, and the
+engine loses more than the CPU taken only while its step thread, which starts every op, is the one preempted. With
+1 engine thread the other core absorbs the bursts.
 
 The second part runs one stream (8 requests of 64 tokens) with 3 threads that each wake every 3 ms (1,000 wake-ups
 a second, about what a replica's Ray main thread and event loops make under one stream) and do nothing else: in
