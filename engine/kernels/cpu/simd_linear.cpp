@@ -124,10 +124,11 @@ void rows(const Problem<F>& p, int64_t block, int64_t row0, int count, const typ
 
 // Each thread takes chunks of column blocks from the front of a contiguous range (work_pool.cpp): one weight stream
 // a thread. A block's first pass over the rows reads it from memory, at the memory's pace; later passes read it
-// from L2. So the second pass also fetches the next block into L2 (the thread's own next, unless it was taken), and that block's first pass then runs at the FMAs' pace. On 2 cores of an AVX2
-// EPYC (Zen 3), float32, SmolLM2's decode steps took 8.6% less time at 8 sequences, 4-17% at 16 and 3-10% at 32
-// (2-3 interleaved comparisons; at one register block of rows or fewer a step is the weight stream alone, and
-// nothing changes). Spreading the next block's fetch over every later pass instead was no faster.
+// from L2. So the second pass also fetches the next block into L2 (the thread's own next, unless another thread
+// took it), and that block's first pass then runs at the FMAs' pace. On 2 cores of an AVX2 EPYC (Zen 3), float32,
+// SmolLM2's decode steps took 8.6% less time at 8 sequences, 4-17% at 16 and 3-10% at 32 (2-3 interleaved
+// comparisons; at one register block of rows or fewer a step is the weight stream alone, and nothing changes).
+// Spreading the next block's fetch over every later pass instead was no faster.
 template <typename F>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32, at::Tensor& y) {
   using value_t = typename F::value_t;

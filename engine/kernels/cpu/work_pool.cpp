@@ -36,7 +36,6 @@
 #include <mutex>
 #include <thread>
 #include <utility>
-#include <vector>
 
 namespace lora_serve::work_pool_detail {
 
