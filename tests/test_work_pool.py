@@ -25,8 +25,17 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=[2, 4], ids=["own-loop", "aten-loop"])
+def threads(request):
+    """2 threads run on the pool; 4, more than it serves, on at::parallel_for: both must give the same results."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("items, grain", [(1, 1), (2, 1), (7, 1), (33, 1), (1000, 1), (1000, 64), (100_000, 16)])
-def test_every_item_runs_exactly_once(two_threads, items, grain):
+def test_every_item_runs_exactly_once(threads, items, grain):
     module = cpu_ops.load()
     for _ in range(200 if items < 10_000 else 20):
         counts = torch.zeros(items, dtype=torch.int32)
@@ -35,7 +44,7 @@ def test_every_item_runs_exactly_once(two_threads, items, grain):
 
 
 @pytest.mark.parametrize("fail_item", [0, 499, 999])
-def test_a_failing_item_raises_on_the_caller_and_the_loop_still_works(two_threads, fail_item):
+def test_a_failing_item_raises_on_the_caller_and_the_loop_still_works(threads, fail_item):
     module = cpu_ops.load()
     with pytest.raises(RuntimeError, match=f"item {fail_item} failed"):
         module.parallel_for_count_(torch.zeros(1000, dtype=torch.int32), 1, fail_item)
@@ -52,12 +61,12 @@ def _linear_case(gen: torch.Generator):
     return module, module.simd_pack_linear_weight(weight), torch.randn(32, 576, generator=gen)
 
 
-def test_two_threads_give_one_threads_result_bit_for_bit(two_threads):
+def test_several_threads_give_one_threads_result_bit_for_bit(threads):
     """Each output is one thread's sum in a fixed order, whichever thread takes its chunk."""
     module, packed, x = _linear_case(torch.Generator().manual_seed(0))
     torch.set_num_threads(1)
     want = module.simd_linear(x, packed, None)
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     for _ in range(50):
         assert torch.equal(module.simd_linear(x, packed, None), want)
 

@@ -22,8 +22,9 @@ if [[ $mode != bench ]]; then
          tests/test_cuda_graphs.py tests/test_hf_equivalence.py tests/test_multi_lora.py tests/test_lora_layer.py
          tests/test_sampling.py tests/test_scheduler.py tests/test_prefix_caching.py tests/test_async_engine.py
          tests/test_attention.py)
-  # the C++ CPU operators on the host's CPU (a Xeon with AMX on the kinds seen), about 90 s: CPU_OPS_TESTS=0 skips
-  [[ ${CPU_OPS_TESTS:-1} != 0 ]] && tests+=(tests/test_cpu_ops.py)
+  # the C++ CPU operators and their own parallel loop on the host's CPU (a Xeon with AMX on the kinds seen),
+  # about 90 s: CPU_OPS_TESTS=0 skips
+  [[ ${CPU_OPS_TESTS:-1} != 0 ]] && tests+=(tests/test_cpu_ops.py tests/test_work_pool.py)
   # -k: the penalty reference test runs the real SmolLM2, whose weights are not carried
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m "not slow" -k "not presence_and_frequency" -p no:cacheprovider \
     -v -rfEs --durations=15 --timeout "${PER_TEST_TIMEOUT:-120}" \

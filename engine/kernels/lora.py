@@ -52,9 +52,8 @@ def block_m(tokens: int) -> int:
 
 
 @triton.jit
-def _tile_rows(tokens_ptr, starts_ptr, counts_ptr, slot, m_tile, BLOCK_M: tl.constexpr):
-    """The flat-batch rows of this program's tile of its slot's tokens, and which lanes hold one."""
-    count = tl.load(counts_ptr + slot)
+def _tile_rows(tokens_ptr, starts_ptr, count, slot, m_tile, BLOCK_M: tl.constexpr):
+    """The flat-batch rows of this program's tile of its slot's `count` tokens, and which lanes hold one."""
     lanes = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = lanes < count
     rows = tl.load(tokens_ptr + tl.load(starts_ptr + slot) + lanes, mask=ok, other=0).to(tl.int64)
@@ -69,9 +68,10 @@ def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, starts_ptr, counts_ptr, out_ptr, in
     k_block = tl.program_id(0) % k_blocks
     split = tl.program_id(1)
     slot = tl.program_id(2).to(tl.int64)
-    if m_tile * BLOCK_M >= tl.load(counts_ptr + slot):
+    count = tl.load(counts_ptr + slot)
+    if m_tile * BLOCK_M >= count:
         return
-    rows, row_ok = _tile_rows(tokens_ptr, starts_ptr, counts_ptr, slot, m_tile, BLOCK_M)
+    rows, row_ok = _tile_rows(tokens_ptr, starts_ptr, count, slot, m_tile, BLOCK_M)
     cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < k_size
     first = split * chunk
@@ -116,9 +116,10 @@ def _expand_kernel(y_ptr, shrunk_ptr, tokens_ptr, starts_ptr, counts_ptr, b0_ptr
     m_tile = tl.program_id(0) // n_blocks
     block = tl.program_id(0) % n_blocks
     slot = tl.program_id(1).to(tl.int64)
-    if m_tile * BLOCK_M >= tl.load(counts_ptr + slot):
+    count = tl.load(counts_ptr + slot)
+    if m_tile * BLOCK_M >= count:
         return
-    rows, row_ok = _tile_rows(tokens_ptr, starts_ptr, counts_ptr, slot, m_tile, BLOCK_M)
+    rows, row_ok = _tile_rows(tokens_ptr, starts_ptr, count, slot, m_tile, BLOCK_M)
     if block < blocks0:
         _expand_block(y_ptr, shrunk_ptr, b0_ptr, rows, row_ok, slot, block, out0, y_off0, s_off0, rank,
                       stride_yt, stride_yn, stride_st, stride_bs0, stride_br0, stride_bn0, BLOCK_R, BLOCK_N, IEEE)
