@@ -272,10 +272,12 @@ class LLMServer(HttpRoutes):
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:
     """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
-    (deployments/openmp.py), else all cores but one. On GNU OpenMP the engine's step thread, not the process's
-    first thread, gets throttled spin-waits, and torch threads that lose their core to the HTTP proxy and ingress
-    stall every parallel op: there, on 2 cores with paced events, 2 threads gave 0.82x the tokens/s of 1 at 8
-    concurrent streams and 1.08x at 32."""
+    (deployments/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but one.
+    On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
+    spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events,
+    a separate ingress deployment and every op on OpenMP, 2 threads gave 0.82x the tokens/s of 1 at 8 concurrent
+    streams and 1.08x at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this
+    concerns torch's own ops alone, a case not measured."""
     if config.num_threads is not None or config.torch_device.type != "cpu":
         return config
     cores = os.cpu_count() or 2
