@@ -3,6 +3,7 @@ caller, the same results as one thread, and no hang when several threads or a fo
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -17,21 +18,27 @@ pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="needs the C++ CP
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@contextlib.contextmanager
+def _torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with _torch_threads(2):
+        yield
 
 
 @pytest.fixture(params=[2, 4], ids=["own-loop", "aten-loop"])
 def threads(request):
     """2 threads run on the pool; 4, more than it serves, on at::parallel_for: both must give the same results."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with _torch_threads(request.param) as count:
+        yield count
 
 
 @pytest.mark.parametrize("items, grain", [(1, 1), (2, 1), (7, 1), (33, 1), (1000, 1), (1000, 64), (100_000, 16)])

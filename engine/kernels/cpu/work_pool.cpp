@@ -22,8 +22,8 @@
 // (AMX, bf16, random SmolLM2-shaped weights, one process per build) this loop took twice OpenMP's time: decode
 // steps of 1 and 32 sequences 13.4 and 31.2 ms against 6.7 and 15.9, 2 prompts of 2,000 tokens 1.03 s against
 // 0.47. Two pools of 16 threads then share 16 cores: GNU OpenMP's threads spin after each of torch's own ops
-// while this pool's need the cores, and the reverse. That run also counted every chunk on one shared atomic beside
-// the words the idle threads poll; a thread now counts its chunks once a loop, on a line of its own.
+// while this pool's need the cores, and the reverse. (In that build each chunk was also counted on a shared atomic
+// beside the words the idle threads poll; a thread counts its chunks once a loop, on a cache line of its own.)
 
 #include "work_pool.h"
 
