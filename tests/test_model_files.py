@@ -46,3 +46,59 @@ def test_dummy_weights_load_and_generate(tiny_llama_path):
     real = LLM(str(tiny_llama_path), log_stats=False)
     dummy_out, real_out = dummy.generate(["Hello"], params)[0], real.generate(["Hello"], params)[0]
     assert len(dummy_out.token_ids) == 5 and dummy_out.token_ids != real_out.token_ids
+
+
+def test_checkpoint_missing_part_of_a_fused_weight_is_refused(tiny_llama_path, tmp_path):
+    """q/k/v (and gate/up) load into one fused weight whose storage starts unfilled: a checkpoint that holds q and v
+    but not k must be refused by name, not served with the missing rows' leftover memory."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for file in tiny_llama_path.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    tensors = load_file(str(tiny_llama_path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks part of the fused weights.*layers.1.self_attn.qkv_proj.weight"):
+        LLM(str(tmp_path), log_stats=False)
+
+
+def test_dummy_weights_are_finite_with_zero_biases(tiny_qwen2_path):
+    """Built without drawing initial weights, a dummy model still has every value set: matrices drawn, q/k/v biases
+    (Qwen2's) zero, norm scales one."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine.models import load_model
+
+    config = AutoConfig.from_pretrained(tiny_qwen2_path)
+    model = load_model(tiny_qwen2_path, config, torch.float32, torch.device("cpu"), 512, load_format="dummy")
+    state = model.state_dict()
+    # prepacked linears keep their weights in oneDNN's layout (or the engine's own packing) on CPU
+    dense = {name: t if t.layout == torch.strided else t.to_dense()
+             for name, t in state.items() if t is not None and t.is_floating_point()}
+    assert all(torch.isfinite(t).all() for t in dense.values())
+    biases = [t for name, t in dense.items() if name.endswith("qkv_proj.bias")]
+    norms = [t for name, t in dense.items() if name.endswith("layernorm.weight")]
+    assert len(biases) == 2 and all((t == 0).all() for t in biases)
+    assert len(norms) == 4 and all((t == 1).all() for t in norms)
+    weights = [t for name, t in dense.items() if "gate_up_proj" in name and t.numel() > 1000]
+    assert weights and all(0.015 < t.float().std() < 0.025 for t in weights)
+
+
+def test_unfilled_modules_follow_the_device_and_dtype_in_force():
+    """The engine builds its model under `torch.device(device)` and a default dtype (CUDA on a GPU): the unfilled
+    linears and embeddings must land there, as torch's own modules do."""
+    import torch
+
+    from engine.layers import uninitialized
+    from engine.models import _default_dtype
+
+    with _default_dtype(torch.bfloat16), torch.device("meta"):
+        linear, embedding = uninitialized.linear(8, 4, bias=True), uninitialized.embedding(10, 8)
+    assert {linear.weight.device.type, linear.bias.device.type, embedding.weight.device.type} == {"meta"}
+    assert linear.weight.dtype == linear.bias.dtype == embedding.weight.dtype == torch.bfloat16
+    assert linear.weight.shape == (4, 8) and embedding.weight.shape == (10, 8)
+    assert type(linear) is torch.nn.Linear and type(embedding) is torch.nn.Embedding

@@ -81,17 +81,22 @@ def use_fused_ops(model: nn.Module, ops) -> None:
 
 @torch.no_grad()
 def _random_weights(model: nn.Module, std: float = 0.02) -> None:
-    """load_format "dummy": matrices drawn from N(0, std), vectors (norm scales, biases) left as initialised; the
-    model's shapes and speed without a checkpoint (as vLLM's dummy format)."""
+    """load_format "dummy": matrices drawn from N(0, std), linears' biases zero (the model's linears and embeddings
+    are built with their storage unfilled, engine/layers/uninitialized.py), norm scales as built; the model's shapes
+    and speed without a checkpoint (as vLLM's dummy format)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for param in model.parameters():
         if param.dim() >= 2:
             param.normal_(0.0, std, generator=generator)
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.zero_()
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    shard_rows: dict[str, int] = {}  # rows copied into each fused weight: the model's storage starts unfilled
     files = sorted(path.glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -105,11 +110,17 @@ def _load_weights(model: nn.Module, path: Path) -> None:
                 offset = None if shard is None else model.shard_offset(name, shard)
                 _copy_into(params[name], tensor, offset, ckpt_name)
                 loaded.add(name)
+                if shard is not None:
+                    shard_rows[name] = shard_rows.get(name, 0) + tensor.shape[0]
     tied = {n for n, p in params.items() if any(p is params[m] for m in loaded)}
     missing = sorted(set(params) - loaded - tied)
     if missing:
         raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+    partial = sorted(name for name, rows in shard_rows.items() if rows != params[name].shape[0])
+    if partial:
+        raise ValueError(f"checkpoint in {path} lacks part of the fused weights (q/k/v or gate/up) for: "
+                         f"{', '.join(partial[:8])}" + (" ..." if len(partial) > 8 else ""))
 
 
 @torch.no_grad()

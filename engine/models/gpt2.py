@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
 from engine.models.activations import activation
@@ -17,8 +18,8 @@ class GPT2Attention(nn.Module):
             raise NotImplementedError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
         self.num_heads = self.num_kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = uninitialized.linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = uninitialized.linear(config.n_embd, config.n_embd)
 
     def forward(self, x, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
@@ -29,8 +30,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, inner)
-        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.c_fc = uninitialized.linear(config.n_embd, inner)
+        self.c_proj = uninitialized.linear(inner, config.n_embd)
         self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,11 +58,11 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.wte = uninitialized.embedding(config.vocab_size, config.n_embd)
+        self.wpe = uninitialized.embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = uninitialized.linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
 
     @property

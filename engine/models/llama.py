@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -54,8 +55,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = uninitialized.linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=o_bias)
         self.fused_ops = None  # the fused operators (set by use_fused_ops): rotary in one call
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -74,8 +75,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = uninitialized.linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = uninitialized.linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = activation(config.hidden_act)
         self.silu = config.hidden_act == "silu"
         self.fused_ops = None  # the fused operators (set by use_fused_ops): silu(gate) * up in one call
@@ -116,11 +117,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = is_qwen2 or getattr(config, "attention_bias", False)
         o_bias = not is_qwen2 and getattr(config, "attention_bias", False)
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = uninitialized.embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = uninitialized.linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         head_dim = self.layers[0].self_attn.head_dim
