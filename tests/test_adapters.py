@@ -14,8 +14,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lora_cache import AdapterError, load_adapter, make_source, target_module_shapes, validate_adapter_id
-from lora_cache.sources import HubCacheSource, SourceConfig
+from lora_cache.adapter import AdapterError, load_adapter, target_module_shapes
+from lora_cache.sources import HubCacheSource, SourceConfig, make_source, validate_adapter_id
 
 
 def _llama_config(**overrides) -> LlamaConfig:
