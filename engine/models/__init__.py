@@ -115,12 +115,15 @@ def _load_weights(model: nn.Module, path: Path) -> None:
     tied = {n for n, p in params.items() if any(p is params[m] for m in loaded)}
     missing = sorted(set(params) - loaded - tied)
     if missing:
-        raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(f"checkpoint in {path} lacks weights for: {_first_names(missing)}")
     partial = sorted(name for name, rows in shard_rows.items() if rows != params[name].shape[0])
     if partial:
         raise ValueError(f"checkpoint in {path} lacks part of the fused weights (q/k/v or gate/up) for: "
-                         f"{', '.join(partial[:8])}" + (" ..." if len(partial) > 8 else ""))
+                         f"{_first_names(partial)}")
+
+
+def _first_names(names: list[str], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")
 
 
 @torch.no_grad()
