@@ -67,18 +67,21 @@ def test_checkpoint_missing_part_of_a_fused_weight_is_refused(tiny_llama_path, t
 
 def test_dummy_weights_are_finite_with_zero_biases(tiny_qwen2_path):
     """Built without drawing initial weights, a dummy model still has every value set: matrices drawn, q/k/v biases
-    (Qwen2's) zero, norm scales one."""
+    (Qwen2's) zero, norm scales one. On the engine's device (CUDA with LORA_SERVE_DEVICE=cuda)."""
     import torch
     from transformers import AutoConfig
 
+    from engine.config import EngineConfig
     from engine.models import load_model
 
     config = AutoConfig.from_pretrained(tiny_qwen2_path)
-    model = load_model(tiny_qwen2_path, config, torch.float32, torch.device("cpu"), 512, load_format="dummy")
+    device = EngineConfig(model=str(tiny_qwen2_path)).torch_device
+    model = load_model(tiny_qwen2_path, config, torch.float32, device, 512, load_format="dummy")
     state = model.state_dict()
     # prepacked linears keep their weights in oneDNN's layout (or the engine's own packing) on CPU
     dense = {name: t if t.layout == torch.strided else t.to_dense()
              for name, t in state.items() if t is not None and t.is_floating_point()}
+    assert {t.device.type for t in dense.values()} == {device.type}
     assert all(torch.isfinite(t).all() for t in dense.values())
     biases = [t for name, t in dense.items() if name.endswith("qkv_proj.bias")]
     norms = [t for name, t in dense.items() if name.endswith("layernorm.weight")]
