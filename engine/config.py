@@ -142,7 +142,9 @@ class EngineConfig:
         """The dtype the model runs in: torch_dtype, except bf16 on a CPU without bf16 matrix instructions
         (no AVX-512 BF16, AMX or AVX-NE-CONVERT, e.g. an AVX2-only EPYC), which runs in float32. There torch
         emulates bf16 matrix math: measured on such a 2-core EPYC, a [2048 x 576] x [576 x 1536] linear ran 10x
-        slower in bf16 than in fp32 (18 against 171 GFLOP/s) and attention's batched matmuls 40x slower."""
+        slower in bf16 than in fp32 (18 against 171 GFLOP/s) and attention's batched matmuls 40x slower. The
+        weights keep torch_dtype's values there (engine/models load_model), and the linears their storage where
+        a C++ kernel widens them (engine/layers/linear.py)."""
         if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32
         return self.torch_dtype

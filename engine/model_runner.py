@@ -111,11 +111,11 @@ class ModelRunner:
         self.dtype = config.compute_dtype
         if self.dtype != config.torch_dtype:
             warnings.warn(f"{config.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
-                          f"AVX-NE-CONVERT): the model runs in float32", stacklevel=2)
+                          f"AVX-NE-CONVERT): the model computes in float32 on its {config.dtype} weights", stacklevel=2)
         self.block_size = config.block_size
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
-                                config.load_format, self.cpu_ops)
+                                config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
         self.layout = self._kv_layout(config)
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_ops = self._cuda_ops(config)

@@ -304,8 +304,17 @@ def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
 
 
 def _simd_linear_usable(dtype: torch.dtype) -> bool:
+    """Whether the SIMD linear multiplies rows of `dtype` by weights of `dtype` (a build that widens bf16 weights
+    takes float32 rows with them instead: _widens_bf16)."""
     module = cpu_ops.load()
-    return module is not None and module.simd_linear_usable(torch.zeros(64, 64, dtype=dtype))
+    if module is None or not module.simd_linear_usable(torch.zeros(64, 64, dtype=dtype)):
+        return False
+    return dtype != torch.bfloat16 or not module.simd_linear_widens_bf16()
+
+
+def _widens_bf16() -> bool:
+    module = cpu_ops.load()
+    return module is not None and module.simd_linear_widens_bf16()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -345,7 +354,7 @@ def test_simd_linear_refuses_what_it_cannot_take():
     packed = module.simd_pack_linear_weight(torch.zeros(64, 64, dtype=dtype))
     with pytest.raises(RuntimeError, match="takes 64"):
         module.simd_linear(torch.zeros(2, 32, dtype=dtype), packed, None)
-    with pytest.raises(RuntimeError, match="of one dtype"):
+    with pytest.raises(RuntimeError, match="x in the weight's dtype"):
         module.simd_linear(torch.zeros(2, 64, dtype=torch.float16), packed, None)
     with pytest.raises(RuntimeError, match="bias of 3 values"):
         module.simd_linear(torch.zeros(2, 64, dtype=dtype), packed, torch.zeros(3, dtype=dtype))
@@ -377,3 +386,47 @@ def test_prepacked_linear_takes_the_simd_kernel_without_amx(dtype):
             assert torch.equal(got, want)
         else:
             assert torch.equal(got.reshape(-1, 960), cpu_ops.load().simd_linear(rows, own.own_weight, own.bias))
+
+
+@pytest.mark.skipif(not _widens_bf16(), reason="bf16 weights with float32 rows: a build with AVX2 and no AVX-512")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_simd_linear_widens_bf16_weights_exactly(rows, bias):
+    """bf16 weights against float32 rows give bit for bit what the float32 kernel gives on the same weights in
+    float32 (the widening is exact and the sums run in the same order), within float32 rounding of float64; a
+    column block's two vectors packed into one word, so a swapped half shows up as wrong columns."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    x = torch.randn(rows, 576, generator=gen)
+    b = torch.randn(960, generator=gen) if bias else None
+    packed = module.simd_pack_linear_weight(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == w.numel()
+    got = module.simd_linear(x, packed, b)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, module.simd_linear(x, module.simd_pack_linear_weight(w.float()), b))
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert ((got.double() - want).abs() <= 1e-5 * (want.abs() + want.abs().max())).all()
+    with pytest.raises(RuntimeError, match="float32 for a bf16 weight"):
+        module.simd_linear(x.bfloat16(), packed, b)
+
+
+@pytest.mark.skipif(not _widens_bf16(), reason="bf16 weights with float32 rows: a build with AVX2 and no AVX-512")
+def test_prepacked_linear_keeps_bf16_storage_where_the_kernel_widens_it():
+    """A float32 linear holding bf16 values, prepacked with storage_dtype bf16: its weight is stored in bf16 (half
+    the bytes) and it computes bit for bit what the same linear stored in float32 computes, 2-D or 3-D; a bf16
+    weight with bf16 rows gets no own kernel there."""
+    from engine.layers.linear import PrepackedLinear, own_kernel
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 960, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.bfloat16())
+    narrow, wide = PrepackedLinear(linear, cpu_ops.load(), torch.bfloat16), PrepackedLinear(linear, cpu_ops.load())
+    assert narrow.own_weight.dtype == torch.bfloat16 and narrow.packed_weight is None
+    assert narrow.own_weight.numel() == wide.own_weight.numel() and wide.own_weight.dtype == torch.float32
+    for shape in ((1, 576), (64, 576), (2, 5, 576)):
+        x = torch.randn(*shape)
+        assert torch.equal(narrow(x), wide(x))
+    assert own_kernel(cpu_ops.load(), linear.weight.bfloat16()) is None
+    assert own_kernel(cpu_ops.load(), linear.weight.bfloat16(), torch.float32).name == "simd"

@@ -141,3 +141,24 @@ def test_bf16_long_prompts_in_chunks_as_close_to_hf_float32_as_hf_bf16(tmp_path,
     truth = _teacher_forced_logprobs(tmp_path, outputs, torch.float32, device)
     hf_bf16 = _teacher_forced_logprobs(tmp_path, outputs, torch.bfloat16, device)
     assert _largest_gap(got, truth) < _largest_gap(hf_bf16, truth) + 0.1
+
+
+def test_bf16_without_bf16_matrix_math_computes_bf16_weights_in_float32(tiny_llama_path, tokenizer, tmp_path):
+    """On a CPU without bf16 matrix instructions (an AVX2 EPYC), dtype bfloat16 computes in float32 on the model's
+    weights rounded to bf16: token for token what transformers gives in float32 on those rounded weights. Where the
+    C++ operators widen bf16 weights, the linears store them in bf16, half the bytes."""
+    from engine.config import EngineConfig, cpu_has_native_bf16
+    from engine.kernels import cpu_ops
+
+    if EngineConfig(model=str(tiny_llama_path)).torch_device.type != "cpu" or cpu_has_native_bf16():
+        pytest.skip("bf16 computes natively here")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.bfloat16).float()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    reference = hf_greedy(tmp_path, PROMPTS, params.max_tokens)
+    llm = LLM(str(tiny_llama_path), dtype="bfloat16", max_num_seqs=3, log_stats=False)
+    _check(llm, reference, params=params)
+    if cpu_ops.load() is not None and cpu_ops.load().simd_linear_widens_bf16():
+        stored = {b.dtype for name, b in llm.engine.runner.model.named_buffers() if name.endswith("own_weight")}
+        assert stored == {torch.bfloat16}

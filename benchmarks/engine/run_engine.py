@@ -186,7 +186,7 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
     long_dtype = "bfloat16" if native_bf16 else "float32"
     env["vllm"] = f"vLLM CPU build from {python}; " + describe_openmp(vllm_env(python, 2))
     bf16 = "" if native_bf16 else ("; this CPU has no bf16 matrix instructions, so lora-serve computes "
-                                   "the bfloat16 rows in float32 and vLLM emulates bf16")
+                                   "the bfloat16 rows in float32 on bf16 weights and vLLM emulates bf16")
     env["lora_serve"] = f"torch threads {args.threads}, {env['openmp']}; (e) in {long_dtype}{bf16}"
     sizes = peer_compare.Sizes.quick() if args.quick else peer_compare.Sizes()
     adapters = peer_compare.adapters_folder(AutoConfig.from_pretrained(model_dir))

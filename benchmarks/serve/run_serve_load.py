@@ -8,7 +8,8 @@
 lora-serve runs twice a round when the config enables direct ingress: through its HTTP port (HAProxy, or Serve's
 proxy), and on its replica's own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in
 float32 with --dtype float32 for every server and the offline engine (on a CPU without bf16 matrix instructions
-vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32). Streamed /v1/completions
+vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32 on bf16 weights);
+--vllm-dtype float32 runs vLLM alone in float32, its fastest there, against lora-serve's bf16. Streamed /v1/completions
 of N new tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted
 right), closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round
 starts every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and
@@ -176,7 +177,7 @@ class ServerSpec:
         if self.config is not None:
             return start_lora_serve(self.name, self.config, tmp, self.direct, dtype=args.dtype)
         return start_vllm(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"), MODEL, tmp,
-                          dtype=args.dtype)
+                          dtype=args.vllm_dtype or args.dtype)
 
 
 def server_specs(args) -> list[ServerSpec]:
@@ -232,7 +233,8 @@ def run(args) -> dict:
             order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
             for spec in order:
                 results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
-    return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "offline": [offline_name(c, n) for c in engines],
+    return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
+            "offline": [offline_name(c, n) for c in engines],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
 
@@ -309,9 +311,14 @@ def plot(raw: dict):
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"HTTP /v1/completions streaming: SmolLM2 {raw['dtype']}, {raw['requests']} requests x "
+    fig.suptitle(f"HTTP /v1/completions streaming: SmolLM2, {_dtypes(raw)}, {raw['requests']} requests x "
                  f"{raw['new_tokens']} tokens, median of {raw['rounds']} interleaved rounds", fontsize=10)
     return fig
+
+
+def _dtypes(raw: dict) -> str:
+    vllm = raw.get("vllm_dtype", raw["dtype"])
+    return f"both in {raw['dtype']}" if vllm == raw["dtype"] else f"lora-serve in {raw['dtype']}, vLLM in {vllm}"
 
 
 def add_arguments(parser) -> None:
@@ -327,6 +334,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="every server's and the offline engine's dtype, in place of the configs' (default "
                              "bfloat16; float32 on a CPU without bf16 matrix instructions, where vLLM emulates bf16)")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default=None,
+                        help="vLLM's dtype alone (default: --dtype's): float32 is vLLM's fastest on such a CPU")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             f"client on the same 2 cores; {raw['rounds']} interleaved rounds, each server started alone in each "
             f"round; ranges over rounds. lora-serve: "
             f"`serve run serve_config.yaml`; vLLM: its OpenAI server (CPU build, both cores bound, Intel OpenMP); "
-            f"both in {raw['dtype']}. TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / "
+            f"{_dtypes(raw)}. TTFT = request sent -> first text chunk; TPOT = (last - first chunk) / "
             f"(tokens - 1).")
     text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", args.command, env)
                      + [note, "", table(raw), "", share_table(raw), "", cpu_table(raw), "",

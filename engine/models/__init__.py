@@ -54,9 +54,12 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str = "none", load_format: str = "safetensors", cpu_ops=None) -> nn.Module:
+               quantization: str = "none", load_format: str = "safetensors", cpu_ops=None,
+               weight_dtype: torch.dtype | None = None) -> nn.Module:
     """The model in `dtype` on `device`; on CPU its linears prepacked, on the engine's own kernels where `cpu_ops` has
-    one for them."""
+    one for them. A `weight_dtype` narrower than `dtype` (bf16 weights of a model computing in float32, on a CPU
+    without bf16 matrix math): every weight is rounded to it, so the model computes what a `weight_dtype` model
+    would in float32, and the linears keep it as their storage where a kernel of `cpu_ops` widens it."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
@@ -64,9 +67,12 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         _random_weights(model)
     else:
         _load_weights(model, path)
+    narrow = weight_dtype if weight_dtype not in (None, dtype) else None
+    if narrow is not None:
+        _round_weights(model, narrow)
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacking_supported(device, dtype):
-        prepack_linears(model, cpu_ops)  # the linears left in the model dtype
+        prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype
     return model.eval()
 
 
@@ -91,6 +97,14 @@ def _random_weights(model: nn.Module, std: float = 0.02) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.bias is not None:
             module.bias.zero_()
+
+
+@torch.no_grad()
+def _round_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter rounded to `dtype`'s values, kept in its own dtype."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.copy_(param.to(dtype))
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:

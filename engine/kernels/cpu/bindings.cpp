@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack_linear_weight", &amx_pack_linear_weight, "a bf16 weight [out, in] in amx_linear's tile order");
   m.def("amx_linear", &amx_linear, "x W^T (+ bias) in bf16 on AMX tiles, for a decode step's few rows (CPU)");
   m.def("simd_linear_usable", &simd_linear_usable, "whether simd_linear takes this weight [out, in]");
+  m.def("simd_linear_widens_bf16", &simd_linear_widens_bf16,
+        "whether simd_linear takes bf16 weights with float32 rows (no AVX-512 BF16 in this build)");
   m.def("simd_pack_linear_weight", &simd_pack_linear_weight, "a weight [out, in] in simd_linear's order");
   m.def("simd_linear", &simd_linear, "x W^T (+ bias) with AVX-512 (bf16, float32) or AVX2 (float32), without AMX");
   m.def("parallel_for_count_", &parallel_for_count_, "the operators' parallel loop, counting the runs of each item");

@@ -68,16 +68,19 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
 // rows, streaming the packed weight at the memory's rate (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
-// Whether simd_linear takes this weight [n, k]: this build has AVX-512 or AVX2 with FMA (and AVX-512 BF16 for a bf16
-// weight), the weight is float32 or bf16, n is a multiple of a column block (64 with AVX-512, 16 with AVX2) and k
-// of the depths a lane holds (bf16: 2) (simd_linear.cpp).
+// Whether simd_linear takes this weight [n, k]: this build has AVX-512 or AVX2 with FMA, the weight is float32 or
+// bf16 (multiplying bf16 rows with AVX-512 BF16, else float32 rows), n is a multiple of a column block (64 with
+// AVX-512, 16 with AVX2) and k of the depths a lane holds (bf16 with AVX-512 BF16: 2) (simd_linear.cpp).
 bool simd_linear_usable(const at::Tensor& weight);
+
+// Whether simd_linear takes a bf16 weight with float32 rows, widening the weight (a build without AVX-512 BF16).
+bool simd_linear_widens_bf16();
 
 // A weight [n, k] packed once into the order simd_linear reads: depths of column blocks.
 at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 
-// y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 with AVX-512 BF16 dot products, or float32 with FMAs), float32
-// sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
+// y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 with AVX-512 BF16 dot products, or float32 with FMAs, the
+// weight float32 or bf16 widened), float32 sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
 at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
 // The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
