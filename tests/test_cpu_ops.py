@@ -112,6 +112,35 @@ def test_the_module_shares_the_processs_libstdcxx_and_its_checks_raise():
                               torch.zeros(1, 4, 16, 8), torch.tensor([64]))
 
 
+def test_the_bindings_convert_by_type_and_refuse_by_name():
+    """The C API bindings: a Parameter is a tensor, None an absent bias, a tuple a list of tensors, an in-place
+    operator writes the caller's tensor; a wrong type or count is a TypeError naming the operator and argument."""
+    module = cpu_ops.load()
+    assert module is not None, "the C++ CPU operators did not build"
+    weight = torch.nn.Parameter(torch.full((4,), 2.0), requires_grad=False)
+    x = torch.ones(2, 4)
+    assert torch.equal(module.rms_norm(x, weight, 0.0), torch.full((2, 4), 2.0))
+    counts = torch.zeros(5, dtype=torch.int32)
+    assert module.parallel_for_count_(counts, 1, -1) is None and counts.tolist() == [1] * 5
+    assert isinstance(module.vector_width(), int) and module.simd_linear_widens_bf16() in (True, False)
+    y = torch.zeros(1, 4)
+    a, b = torch.ones(1, 2, 4).transpose(1, 2), (torch.ones(1, 2, 4),)  # A K-major
+    module.lora_add_(y, x[:1], a, b, torch.tensor([0]), 2)
+    assert torch.equal(y, torch.full((1, 4), 8.0))
+    with pytest.raises(TypeError, match=r"rms_norm: argument 1 must be a Tensor, not list"):
+        module.rms_norm(x, [1.0] * 4, 1e-6)
+    with pytest.raises(TypeError, match=r"rms_norm: argument 2 must be a float, not str"):
+        module.rms_norm(x, weight, "1e-6")
+    with pytest.raises(TypeError, match=r"parallel_for_count_: argument 1 must be an int, not float"):
+        module.parallel_for_count_(counts, 1.5, -1)
+    with pytest.raises(TypeError, match=r"rms_norm: takes 3 arguments \(2 given\)"):
+        module.rms_norm(x, weight)
+    with pytest.raises(TypeError, match=r"lora_add_: argument 3 holds a int, not a Tensor"):
+        module.lora_add_(y, x[:1], a, [1], torch.tensor([0]), 2)
+    with pytest.raises(RuntimeError, match="item 3 failed"):
+        module.parallel_for_count_(counts, 1, 3)
+
+
 def test_a_build_killed_half_way_does_not_block_later_starts():
     """A replica stopped while it compiles leaves torch's lock file behind; the next start must not wait on it."""
     assert cpu_ops.load() is not None, "the C++ CPU operators did not build"

@@ -7,6 +7,9 @@ under a second. The build is two translation units, compiled side by side: the b
 the build folder that includes every kernel source (a unity build). Parsing torch's headers is most of a file's
 compile time, paid once per file: on 2 cores of an AMD EPYC, eleven files took 35.5 CPU seconds (25.9 of them
 parsing); without ATen/ops/empty.h (ops.h says why) 28, built in 15.9 s; the two take 11.4, built in 6.2-6.4 s.
+The bindings are CPython's C API, not pybind11 (bindings.cpp): on an AVX2-only EPYC they took 15.0 s with
+pybind11 and torch's casters, more than the kernels' 10-12 s, and take 5-7 s without; a whole build in a fresh
+process (torch's import included) took 13.8-17.7 s against 16.7-20.8 (3 rounds, alternating).
 Each kernel file keeps its internals in a namespace of its own (lora_serve::<file>_detail), so the files share a
 unit without sharing names. Builds of one name take turns under an OS file lock, which dies with its process:
 torch's own lock is a file that a build killed half-way (a replica stopped while it started) leaves behind, and
