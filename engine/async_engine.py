@@ -1,6 +1,7 @@
 """AsyncEngine: the engine's step loop on a background thread, with one async stream per request.
 
-torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
+torch releases the GIL inside its kernels, and so do the engine's C++ operators (engine/kernels/cpu/bindings.cpp),
+so the event loop stays responsive while a step runs.
 New requests and aborts are handed to the loop thread and applied between steps; a step's outputs go back
 to their requests' asyncio queues with one call_soon_threadsafe per event loop.
 """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -139,6 +141,36 @@ def test_the_bindings_convert_by_type_and_refuse_by_name():
         module.lora_add_(y, x[:1], a, [1], torch.tensor([0]), 2)
     with pytest.raises(RuntimeError, match="item 3 failed"):
         module.parallel_for_count_(counts, 1, 3)
+
+
+def test_an_operator_runs_without_the_gil():
+    """While an operator runs, another Python thread runs. The other thread gives the GIL up at every turn, and a
+    switch interval of 1 s keeps the interpreter from taking it from this thread itself, so the other thread runs
+    in the first half of the operator's time only if the operator gave the GIL up (holding it, the other thread
+    ran only in the last quarter, after the operator)."""
+    module = cpu_ops.load()
+    assert module is not None, "the C++ CPU operators did not build"
+    x, weight = torch.randn(4096, 4096), torch.ones(4096)
+    turns, stop = [], threading.Event()
+
+    def other():
+        while not stop.is_set():
+            turns.append(time.perf_counter())
+            time.sleep(0)  # the GIL goes back to whoever waits for it
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        start = time.perf_counter()
+        module.rms_norm(x, weight, 1e-6)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert any(start < turn < start + (end - start) / 2 for turn in turns), "the GIL was held through the operator"
 
 
 def test_a_build_killed_half_way_does_not_block_later_starts():
