@@ -89,11 +89,14 @@ class PrepackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
-        rows_dtype = weight.dtype
-        narrow = _narrow_storage(cpu_ops, weight, storage_dtype)
-        if narrow is not None:
-            weight = narrow
-        self.kernel = own_kernel(cpu_ops, weight, rows_dtype)
+        self.kernel = None
+        if cpu_ops is not None and storage_dtype == torch.bfloat16 and weight.dtype == torch.float32:
+            narrow = weight.to(storage_dtype)
+            self.kernel = own_kernel(cpu_ops, narrow, rows_dtype=weight.dtype)  # float32 rows, bf16 storage
+            if self.kernel is not None:
+                weight = narrow
+        if self.kernel is None:
+            self.kernel = own_kernel(cpu_ops, weight)
         onednn = self.kernel is None or self.kernel.max_rows is not None
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None)
         self.register_buffer("own_weight", self.kernel.pack(weight) if self.kernel is not None else None)
@@ -109,14 +112,6 @@ class PrepackedLinear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def _narrow_storage(cpu_ops, weight: torch.Tensor, storage_dtype: torch.dtype | None) -> torch.Tensor | None:
-    """The float32 weight in `storage_dtype`, where the own kernel takes that with float32 rows; else None."""
-    if cpu_ops is None or storage_dtype != torch.bfloat16 or weight.dtype != torch.float32:
-        return None
-    narrow = weight.to(storage_dtype)
-    return narrow if own_kernel(cpu_ops, narrow, weight.dtype) is not None else None
 
 
 def prepack_linears(model: nn.Module, cpu_ops=None, storage_dtype: torch.dtype | None = None) -> None:

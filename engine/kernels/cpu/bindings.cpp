@@ -55,12 +55,15 @@ inline bool is_tensor(PyObject* value) {
 template <typename T>
 struct Arg;
 
+// The tensor a Python object holds (is_tensor(value) checked first): a handle of its own to the same storage.
+inline at::Tensor tensor_of(PyObject* value) { return reinterpret_cast<THPVariable*>(value)->cdata; }
+
 template <>
 struct Arg<at::Tensor> {
   static at::Tensor from(PyObject* value, size_t index) {
     if (!is_tensor(value))
       throw ArgumentError("argument " + std::to_string(index) + " must be a Tensor, not " + type_name(value));
-    return reinterpret_cast<THPVariable*>(value)->cdata;
+    return tensor_of(value);
   }
 };
 
@@ -78,17 +81,13 @@ struct Arg<std::vector<at::Tensor>> {
     if (!PyList_Check(value) && !PyTuple_Check(value))
       throw ArgumentError("argument " + std::to_string(index) + " must be a list of Tensors, not " +
                           type_name(value));
-    PyObject* items = PySequence_Fast(value, "a list of Tensors");  // the list itself, one more reference
     std::vector<at::Tensor> tensors;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
-      PyObject* item = PySequence_Fast_GET_ITEM(items, i);
-      if (!is_tensor(item)) {
-        Py_DECREF(items);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); ++i) {  // a list's or a tuple's items, borrowed
+      PyObject* item = PySequence_Fast_GET_ITEM(value, i);
+      if (!is_tensor(item))
         throw ArgumentError("argument " + std::to_string(index) + " holds a " + type_name(item) + ", not a Tensor");
-      }
-      tensors.push_back(reinterpret_cast<THPVariable*>(item)->cdata);
+      tensors.push_back(tensor_of(item));
     }
-    Py_DECREF(items);
     return tensors;
   }
 };
