@@ -72,7 +72,9 @@ class LLMServer(HttpRoutes):
         self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
         self._deployment = (context.deployment, context.app_name)
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
-        self.engine = AsyncEngine(config, self.adapter_cache)
+        self.engine = AsyncEngine(config, self.adapter_cache)  # while the cache actor starts, if this created it
+        if self.adapter_cache is not None:
+            self.adapter_cache.wait_ready()
         self._init_routes(config, self.engine.tokenizer)
         self.metrics = ServingMetrics(top_adapters)
         self.pacer = EventPacer()

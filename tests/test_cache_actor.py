@@ -78,6 +78,19 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
     assert ray.get(actor.stats.remote()).load_counts == {"b": 1}
 
 
+def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapters_root, shared_actor):
+    """The copy does not wait for the actor's start (a replica builds its engine meanwhile); an actor that cannot
+    start fails wait_ready with its reason, and a started one answers keys."""
+    broken = LoRACacheActor.remote({"model_type": "no-such-model"}, SourceConfig(adapters_root=str(adapters_root)))
+    client = RayAdapterCache(broken, follow_registry=False)  # returns though the actor's __init__ raises
+    with pytest.raises(ray.exceptions.RayActorError, match="no-such-model"):
+        client.wait_ready()
+    working = RayAdapterCache(shared_actor)
+    working.wait_ready()
+    assert working.key("a") == "a"
+    working.close()
+
+
 def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor):
     client = RayAdapterCache(shared_actor, follow_registry=False)
     with pytest.raises(AdapterError, match="pickled"):

@@ -491,3 +491,12 @@ def test_prepacked_linear_keeps_bf16_storage_where_the_kernel_widens_it():
         assert torch.equal(narrow(x), wide(x))
     assert own_kernel(cpu_ops.load(), linear.weight.bfloat16()) is None
     assert own_kernel(cpu_ops.load(), linear.weight.bfloat16(), torch.float32).name == "simd"
+
+
+def test_the_build_compiles_every_source_once_in_two_units(tmp_path):
+    """The two generated units include every kernel source once between them, the bindings' unit first."""
+    units = cpu_ops.unity_sources(tmp_path)
+    included = [line.split('"')[1] for unit in units for line in unit.read_text().splitlines()
+                if line.startswith("#include")]
+    assert len(units) == 2 and included[0] == str(cpu_ops.BINDINGS)
+    assert sorted(included) == sorted(str(source) for source in cpu_ops.SOURCES)

@@ -11,7 +11,11 @@ What each server compiles on its first start on a machine, and keeps:
 - vLLM: its torch.compile artifacts, under $VLLM_CACHE_ROOT, made cold and warm the same way.
 The model files are converted and on disk for both in either state (lora-serve converts the embedded GGUF once, at
 its first load; that is install-time work, not part of a start). Measured: the server process starts -> the first
-200 answer to a 1-token /v1/completions on its public port (Serve's proxy for lora-serve), polled every 0.25 s.
+200 answer to a 1-token /v1/completions on its public port (HAProxy for lora-serve). A request is sent again 0.25 s
+after a refusal or an error answer, and one the server accepts is waited for until the deadline: a client that
+gives up on a request that waits at Serve's fallback proxy while the replica starts leaves HAProxy 2.8 looping on
+the closed connection, on most of a core, until the request is answered (with a 10 s client timeout the operators'
+build then took 20.5 s instead of 13).
 Rounds are interleaved: each round starts every system cold, then warm, alone on the machine; who goes first
 alternates. Writes benchmarks/results/startup.md, .json and .png.
 """
@@ -61,7 +65,8 @@ def first_answer(server: Server, started: float, timeout_s: float) -> float:
             raise RuntimeError(f"{server.name} exited with {server.process.returncode} before answering; see "
                                f"{server.log}")
         try:
-            if requests.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200:
+            wait_s = max(1.0, timeout_s - (time.perf_counter() - started))
+            if requests.post(f"{server.url}/v1/completions", json=body, timeout=wait_s).status_code == 200:
                 return time.perf_counter() - started
         except requests.RequestException:
             pass
