@@ -14,8 +14,8 @@ its first load; that is install-time work, not part of a start). Measured: the s
 200 answer to a 1-token /v1/completions on its public port (HAProxy for lora-serve). A request is sent again 0.25 s
 after a refusal or an error answer, and one the server accepts is waited for until the deadline: a client that
 gives up on a request that waits at Serve's fallback proxy while the replica starts leaves HAProxy 2.8 looping on
-the closed connection, on most of a core, until the request is answered (with a 10 s client timeout the operators'
-build then took 20.5 s instead of 13).
+the closed connection, on most of a core, until the request is answered (with a 10 s client timeout a cold start
+added 20.5 s against 13.7 with this client, one round each).
 Rounds are interleaved: each round starts every system cold, then warm, alone on the machine; who goes first
 alternates. Writes benchmarks/results/startup.md, .json and .png.
 """
