@@ -17,7 +17,7 @@ from deployments.openmp import replica_env_vars
 from deployments.request_router import router_config
 from deployments.routing import RoutingPolicy
 from deployments.strict import StrictModel
-from engine import EngineConfig
+from engine.config import EngineConfig
 
 
 class RoutingArgs(StrictModel):

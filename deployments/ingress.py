@@ -29,12 +29,13 @@ from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import OVERLOADED_RETRY_AFTER_S
+from engine.config import EngineConfig
+from engine.errors import OVERLOADED_RETRY_AFTER_S
+from engine.sampling import SamplingParams
 from lora_cache.actor import ACTOR_NAME
-from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
-from lora_cache.merge import MergeSpec
+from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration
 from lora_cache.sources import validate_adapter_id
 

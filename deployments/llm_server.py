@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
 from ray import serve
 from ray.serve.config import BackpressureConfig
-from transformers import AutoConfig
 
 from deployments.errors import client_message
 from deployments.event_streams import ForwardedEvents, LocalEvents
@@ -40,15 +41,20 @@ from deployments.peer_view import PeerView
 from deployments.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
 from deployments.request_router import ROUTING_STATS_KEY, router_config
 from deployments.routing import RouteRequest, RoutingPolicy
-from engine import AsyncEngine, EngineConfig, EngineOverloadedError, EngineStats, SamplingParams
-from engine.async_engine import OVERLOADED_RETRY_AFTER_S
 from engine.block_manager import prompt_digests
+from engine.config import EngineConfig
+from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError
 from engine.model_files import resolve_model
+from engine.sampling import SamplingParams
 from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
-from lora_cache.adapter import AdapterNotFoundError
-from lora_cache.merge import MergeSpec
+from lora_cache.adapter_folder import AdapterNotFoundError
+from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration, key_name
 from lora_cache.replica_report import ReplicaReport
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import EngineStats
 
 REPORT_INTERVAL_S = 1.0
 
@@ -66,13 +72,15 @@ class LLMServer(HttpRoutes):
         """routing: how this replica places the requests it parses (deployments/routing.py); None serves each
         where Serve's router put it (plain multiplexing, for comparison)."""
         self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate.py
-        config = _engine_threads(EngineConfig.from_overrides(**(engine or {})))
+        config = EngineConfig.from_overrides(**(engine or {}))
         self.node_id = ray.get_runtime_context().get_node_id()
         context = serve.get_replica_context()
         self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
         self._deployment = (context.deployment, context.app_name)
+        # The cache actor first, before this process imports torch: if this replica creates it, its process start
+        # (about 5 s on 2 cores) overlaps the engine's imports, model load and operators' build
         self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
-        self.engine = AsyncEngine(config, self.adapter_cache)  # while the cache actor starts, if this created it
+        self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
         self._init_routes(config, self.engine.tokenizer)
@@ -89,7 +97,10 @@ class LLMServer(HttpRoutes):
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
     def _adapter_provider(self, config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
-        base_config = AutoConfig.from_pretrained(resolve_model(config.model, config.model_cache_dir)).to_dict()
+        # the raw config.json, which the actor reads with transformers' AutoConfig.for_model: this process has not
+        # imported transformers yet
+        model_dir = resolve_model(config.model, config.model_cache_dir)
+        base_config = json.loads((model_dir / "config.json").read_text())
         actor = get_or_create_cache_actor(base_config, config.adapter_sources(), cache_actor_name or ACTOR_NAME)
         return RayAdapterCache(actor, self.replica)
 
@@ -270,6 +281,14 @@ class LLMServer(HttpRoutes):
         self._stop.set()
         if getattr(self, "adapter_cache", None) is not None:
             self.adapter_cache.close()
+
+
+def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> AsyncEngine:
+    """The engine, imported here: this module is imported without torch (Serve's build step imports the app before
+    any replica starts, and a replica creates the cache actor before the engine's imports)."""
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config, adapters)
 
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:

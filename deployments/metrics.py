@@ -14,10 +14,13 @@ import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ray.serve import metrics
 
-from engine import EngineStats
-from engine.memory import MemoryReport
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats
+    from engine.memory import MemoryReport
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]

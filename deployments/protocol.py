@@ -11,7 +11,7 @@ from deployments.openai_protocol import MAX_STOP, StopString
 from deployments.strict import StrictModel
 from deployments.token_texts import TokenTexts
 from engine.sampling import ResponseFormat, SamplingParams
-from lora_cache.merge import MergeSpec
+from lora_cache.merge_spec import MergeSpec
 
 
 class JSONResponseFormat(BaseModel):

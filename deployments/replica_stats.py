@@ -11,9 +11,10 @@ the HTTP edge (dataclasses.asdict).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine import EngineStats
-from engine.llm_engine import AdapterStats
+if TYPE_CHECKING:
+    from engine.llm_engine import AdapterStats, EngineStats
 
 
 @dataclass(frozen=True)

@@ -14,29 +14,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
 from engine.llm_engine import AdapterStats, EngineStats, LLMEngine, Prompt, RequestOutput
 from engine.memory import MemoryReport
 from engine.sampling import SamplingParams
 
-
-OVERLOADED_RETRY_AFTER_S = 1.0
 # A base-model prompt up to this many characters, with no grammar to compile, is prepared on the event loop: its
 # tokenization takes tens of microseconds, while a worker thread's turn cost 2-12 ms (p50) of TTFT under load,
 # waiting for the GIL beside the step thread. Longer prompts, grammars and adapter reads (a disk read when cold)
 # still go to a worker thread, so they never stall the loop.
 INLINE_PROMPT_CHARS = 2048
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (max_waiting_requests): the caller should retry later."""
-
-    def __init__(self, waiting: int, retry_after_s: float):
-        super().__init__(f"the engine is overloaded: {waiting} requests are already waiting; retry later")
-        self.retry_after_s = retry_after_s
 
 
 @dataclass

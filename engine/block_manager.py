@@ -17,8 +17,10 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.sequence import Sequence
+if TYPE_CHECKING:  # the serving side computes prompt_digests without torch, which engine.sequence imports
+    from engine.sequence import Sequence
 
 
 REPORTED_DEPTH = 64  # cached_digests reports blocks among the first this many of a prompt (1,024 tokens at 16)

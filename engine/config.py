@@ -6,20 +6,26 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.layers.quantized import QUANTIZATIONS
 from lora_cache.sources import SOURCES, SourceConfig, validate_adapter_id
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch's names for them. torch is imported only where a torch dtype or device is asked for: the
+# serving side validates an EngineConfig in Serve's build step, which must not import torch (engine/__init__.py)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16"}
 LOAD_FORMATS = ("safetensors", "dummy")
+QUANTIZATIONS = ("none", "int8", "nf4")  # bitsandbytes' (engine/layers/quantized.py)
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 matrix math natively on this CPU (its own check: AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT, used by its bf16 kernels)."""
+    import torch
+
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -135,7 +141,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -145,12 +153,16 @@ class EngineConfig:
         slower in bf16 than in fp32 (18 against 171 GFLOP/s) and attention's batched matmuls 40x slower. The
         weights keep torch_dtype's values there (engine/models load_model), and the linears their storage where
         a C++ kernel widens them (engine/layers/linear.py)."""
+        import torch
+
         if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32
         return self.torch_dtype
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -28,7 +28,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from lora_cache.local_cache import LocalAdapterCache
 from lora_cache.lru import LoadStats
-from lora_cache.merge import MergeSpec
+from lora_cache.merge_spec import MergeSpec
 from lora_cache.provider import AdapterProvider
 from lora_cache.slots import AdapterSlots
 from lora_cache.sources import make_source

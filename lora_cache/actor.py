@@ -15,19 +15,22 @@ import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-from transformers import AutoConfig
 
-from lora_cache.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
+from lora_cache.adapter_folder import AdapterError, AdapterNotFoundError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
-from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
+from lora_cache.merge_spec import MergeSpec, is_merge_key
 from lora_cache.provider import HeldAdapters
 from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
 from lora_cache.replica_report import ClusterView, ReplicaReport
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
                                 validate_adapter_id)
+
+if TYPE_CHECKING:
+    from lora_cache.adapter import LoRAAdapter
 
 ACTOR_NAME = "lora-serve-adapter-cache"
 MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
@@ -44,8 +47,11 @@ class _Entry:
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
     def __init__(self, base_config: dict, sources: SourceConfig, capacity_bytes: int = 4 << 30):
-        # The base model's config as a dict: the actor may live on a node without the model's files.
-        self.hf_config = AutoConfig.for_model(**base_config)
+        # torch and transformers load here, in the actor's process: a replica imports this module to create the
+        # actor before it imports them itself (lora_cache/reader.py)
+        from lora_cache.reader import AdapterReader
+
+        self.reader = AdapterReader.for_base(base_config, sources.max_adapter_bytes)
         self.sources = sources
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
@@ -54,7 +60,6 @@ class LoRACacheActor:
         self.registry = AdapterRegistry(saved)  # a named actor restarted by Ray keeps its registrations
         self._registering = asyncio.Lock()
         self.merges: dict[str, MergeSpec] = {}  # merge key -> its spec (lora_cache/merge.py)
-        self.max_adapter_bytes = sources.max_adapter_bytes
         # the object store tier: the store frees an evicted entry's tensors once no replica holds the ref
         self.entries: LRUByBytes[_Entry] = LRUByBytes(lambda e: e.nbytes, capacity_bytes)
         self.inflight: dict[str, asyncio.Future] = {}
@@ -98,7 +103,7 @@ class LoRACacheActor:
             raise AdapterNotFoundError(key, "no such merge: send its merged_adapters spec")
         view = self.registry.view()
         parts = [await (await self.get(view.key(adapter_id)))[0] for adapter_id in spec.ids]
-        return await asyncio.to_thread(merge_adapters, key, parts, spec, list(target_module_shapes(self.hf_config)))
+        return await asyncio.to_thread(self.reader.merge, key, parts, spec)
 
     def _location(self, key: str) -> AdapterLocation | None:
         """Where the key's weights are: its registered location, or None for the configured source."""
@@ -118,7 +123,7 @@ class LoRACacheActor:
             folder = self._remote_source("s3").fetch(name, bucket, prefix)
         else:
             folder = self._remote_source("hub").locate(location.path)
-        return load_adapter(key, folder, self.hf_config, self.max_adapter_bytes)
+        return self.reader.read(key, folder)
 
     def _remote_source(self, kind: str) -> AdapterSource:
         if kind not in self.remote_sources:

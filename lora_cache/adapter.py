@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # Config keys (when set) for features that a plain x @ A.T @ B.T delta cannot express.
@@ -44,23 +44,6 @@ UNSUPPORTED_FEATURES = {
 # These initialisations rewrite the base weights; unless PEFT converted the adapter on save (which resets
 # init_lora_weights to true), it only fits that rewritten base.
 BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names the adapter and the reason."""
-
-    def __init__(self, adapter_id: str, reason: str):
-        shown = adapter_id if len(adapter_id) <= 100 else adapter_id[:100] + "..."
-        super().__init__(f"adapter {shown!r}: {reason}")
-        self.adapter_id = adapter_id
-        self.reason = reason
-
-    def __reduce__(self):  # exceptions cross Ray process boundaries pickled; rebuild from both fields
-        return type(self), (self.adapter_id, self.reason)
-
-
-class AdapterNotFoundError(AdapterError):
-    """No such adapter where it was looked for (HTTP 404); other AdapterErrors are bad adapters (HTTP 400)."""
 
 
 @dataclass

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 
-from lora_cache.adapter import AdapterNotFoundError, LoRAAdapter, load_adapter, target_module_shapes
+from lora_cache.adapter import LoRAAdapter
+from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.lru import LRUByBytes
-from lora_cache.merge import MergeSpec, is_merge_key, merge_adapters
+from lora_cache.merge_spec import MergeSpec, is_merge_key
 from lora_cache.provider import HeldAdapters
+from lora_cache.reader import AdapterReader
 from lora_cache.sources import AdapterSource, validate_adapter_id
 
 
@@ -19,8 +21,7 @@ class LocalAdapterCache(HeldAdapters):
 
     def __init__(self, source: AdapterSource, hf_config, max_adapter_bytes: int, capacity_bytes: int = 4 << 30):
         self.source = source
-        self.hf_config = hf_config
-        self.max_adapter_bytes = max_adapter_bytes
+        self.reader = AdapterReader(hf_config, max_adapter_bytes)
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, capacity_bytes)
         self.merges: dict[str, MergeSpec] = {}
         self._lock = threading.RLock()  # one load at a time: concurrent requests for one adapter load it once
@@ -37,12 +38,12 @@ class LocalAdapterCache(HeldAdapters):
     def _read(self, key: str) -> LoRAAdapter:
         if not is_merge_key(key):
             folder = self.source.locate(validate_adapter_id(key))
-            return load_adapter(key, folder, self.hf_config, self.max_adapter_bytes)
+            return self.reader.read(key, folder)
         spec = self.merges.get(key)
         if spec is None:
             raise AdapterNotFoundError(key, "no such merge: send its merged_adapters spec")
         parts = [self.get(adapter_id) for adapter_id in spec.ids]  # the lock is re-entrant
-        return merge_adapters(key, parts, spec, list(target_module_shapes(self.hf_config)))
+        return self.reader.merge(key, parts, spec)
 
     def key(self, name: str) -> str:
         """Offline, an adapter is known by its name (serving keys reloaded ones apart: lora_cache/registry.py)."""

@@ -7,10 +7,12 @@ this interface and knows nothing of Ray.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from lora_cache.adapter import LoRAAdapter
 from lora_cache.lru import LoadStats, LRUByBytes
+
+if TYPE_CHECKING:
+    from lora_cache.adapter import LoRAAdapter
 
 
 class AdapterProvider(Protocol):

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_cache.adapter import AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.sources import AdapterLocation
 
 SEPARATOR = "#"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from lora_cache.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
 
 MAX_ID_LENGTH = 256
 _ID_PART = re.compile(r"[A-Za-z0-9._-]+")

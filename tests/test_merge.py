@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from lora_cache.adapter import load_adapter, target_module_shapes
-from lora_cache.merge import MergeSpec, merge_adapters
+from lora_cache.merge import merge_adapters
+from lora_cache.merge_spec import MergeSpec
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 WEIGHTS = (0.7, 0.4)

@@ -379,7 +379,7 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
     from lorax import Client
     from lorax.types import MergedAdapters
 
-    from lora_cache.merge import MergeSpec
+    from lora_cache.merge_spec import MergeSpec
 
     llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)

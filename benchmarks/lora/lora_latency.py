@@ -11,7 +11,6 @@ from benchmarks.common import fmt, markdown_table, timed
 from benchmarks.lora.lora_setup import LoraPlan, make_llm, source_reads
 from benchmarks.workloads import PROMPTS
 from engine import LLM, SamplingParams
-from lora_cache.adapter import load_adapter
 
 
 def first_token(llm: LLM, adapter: str | None) -> dict:
@@ -67,8 +66,7 @@ def components(llm: LLM, root: Path, adapter_id: str, repeats: int) -> dict:
     """Direct timings of the two steps a cold request adds: read + validate from disk, copy into a device slot
     (re-copying a resident adapter into its own slot, so the engine's bookkeeping stays true)."""
     cache, slot = llm.engine.adapters, llm.engine.adapter_slots.slot_of[adapter_id]
-    read = [timed(load_adapter, adapter_id, root / adapter_id, cache.hf_config, cache.max_adapter_bytes)[1]
-            for _ in range(repeats)]
+    read = [timed(cache.reader.read, adapter_id, root / adapter_id)[1] for _ in range(repeats)]
     adapter = cache.get(adapter_id)
     copy = [timed(llm.engine.runner.load_adapter, slot, adapter)[1] for _ in range(repeats)]
     return {"read_validate_ms": statistics.median(read) * 1000, "slot_copy_ms": statistics.median(copy) * 1000,

@@ -14,7 +14,8 @@ import logging
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8", "nf4")
+from engine.config import QUANTIZATIONS
+
 # bitsandbytes logs a warning on every int8 matmul whose input is not fp16 (it casts it): once is enough.
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8(): activation columns above this stay in 16-bit
