@@ -32,7 +32,6 @@ from deployments.token_texts import TokenTexts
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S
 from engine.sampling import SamplingParams
-from lora_cache.actor import ACTOR_NAME
 from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
 from lora_cache.merge_spec import MergeSpec
@@ -298,8 +297,8 @@ class HttpRoutes:
         if not self.lora_enabled:
             return {}
         try:
-            stats: CacheStats = await ray.get_actor(ACTOR_NAME).stats.remote()
-        except ValueError:  # no replica has created the cache actor yet
+            stats: CacheStats = await self.adapter_cache.cache_stats()
+        except ray.exceptions.RayActorError:  # the actor restarts: no residence to tell until it is back
             return {}
         residence = stats.residence()
         return {adapter: residence[adapter] for adapter in tenant.visible(residence)}

@@ -46,7 +46,7 @@ from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError
 from engine.model_files import resolve_model
 from engine.sampling import SamplingParams
-from lora_cache.actor import ACTOR_NAME, RayAdapterCache, get_or_create_cache_actor
+from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
 from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration, key_name
@@ -67,7 +67,7 @@ REPORT_INTERVAL_S = 1.0
                   request_router_config=router_config(RoutingPolicy()))
 @serve.ingress(app)
 class LLMServer(HttpRoutes):
-    def __init__(self, engine: dict | None = None, cache_actor_name: str | None = None, top_adapters: int = 20,
+    def __init__(self, engine: dict | None = None, top_adapters: int = 20,
                  gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy()):
         """routing: how this replica places the requests it parses (deployments/routing.py); None serves each
         where Serve's router put it (plain multiplexing, for comparison)."""
@@ -79,7 +79,7 @@ class LLMServer(HttpRoutes):
         self._deployment = (context.deployment, context.app_name)
         # The cache actor first, before this process imports torch: if this replica creates it, its process start
         # (about 5 s on 2 cores) overlaps the engine's imports, model load and operators' build
-        self.adapter_cache = self._adapter_provider(config, cache_actor_name) if config.max_loras else None
+        self.adapter_cache = self._adapter_provider(config) if config.max_loras else None
         self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
@@ -96,12 +96,12 @@ class LLMServer(HttpRoutes):
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
-    def _adapter_provider(self, config: EngineConfig, cache_actor_name: str | None) -> RayAdapterCache:
+    def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
         # the raw config.json, which the actor reads with transformers' AutoConfig.for_model: this process has not
         # imported transformers yet
         model_dir = resolve_model(config.model, config.model_cache_dir)
         base_config = json.loads((model_dir / "config.json").read_text())
-        actor = get_or_create_cache_actor(base_config, config.adapter_sources(), cache_actor_name or ACTOR_NAME)
+        actor = get_or_create_cache_actor(base_config, config.adapter_sources())
         return RayAdapterCache(actor, self.replica)
 
     @serve.multiplexed(max_num_models_per_replica=64)

@@ -304,6 +304,10 @@ class RayAdapterCache(HeldAdapters):
                     raise
         raise AssertionError("unreachable")
 
+    async def cache_stats(self) -> CacheStats:
+        """The cache actor's stats: its tier's adapters and each adapter's residence across the replicas."""
+        return await self._actor.stats.remote()
+
     def held(self) -> tuple[str, ...]:
         """The adapter keys in this replica's CPU copy."""
         return tuple(self._adapters.keys())
