@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from ray.serve import metrics

@@ -19,6 +19,7 @@ import torch
 from lora_cache.adapter import AdapterError, LoRAAdapter, LoRAWeights
 from lora_cache.merge_spec import MergeSpec
 
+
 def merge_adapters(key: str, adapters: list[LoRAAdapter], spec: MergeSpec, module_order: list[str]) -> LoRAAdapter:
     """The merged adapter of `adapters` (in spec.ids order); module_order: the model's target modules in order."""
     layers: dict[int, dict[str, LoRAWeights]] = {}
