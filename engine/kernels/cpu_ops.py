@@ -10,7 +10,9 @@ eleven files took 35.5 CPU seconds (25.9 of them parsing); without ATen/ops/empt
 15.9 s; two units take 11.4, built in 6.2-6.4 s. The bindings are CPython's C API, not pybind11 (bindings.cpp):
 on an AVX2-only EPYC they took 15.0 s with pybind11 and torch's casters and take 5.3 s without. There the kernels
 in one unit took 10.0-11.0 s beside them; with lora.cpp (the most code to generate: 3 s) moved beside the
-bindings the two units take 7.3-7.7 and 8.1-8.4 s (2 rounds, both units compiling at once).
+bindings the two units take 7.3-7.7 and 8.1-8.4 s (2 rounds, both units compiling at once). On a 16-core Xeon
+with AMX, whose build compiles the AVX-512 and AMX kernels too, they took 6.0-8.5 and 9.5-13.0 s (3 rounds), on 2
+of its cores as on 16.
 Each kernel file keeps its internals in a namespace of its own (lora_serve::<file>_detail), so the files share a
 unit without sharing names. Builds of one name take turns under an OS file lock, which dies with its process:
 torch's own lock is a file that a build killed half-way (a replica stopped while it started) leaves behind, and
