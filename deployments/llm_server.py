@@ -117,7 +117,7 @@ class LLMServer(HttpRoutes):
         (deployments/event_streams.py). The adapter travels as its current key (lora_cache/registry.py): the name, or a
         new key once it was loaded at run time."""
         key = self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
-        route = self._forward_route(prompt, key)
+        route = self._forward_route(prompt, params, key)
         if route is not None:
             if self._peer_handle is None:
                 self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
@@ -132,12 +132,12 @@ class LLMServer(HttpRoutes):
         return LocalEvents(self._generate(request_id, prompt, params, adapter, stream),
                            lambda: self.engine.abort(request_id))
 
-    def _forward_route(self, prompt: str | list[int], key: str | None) -> RouteRequest | None:
+    def _forward_route(self, prompt: str | list[int], params: SamplingParams, key: str | None) -> RouteRequest | None:
         """The request with the peer to forward it to, or None to serve it here. The prompt is tokenized for its
-        prefix digests only when there are peers to compare."""
+        prefix digests only when there are peers to compare, and cut as the engine will cut it."""
         if self._peers is None or not self._peers.has_peers:
             return None
-        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        token_ids = params.kept_prompt(self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt)
         digests = prompt_digests(token_ids, key, self.config.block_size) if self.config.enable_prefix_caching else []
         # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
         own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,

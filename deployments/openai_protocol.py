@@ -116,6 +116,7 @@ class OpenAISampling(StrictModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
     # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
     guided_json: Schema | None = None
     guided_regex: Pattern | None = None
@@ -173,7 +174,7 @@ class OpenAISampling(StrictModel):
                               top_k=self.top_k, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias or {},
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                              min_tokens=self.min_tokens,
+                              min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
                               skip_special_tokens=self.skip_special_tokens,
                               logprobs=self.logprobs_wanted() or 0, prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=self.engine_response_format())

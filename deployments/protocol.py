@@ -44,6 +44,8 @@ class GenerateParameters(StrictModel):
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1)  # locally typical sampling
+    truncate: int | None = Field(None, ge=1)  # only the prompt's last `truncate` tokens
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = None
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
@@ -56,8 +58,6 @@ class GenerateParameters(StrictModel):
     decoder_input_details: bool = False  # prompt tokens (ids, text, logprobs) in details.prefill
     api_token: str | None = None
     merged_adapters: MergedAdapters | None = None  # instead of adapter_id
-    truncate: int | None = None
-    typical_p: float | None = None
     best_of: int | None = None
     watermark: bool = False
     return_k_alternatives: int | None = Field(None, ge=0, le=20)  # each token's k most likely alternatives
@@ -67,9 +67,7 @@ class GenerateParameters(StrictModel):
     def _refuse_unsupported(self):
         if self.merged_adapters is not None and self.adapter_id is not None:
             raise ValueError("give adapter_id or merged_adapters, not both")
-        unsupported = {"truncate": self.truncate,
-                       "typical_p": self.typical_p, "best_of": self.best_of if self.best_of != 1 else None,
-                       "watermark": self.watermark or None}
+        unsupported = {"best_of": self.best_of if self.best_of != 1 else None, "watermark": self.watermark or None}
         named = [name for name, value in unsupported.items() if value is not None]
         if named:
             raise ValueError(f"not supported yet: {', '.join(named)}")
@@ -83,12 +81,14 @@ class GenerateParameters(StrictModel):
         return stop
 
     def to_sampling_params(self) -> SamplingParams:
-        sampled = self.do_sample or (self.temperature not in (None, 0)) or bool(self.top_k) or self.top_p is not None
+        sampled = (self.do_sample or (self.temperature not in (None, 0)) or bool(self.top_k) or self.top_p is not None
+                   or self.typical_p is not None)
         return SamplingParams(
             max_tokens=self.max_new_tokens,
             temperature=(self.temperature if self.temperature is not None else 1.0) if sampled else 0.0,
             top_k=self.top_k or 0,
             top_p=self.top_p or 1.0,
+            typical_p=self.typical_p or 1.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=self.seed,
             stop=self.stop,
@@ -96,6 +96,7 @@ class GenerateParameters(StrictModel):
             logprobs=self.return_k_alternatives or 0,  # TGI reports each token's logprob
             prompt_logprobs=0 if self.decoder_input_details else None,
             response_format=self.response_format.to_engine() if self.response_format else None,
+            truncate_prompt_tokens=self.truncate,
         )
 
 

@@ -189,7 +189,7 @@ class LLMEngine:
         """Validate, tokenize and fetch the adapter into the CPU tier, without touching the running batch
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
-        token_ids = self._tokenize(prompt)
+        token_ids = self._tokenize(prompt, params)
         params = self._fit_max_tokens(params, len(token_ids))
         outside = self._outside_vocabulary(params.logit_bias)
         if outside:
@@ -259,7 +259,9 @@ class LLMEngine:
     def _outside_vocabulary(self, token_ids) -> list[int]:
         return [t for t in token_ids if not 0 <= t < self.vocab_size]
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids that the request keeps (all, or its truncate_prompt_tokens last: vLLM's
+        truncate_prompt_tokens, TGI's truncate), checked against the context after that cut."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer(prompt).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
@@ -269,6 +271,7 @@ class LLMEngine:
                 raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         else:
             raise TypeError("prompt must be a string or a list of token ids")
+        token_ids = params.kept_prompt(token_ids)
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) >= self.max_model_len:

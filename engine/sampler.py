@@ -2,7 +2,7 @@
 
 Order of processing follows transformers: structured-output masks first, then the per-request row
 processors (min_tokens' ban on EOS and stop tokens, logit bias, repetition penalty, OpenAI's presence
-and frequency penalties over the output only, as vLLM applies them), temperature, top-k, top-p.
+and frequency penalties over the output only, as vLLM applies them), temperature, top-k, top-p, typical-p.
 Greedy rows take the argmax. Seeded rows draw from their own generator, so a seed gives the same text
 whatever else is in the batch; unseeded rows share one engine generator, drawn in one call.
 Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
@@ -89,6 +89,9 @@ class Sampler:
         top_p = [s.params.top_p for s in seqs]
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
+        typical_p = [s.params.typical_p for s in seqs]
+        if any(p < 1.0 for p in typical_p):
+            logits = _typical(logits, typical_p)
         return logits.softmax(dim=-1)
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -171,6 +174,22 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before > p[:, None], float("-inf"))  # keeps the top token
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _typical(logits: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
+    """Locally typical sampling: each row keeps the tokens whose surprisal (-log p) lies closest to the row's
+    entropy, closest first, until they hold typical_p of its mass (ties at the cut kept), as transformers'
+    TypicalLogitsWarper and TGI do; rows of typical_p 1.0 are left as they are."""
+    logprobs = logits.log_softmax(dim=-1)
+    probs = logprobs.exp()
+    entropy = -(probs * logprobs).nan_to_num().sum(dim=-1, keepdim=True)  # a masked token's 0 * -inf is NaN
+    distance = (logprobs + entropy).abs()  # |surprisal - entropy|; infinite for masked tokens
+    sorted_distance, order = distance.sort(dim=-1)
+    mass = torch.tensor(typical_p, device=logits.device, dtype=logits.dtype)[:, None]
+    held = probs.gather(1, order).cumsum(dim=-1)
+    cut = (held < mass).sum(dim=-1, keepdim=True).clamp(max=logits.shape[1] - 1)  # the first rank reaching the mass
+    outside = (distance > sorted_distance.gather(1, cut)) & (mass < 1.0)
+    return logits.masked_fill(outside, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int],

@@ -114,6 +114,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
+    typical_p: float = 1.0  # locally typical sampling (Meister et al.); 1.0: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI's: subtracted from every token the output already holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds the token
@@ -126,6 +127,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (given the tokens before it)
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (left truncation)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +151,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
@@ -164,6 +171,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"{name} must be between 0 and 20, got {value}")
+
+    def kept_prompt(self, token_ids: list[int]) -> list[int]:
+        """The prompt tokens this request runs on: all of them, or the last truncate_prompt_tokens."""
+        return token_ids if self.truncate_prompt_tokens is None else token_ids[-self.truncate_prompt_tokens:]
 
     @property
     def greedy(self) -> bool:

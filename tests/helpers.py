@@ -62,6 +62,11 @@ def _hf_model(path: str):
 
 def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
     """Reference: transformers generate, one prompt at a time, fp32 greedy."""
+    return hf_generate(path, prompts, max_new_tokens, do_sample=False, **generate_kwargs)
+
+
+def hf_generate(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
+    """Reference: transformers generate with these arguments, one prompt at a time, fp32."""
     model = _hf_model(str(path))
     tok = AutoTokenizer.from_pretrained(path)
     results = []
@@ -69,7 +74,7 @@ def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=tok.eos_token_id, **generate_kwargs)
+                                 pad_token_id=tok.eos_token_id, **generate_kwargs)
         results.append(out[0, ids.shape[1]:].tolist())
     return results
 

@@ -120,3 +120,9 @@ def test_engine_reports_the_digests_a_router_computes_for_its_prompt(tiny_llama_
     report = ReplicaReport("r", prefix_digests=cached)
     assert report.cached_blocks(prompt_digests(prompt[:13] + [1, 2, 3, 4], None, 4)) == 3
     assert report.cached_blocks(prompt_digests(prompt, "an-adapter", 4)) == 0  # another adapter's K/V differ
+    # a truncated prompt is cached as cut, and a router digests it as cut (SamplingParams.kept_prompt)
+    cut, long = SamplingParams(max_tokens=1, truncate_prompt_tokens=12), list(range(100, 140))
+    llm.generate([long], cut, use_tqdm=False)
+    kept = prompt_digests(cut.kept_prompt(long), None, 4)
+    assert kept and set(kept) <= llm.engine.cached_prefix_digests()
+    assert not set(prompt_digests(long, None, 4)) & llm.engine.cached_prefix_digests()

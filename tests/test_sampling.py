@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,18 @@ def test_repetition_penalty_matches_hf(tiny_llama_path):
     assert [o.token_ids for o in outs] == reference
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tokenizer):
+    ids = tokenizer(PROMPTS[1]).input_ids
+    cut = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, truncate_prompt_tokens=5),
+                       use_tqdm=False)[0]
+    tail = llm.generate([ids[-5:]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert (cut.prompt_token_ids, cut.token_ids) == (ids[-5:], tail.token_ids)
+    assert len(ids) > 5  # the cut did act
+    # a prompt past the context is served once cut to fit
+    long = llm.generate([[5] * 600], SamplingParams(max_tokens=4, truncate_prompt_tokens=100), use_tqdm=False)[0]
+    assert len(long.prompt_token_ids) == 100 and len(long.token_ids) == 4
+
+
 class OutputPenalties:
     """Reference OpenAI presence/frequency penalties for transformers' generate, over the generated tokens only."""
 
@@ -103,6 +115,34 @@ def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_pat
         assert out.token_ids == reference
     assert [o.token_ids for o in outs[3:]] == plain_reference
     assert any(p.token_ids != q.token_ids for p, q in zip(outs[:3], outs[3:]))  # the penalties did act
+
+
+def test_typical_p_keeps_what_transformers_keeps():
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    from engine.sampler import _typical
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * torch.tensor([0.3, 1.0, 2.0, 4.0, 1.0, 8.0])[:, None]
+    logits[4, :150] = float("-inf")  # masked by an earlier filter (top-k, top-p)
+    masses = [0.2, 0.5, 0.9, 0.95, 0.7, 1.0]
+    kept = _typical(logits, masses).isfinite()
+    for row, mass in enumerate(masses[:-1]):
+        assert torch.equal(kept[row], TypicalLogitsWarper(mass)(None, logits[row:row + 1].clone()).isfinite()[0]), row
+    assert torch.equal(kept[5], logits[5].isfinite())  # typical_p 1.0 leaves its row alone
+    assert 1 <= kept[0].sum() < kept[2].sum() < 300
+
+
+def test_tiny_typical_p_follows_transformers_token_for_token(smollm2, smollm2_path):
+    """With a tiny mass only the most typical token is left, so both sides are deterministic; it is not the
+    greedy token (the test would otherwise not tell typical-p from greedy). The real model: a random one's
+    near-uniform rows put thousands of tokens within rounding of the entropy, so which is most typical is noise."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, typical_p=1e-6)
+    typical = smollm2.generate(PENALISED_PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in typical] == hf_generate(smollm2_path, PENALISED_PROMPTS, 12, do_sample=True,
+                                                          typical_p=1e-6, top_k=0)
+    greedy = smollm2.generate(PENALISED_PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert any(t.token_ids != g.token_ids for t, g in zip(typical, greedy))
 
 
 def test_logit_bias_forces_and_forbids_tokens(llm):
@@ -196,7 +236,8 @@ def test_stop_string_cuts_text(llm):
                                  dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50),
                                  dict(presence_penalty=2.5), dict(frequency_penalty=-3),
                                  dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
-                                 dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1)])
+                                 dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1), dict(typical_p=0),
+                                 dict(typical_p=1.5), dict(truncate_prompt_tokens=0)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -77,6 +77,8 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"bogus": 1}}, 422, "bogus"),
     ({"inputs": "hi", "parameters": {"best_of": 3, "watermark": True}}, 422, "not supported yet: best_of, watermark"),
     ({"inputs": "hi", "parameters": {"return_k_alternatives": 50}}, 422, "return_k_alternatives"),
+    ({"inputs": "hi", "parameters": {"truncate": 0}}, 422, "truncate"),
+    ({"inputs": "hi", "parameters": {"typical_p": 1.5}}, 422, "typical_p"),
     ({"inputs": "word " * 600}, 400, "limit"),
 ])
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, status, words):
@@ -96,6 +98,7 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": [""]}, "at least 1 character"),
     ("completions", {"prompt": "hi", "suffix": "!"}, "suffix: not supported by this server"),
+    ("completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("chat/completions", {"messages": []}, "messages"),
@@ -344,6 +347,41 @@ def test_lorax_return_k_alternatives(server, tiny_llama_path, tokenizer):
                                                                                     for w in expected.top_logprobs]
     plain = Client(server).generate(PROMPTS[6], max_new_tokens=2)
     assert all(t.alternative_tokens is None for t in plain.details.tokens)
+
+
+def test_truncate_through_lorax_and_openai_clients_keeps_the_prompts_last_tokens(server, tiny_llama_path,
+                                                                                   tokenizer):
+    import openai
+    from lorax import Client
+
+    ids = tokenizer(PROMPTS[1]).input_ids
+    tail = LLM(str(tiny_llama_path), log_stats=False).generate([ids[-4:]], SamplingParams(max_tokens=6, temperature=0),
+                                                                 use_tqdm=False)[0]
+    cut = Client(server).generate(PROMPTS[1], max_new_tokens=6, truncate=4, decoder_input_details=True)
+    assert [t.id for t in cut.details.prefill] == ids[-4:]
+    assert [t.id for t in cut.details.tokens] == tail.token_ids
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    done = client.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 4})
+    assert (done.choices[0].text, done.usage.prompt_tokens) == (tail.text, 4)
+
+
+def test_lorax_typical_p_samples_from_the_typical_set(server):
+    """A tiny typical_p leaves one token a step: sampled, yet the same text every time, and not the greedy one.
+    (Which token that is on a random model's near-uniform rows is rounding, so it is compared with transformers on
+    the real model, in test_sampling.py.)"""
+    from lorax import Client
+
+    client = Client(server)
+
+    def tokens(**parameters) -> list[int]:
+        return [t.id for t in client.generate(PROMPTS[1], max_new_tokens=8, **parameters).details.tokens]
+
+    typical = [tokens(typical_p=1e-6) for _ in range(2)]
+    sampled = [tokens(do_sample=True) for _ in range(2)]
+    greedy = tokens()
+    assert typical[0] == typical[1] != greedy
+    assert sampled[0] != sampled[1]  # sampling without the filter varies: the filter is what fixes the text
 
 
 def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapters_root):

@@ -25,9 +25,9 @@ if [[ $mode != bench ]]; then
   # the C++ CPU operators and their own parallel loop on the host's CPU (a Xeon with AMX on the kinds seen),
   # about 90 s: CPU_OPS_TESTS=0 skips
   [[ ${CPU_OPS_TESTS:-1} != 0 ]] && tests+=(tests/test_cpu_ops.py tests/test_work_pool.py)
-  # -k: the penalty reference test runs the real SmolLM2, and the embedded model's test looks for its converted
-  # weights, which are not carried
-  skip="not presence_and_frequency and not embedded_model_resolves"
+  # -k: the penalty and typical-p reference tests run the real SmolLM2, and the embedded model's test looks for
+  # its converted weights, which are not carried
+  skip="not presence_and_frequency and not tiny_typical_p and not embedded_model_resolves"
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m "not slow" -k "$skip" -p no:cacheprovider \
     -v -rfEs --durations=15 --timeout "${PER_TEST_TIMEOUT:-120}" \
     --junitxml="$out/tests.xml" "${tests[@]}" 2>&1 | tee "$out/tests.log" | grep -v PASSED | tail -60
