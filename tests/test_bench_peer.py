@@ -24,6 +24,9 @@ def test_workload_shapes(tokenizer):
     batch = {f"{job.workload}/{job.dtype}": peer_compare.batch_for(job, SIZES, "n", tokenizer)
              for job in peer_compare.jobs("float32")}
     assert batch["b/bfloat16"].max_tokens[:4] == list(SIZES.mixed)
+    assert (batch["a/float32"].temperature, batch["a/float32"].top_p) == (0.0, 1.0)  # greedy
+    sampled = batch["s/float32"]
+    assert (sampled.temperature, sampled.top_p) == (1.0, 0.9) and sampled.max_tokens == batch["a/float32"].max_tokens
     assert len(batch["d/float32"].prompts) == 1 and batch["d/float32"].max_tokens == [SIZES.stream_tokens]
     lora = batch["lora/float32"].adapters
     assert lora[:peer_compare.LORA_ADAPTERS] == [f"adapter-{i}" for i in range(peer_compare.LORA_ADAPTERS)]
@@ -90,9 +93,9 @@ def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others(toke
     assert {job for _, job in engines.calls} == set(peer_compare.jobs("bfloat16", selection))
     assert {(r.workload, r.dtype) for r in rows} == {("a", "float32"), ("e", "bfloat16")}
     assert "adapters" not in peer_report.markdown(rows, 1, {"vllm": "v", "lora_serve": "l"})  # no LoRA, no share
-    assert len(peer_compare.jobs("float32")) == 9
+    assert len(peer_compare.jobs("float32")) == 11
     for workloads, dtypes in ((("a", "f"), ("float32",)), (("a",), ("float16",)), ((), ("float32",))):
-        with pytest.raises(ValueError, match="workloads must be among a, b, d, lora, e"):
+        with pytest.raises(ValueError, match="workloads must be among a, s, b, d, lora, e"):
             peer_compare.Selection(workloads, dtypes)
 
 

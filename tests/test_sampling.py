@@ -9,6 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler
+from engine.sampling_filters import filter_logits
 from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
 
@@ -117,20 +119,86 @@ def test_presence_and_frequency_penalties_match_a_reference(smollm2, smollm2_pat
     assert any(p.token_ids != q.token_ids for p, q in zip(outs[:3], outs[3:]))  # the penalties did act
 
 
-def test_typical_p_keeps_what_transformers_keeps():
-    from transformers.generation.logits_process import TypicalLogitsWarper
+def _flat_and_peaked_rows(vocab: int) -> torch.Tensor:
+    """Rows from nearly flat to peaked, one with half its tokens already masked (by a structured-output mask, say)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab) * torch.tensor([0.3, 1.0, 2.0, 4.0, 1.0, 8.0])[:, None]
+    logits[4, : vocab // 2] = float("-inf")
+    return logits
 
-    from engine.sampler import _typical
+
+def _kept(logits: torch.Tensor, **per_row: list) -> torch.Tensor:
+    params = [SamplingParams(temperature=1.0, **{name: values[row] for name, values in per_row.items()})
+              for row in range(logits.shape[0])]
+    return filter_logits(logits, params).isfinite()
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])  # 5,000: more tokens than the filters' candidates
+def test_filters_keep_what_transformers_warpers_keep(vocab):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+
+    logits = _flat_and_peaked_rows(vocab)
+    ks, ps, typical = [1, 5, 40, 0, 2000, 3], [0.2, 0.5, 0.9, 0.95, 0.7, 1.0], [0.95, 0.2, 1.0, 0.5, 0.9, 0.7]
+    filters = (("top_k", ks, TopKLogitsWarper, 0), ("top_p", ps, TopPLogitsWarper, 1.0),
+               ("typical_p", typical, TypicalLogitsWarper, 1.0))  # each with the value that turns it off
+    for name, values, warper, off in filters:
+        kept = _kept(logits, **{name: values})
+        for row, value in enumerate(values):
+            want = logits[row:row + 1] if value == off else warper(value)(None, logits[row:row + 1].clone())
+            assert torch.equal(kept[row], want.isfinite()[0]), (name, row)
+    together = _kept(logits, top_k=ks, top_p=ps, typical_p=typical)  # transformers' order: top-k, top-p, typical
+    for row in range(len(ks)):
+        scores = logits[row:row + 1].clone()
+        for _, values, warper, off in filters:
+            scores = scores if values[row] == off else warper(values[row])(None, scores)
+        assert torch.equal(together[row], scores.isfinite()[0]), row
+    assert 1 <= _kept(logits, typical_p=[0.2] * 6)[0].sum() < _kept(logits, typical_p=[0.9] * 6)[0].sum() < vocab
+
+
+def _row(vocab: int, heavy: int, share: float) -> torch.Tensor:
+    """Logits of a row whose `heavy` tokens, at random places, hold `share` of the mass in equal parts."""
+    probs = torch.full((vocab,), (1 - share) / (vocab - heavy))
+    probs[torch.randperm(vocab)[:heavy]] = share / heavy
+    return probs.log()
+
+
+def test_filters_rank_each_row_only_as_far_as_its_mass_needs():
+    from engine.sampling_filters import TIERS, _by_ranking
 
     torch.manual_seed(0)
-    logits = torch.randn(6, 300) * torch.tensor([0.3, 1.0, 2.0, 4.0, 1.0, 8.0])[:, None]
-    logits[4, :150] = float("-inf")  # masked by an earlier filter (top-k, top-p)
-    masses = [0.2, 0.5, 0.9, 0.95, 0.7, 1.0]
-    kept = _typical(logits, masses).isfinite()
-    for row, mass in enumerate(masses[:-1]):
-        assert torch.equal(kept[row], TypicalLogitsWarper(mass)(None, logits[row:row + 1].clone()).isfinite()[0]), row
-    assert torch.equal(kept[5], logits[5].isfinite())  # typical_p 1.0 leaves its row alone
-    assert 1 <= kept[0].sum() < kept[2].sum() < 300
+    vocab = 20_000
+    keys = torch.stack([_row(vocab, 500, 0.99), torch.zeros(vocab), _row(vocab, 2000, 0.95), _row(vocab, 900, 0.97)])
+
+    def widths(batch: torch.Tensor) -> tuple[dict[int, int], torch.Tensor]:
+        """How far each row of the batch was ranked, and the rows' results (their width) as returned."""
+        seen = {}
+
+        def cut(rows, values, order):
+            assert torch.equal(values, batch[rows].gather(1, order)) and bool((values[:, :-1] >= values[:, 1:]).all())
+            seen.update(dict.fromkeys(torch.arange(len(batch))[rows].tolist(), order.shape[1]))
+            return torch.full_like(batch[rows], float(order.shape[1]))
+
+        out = _by_ranking(batch, batch.softmax(dim=-1), torch.full((len(batch), 1), 0.9), cut)
+        return seen, out[:, 0]
+
+    seen, out = widths(keys)
+    assert seen == {0: TIERS[0], 1: vocab, 2: TIERS[1], 3: TIERS[0]}  # peaked, flat (a full sort), in between
+    assert out.tolist() == [seen[row] for row in range(4)]  # each row's result back in its place
+    assert widths(keys[[0, 3]])[0] == {0: TIERS[0], 1: TIERS[0]}  # a batch all in the first tier
+
+
+def test_draws_follow_the_probabilities_and_never_take_an_impossible_token():
+    from engine.sequence import Sequence
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]).repeat(20_000, 1)
+    seqs = [Sequence(str(i), [1], _sampled()) for i in range(20_000)]
+    counts = torch.bincount(sampler._draw(probs, seqs), minlength=5).tolist()
+    assert counts[1] == counts[4] == 0
+    for count, p in zip(counts, (0.5, 0.0, 0.3, 0.2, 0.0)):
+        assert abs(count - 20_000 * p) < 5 * math.sqrt(20_000 * p * (1 - p)) + 1, counts
+    last_only = torch.tensor([[0.0, 0.0, 1.0, 0.0]]).repeat(100, 1)
+    assert set(sampler._draw(last_only, seqs[:100]).tolist()) == {2}
 
 
 def test_tiny_typical_p_follows_transformers_token_for_token(smollm2, smollm2_path):

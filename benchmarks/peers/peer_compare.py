@@ -6,11 +6,12 @@ machine kind, and minutes-long swings within a run) falls on both sides alike. E
 engine has seen (a nonce opens each prompt), so neither serves a prompt from its prefix cache. The report gives
 each side's median and spread (min-max) over the rounds and the ratio of the medians.
 
-Workloads: (a) 64 x 32 new tokens; (b) 64 requests, every 8th wants 100 new tokens, the rest 10; (d) one
-stream of 128 tokens (ms per token after the first); (a) with 8 distinct rank-8 q,k,v,o adapters, one per
-request in turn; (e) 16 prompts of 2,000 tokens x 128 new tokens, prefill and decode timed apart. (e) runs in
-the dtype this CPU computes fastest (bf16 with bf16 matrix instructions, else fp32: vLLM's bf16 emulated on an
-AVX2-only CPU ran 5x slower than its fp32).
+Workloads: (a) 64 x 32 new tokens; (s) the same sampled at temperature 1 with top-p 0.9, as chat requests often are
+(the sampler's filters and draw in every step); (b) 64 requests, every 8th wants 100 new tokens, the rest 10; (d)
+one stream of 128 tokens (ms per token after the first); (a) with 8 distinct rank-8 q,k,v,o adapters, one per
+request in turn; (e) 16 prompts of 2,000 tokens x 128 new tokens, prefill and decode timed apart. (e) runs in the
+dtype this CPU computes fastest (bf16 with bf16 matrix instructions, else fp32: vLLM's bf16 emulated on an AVX2-only
+CPU ran 5x slower than its fp32).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from benchmarks.peers.peer_timing import Batch, Timing, VLLMWorker, run_lora_ser
 from benchmarks.workloads import PROMPTS
 
 DTYPES = ("float32", "bfloat16")
-WORKLOADS = ("a", "b", "d", "lora", "e")
+WORKLOADS = ("a", "s", "b", "d", "lora", "e")
 LORA_ADAPTERS = 8
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 1.0, 0.9  # workload (s)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Sizes:
 
 @dataclass(frozen=True)
 class PeerJob:
-    workload: str  # "a", "b", "d", "lora", "e"
+    workload: str  # "a", "s", "b", "d", "lora", "e"
     dtype: str
     lora: bool = False
 
@@ -76,7 +78,7 @@ class Selection:
 
 
 def jobs(long_dtype: str, selection: Selection = Selection()) -> list[PeerJob]:
-    base = [PeerJob(w, d) for w in ("a", "b", "d") for d in DTYPES]
+    base = [PeerJob(w, d) for w in ("a", "s", "b", "d") for d in DTYPES]
     every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", long_dtype)]
     return [job for job in every if job.workload in selection.workloads
             and (job.workload == "e" or job.dtype in selection.dtypes)]
@@ -93,6 +95,8 @@ def batch_for(job: PeerJob, sizes: Sizes, nonce: str, tokenizer) -> Batch:
     lengths = {"b": [sizes.mixed[i % len(sizes.mixed)] for i in range(count)],
                "d": [sizes.stream_tokens]}.get(job.workload, [sizes.tokens] * count)
     adapters = [f"adapter-{i % LORA_ADAPTERS}" if job.lora else None for i in range(count)]
+    if job.workload == "s":  # (a) sampled as chat requests often are
+        return Batch(prompts, lengths, adapters, SAMPLED_TEMPERATURE, SAMPLED_TOP_P)
     return Batch(prompts, lengths, adapters)
 
 

@@ -14,7 +14,8 @@ from benchmarks.common import fmt, markdown_table  # noqa: E402
 from benchmarks.peers.peer_compare import PeerResult, median_spread  # noqa: E402
 from benchmarks.peers.peer_timing import Timing  # noqa: E402
 
-NAMES = {"a": "(a) uniform (64 x 32 in the full run)", "b": "(b) mixed lengths", "d": "(d) single stream",
+NAMES = {"a": "(a) uniform (64 x 32 in the full run)", "s": "(s) (a) sampled, temperature 1, top-p 0.9",
+         "b": "(b) mixed lengths", "d": "(d) single stream",
          "lora": "(a) with 8 rank-8 adapters", "e": "(e) long prompts (16 x 2,000 tokens in the full run)"}
 
 

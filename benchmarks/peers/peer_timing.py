@@ -25,6 +25,8 @@ class Batch:
     prompts: list[str | list[int]]  # text, or token ids (the long prompts, cut to an exact length)
     max_tokens: list[int]
     adapters: list[str | None]  # adapter name per request ("adapter-<i>" on both sides), None for the base
+    temperature: float = 0.0  # 0: greedy; else sampled at this temperature, with top_p
+    top_p: float = 1.0
 
     @property
     def new_tokens(self) -> int:
@@ -59,7 +61,8 @@ def run_lora_serve(llm, batch: Batch) -> Timing:
     first, tokens = {}, 0
     start = time.perf_counter()
     for i, (prompt, max_tokens, adapter) in enumerate(zip(batch.prompts, batch.max_tokens, batch.adapters)):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=batch.temperature, top_p=batch.top_p,
+                                ignore_eos=True)
         engine.add_request(f"peer-{i}", prompt, params, adapter)
     while engine.has_unfinished():
         for out in engine.step():

@@ -30,7 +30,8 @@ def _run(llm, loras, job):
     first, tokens = {}, {}
     start = time.perf_counter()
     for i, (prompt, max_tokens, adapter) in enumerate(zip(job["prompts"], job["max_tokens"], job["adapters"])):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=job["temperature"], top_p=job["top_p"],
+                                ignore_eos=True)
         prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         engine.add_request(str(i), prompt, params, lora_request=loras[adapter] if adapter else None)
     while engine.has_unfinished_requests():
