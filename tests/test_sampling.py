@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, inverse_cdf
 from engine.sampling_filters import filter_logits
 from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
@@ -199,6 +199,9 @@ def test_draws_follow_the_probabilities_and_never_take_an_impossible_token():
         assert abs(count - 20_000 * p) < 5 * math.sqrt(20_000 * p * (1 - p)) + 1, counts
     last_only = torch.tensor([[0.0, 0.0, 1.0, 0.0]]).repeat(100, 1)
     assert set(sampler._draw(last_only, seqs[:100]).tolist()) == {2}
+    cumulative = torch.tensor([[0.0, 0.5, 0.5, 1.0, 1.0]], dtype=torch.float64).repeat(4, 1)
+    targets = torch.tensor([[0.0], [0.5], [0.7], [1.0]], dtype=torch.float64)  # the last: u * total rounded up
+    assert inverse_cdf(cumulative, targets).tolist() == [1, 3, 3, 3]
 
 
 def test_tiny_typical_p_follows_transformers_token_for_token(smollm2, smollm2_path):
