@@ -203,15 +203,25 @@ class HttpRoutes:
 
     @app.post("/generate")
     async def generate(self, request: GenerateRequest, http: Request):
-        events = self._events(request, _tenant(http), stream=False)
-        last = await self._first_event(events)  # the only event: it carries every token
-        body = {"generated_text": self._full_text(request, last.final.generated_text)}
+        """One sequence, or with best_of that many drawn at once: the one whose tokens' logprobs sum highest
+        answers (as TGI picks), the others in details.best_of_sequences."""
+        tenant, count = _tenant(http), request.parameters.best_of or 1
+        # each non-streamed request has one event, carrying every token
+        lasts = await asyncio.gather(*(self._first_event(self._events(request, tenant, stream=False))
+                                       for _ in range(count)))
+        best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
+        body = {"generated_text": self._full_text(request, best.final.generated_text)}
         if request.parameters.details:
-            body["details"] = self._details(request, last)
+            body["details"] = self._details(request, best)
+            if count > 1:
+                body["details"]["best_of_sequences"] = [self._sequence(request, last) for last in lasts
+                                                        if last is not best]
         return body
 
     @app.post("/generate_stream")
     async def generate_stream(self, request: GenerateRequest, http: Request):
+        if (request.parameters.best_of or 1) > 1:
+            raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
         events = self._events(request, _tenant(http))
         first = await self._first_event(events)
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
@@ -408,6 +418,12 @@ class HttpRoutes:
     @staticmethod
     def _full_text(request: GenerateRequest, generated: str) -> str:
         return request.inputs + generated if request.parameters.return_full_text else generated
+
+    def _sequence(self, request: GenerateRequest, last: TokenEvent) -> dict:
+        """One of best_of's other sequences, in TGI's BestOfSequence shape."""
+        details = self._details(request, last)
+        return {"generated_text": self._full_text(request, last.final.generated_text),
+                **{key: details[key] for key in ("finish_reason", "generated_tokens", "seed", "prefill", "tokens")}}
 
     def _details(self, request: GenerateRequest, last: TokenEvent) -> dict:
         final = last.final

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.events import TokenEntry
-from deployments.openai_protocol import MAX_STOP, StopString
+from deployments.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.strict import StrictModel
 from deployments.token_texts import TokenTexts
 from engine.sampling import ResponseFormat, SamplingParams
@@ -58,7 +58,7 @@ class GenerateParameters(StrictModel):
     decoder_input_details: bool = False  # prompt tokens (ids, text, logprobs) in details.prefill
     api_token: str | None = None
     merged_adapters: MergedAdapters | None = None  # instead of adapter_id
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sequences drawn; the likeliest answers
     watermark: bool = False
     return_k_alternatives: int | None = Field(None, ge=0, le=20)  # each token's k most likely alternatives
     response_format: JSONResponseFormat | None = None
@@ -67,11 +67,19 @@ class GenerateParameters(StrictModel):
     def _refuse_unsupported(self):
         if self.merged_adapters is not None and self.adapter_id is not None:
             raise ValueError("give adapter_id or merged_adapters, not both")
-        unsupported = {"best_of": self.best_of if self.best_of != 1 else None, "watermark": self.watermark or None}
-        named = [name for name, value in unsupported.items() if value is not None]
-        if named:
-            raise ValueError(f"not supported yet: {', '.join(named)}")
+        if self.watermark:
+            raise ValueError("not supported yet: watermark")
+        if (self.best_of or 1) > 1 and self.seed is not None:  # as TGI: one seed cannot draw several sequences
+            raise ValueError("seed must not be set when best_of > 1")
+        if (self.best_of or 1) > 1 and not self.sampled:
+            raise ValueError("best_of > 1 needs sampling: set do_sample, temperature, top_k, top_p or typical_p")
         return self
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the request samples (TGI: do_sample, or any sampling parameter set) or decodes greedily."""
+        return (self.do_sample or (self.temperature not in (None, 0)) or bool(self.top_k) or self.top_p is not None
+                or self.typical_p is not None)
 
     @field_validator("stop")
     @classmethod
@@ -81,11 +89,9 @@ class GenerateParameters(StrictModel):
         return stop
 
     def to_sampling_params(self) -> SamplingParams:
-        sampled = (self.do_sample or (self.temperature not in (None, 0)) or bool(self.top_k) or self.top_p is not None
-                   or self.typical_p is not None)
         return SamplingParams(
             max_tokens=self.max_new_tokens,
-            temperature=(self.temperature if self.temperature is not None else 1.0) if sampled else 0.0,
+            temperature=(self.temperature if self.temperature is not None else 1.0) if self.sampled else 0.0,
             top_k=self.top_k or 0,
             top_p=self.top_p or 1.0,
             typical_p=self.typical_p or 1.0,

@@ -75,7 +75,10 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"max_new_tokens": "many"}}, 422, "max_new_tokens"),
     ({"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p"),
     ({"inputs": "hi", "parameters": {"bogus": 1}}, 422, "bogus"),
-    ({"inputs": "hi", "parameters": {"best_of": 3, "watermark": True}}, 422, "not supported yet: best_of, watermark"),
+    ({"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported yet: watermark"),
+    ({"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True, "seed": 3}}, 422, "seed must not be set"),
+    ({"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of > 1 needs sampling"),
+    ({"inputs": "hi", "parameters": {"best_of": 17, "do_sample": True}}, 422, "best_of"),
     ({"inputs": "hi", "parameters": {"return_k_alternatives": 50}}, 422, "return_k_alternatives"),
     ({"inputs": "hi", "parameters": {"truncate": 0}}, 422, "truncate"),
     ({"inputs": "hi", "parameters": {"typical_p": 1.5}}, 422, "typical_p"),
@@ -364,6 +367,22 @@ def test_truncate_through_lorax_and_openai_clients_keeps_the_prompts_last_tokens
     done = client.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                      extra_body={"truncate_prompt_tokens": 4})
     assert (done.choices[0].text, done.usage.prompt_tokens) == (tail.text, 4)
+
+
+def test_lorax_best_of_answers_with_the_likeliest_of_its_sequences(server):
+    from lorax import Client
+
+    response = Client(server).generate(PROMPTS[2], max_new_tokens=6, best_of=3, do_sample=True)
+    others = response.details.best_of_sequences
+    assert len(others) == 2
+    sums = [sum(t.logprob for t in s.tokens) for s in [response.details, *others]]
+    assert sums[0] == max(sums)  # TGI's pick: the highest sum of the tokens' logprobs
+    sequences = [(response.generated_text, response.details.tokens)] + [(s.generated_text, s.tokens) for s in others]
+    assert all(text == "".join(t.text for t in tokens if not t.special) for text, tokens in sequences)
+    assert len({response.generated_text, *(s.generated_text for s in others)}) > 1  # drawn apart
+    r = requests.post(f"{server}/generate_stream", json={"inputs": "hi", "parameters": {
+        "best_of": 2, "do_sample": True}}, timeout=60)
+    assert r.status_code == 422 and "streaming" in r.text
 
 
 def test_lorax_typical_p_samples_from_the_typical_set(server):
