@@ -207,8 +207,14 @@ class HttpRoutes:
         answers (as TGI picks), the others in details.best_of_sequences."""
         tenant, count = _tenant(http), request.parameters.best_of or 1
         # each non-streamed request has one event, carrying every token
-        lasts = await asyncio.gather(*(self._first_event(self._events(request, tenant, stream=False))
-                                       for _ in range(count)))
+        drawn = [asyncio.ensure_future(self._first_event(self._events(request, tenant, stream=False)))
+                 for _ in range(count)]
+        try:
+            lasts = await asyncio.gather(*drawn)
+        except BaseException:  # one refused, or the client left: the others stop too
+            for task in drawn:
+                task.cancel()
+            raise
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
         if request.parameters.details:

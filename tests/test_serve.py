@@ -383,6 +383,9 @@ def test_lorax_best_of_answers_with_the_likeliest_of_its_sequences(server):
     r = requests.post(f"{server}/generate_stream", json={"inputs": "hi", "parameters": {
         "best_of": 2, "do_sample": True}}, timeout=60)
     assert r.status_code == 422 and "streaming" in r.text
+    r = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {
+        "best_of": 2, "do_sample": True, "adapter_id": "missing"}}, timeout=60)
+    assert r.status_code == 404 and "not found" in r.text  # a refused sequence refuses the request
 
 
 def test_lorax_typical_p_samples_from_the_typical_set(server):
