@@ -205,15 +205,12 @@ class HttpRoutes:
     async def generate(self, request: GenerateRequest, http: Request):
         """One sequence, or with best_of that many drawn at once: the one whose tokens' logprobs sum highest
         answers (as TGI picks), the others in details.best_of_sequences."""
-        tenant, count = _tenant(http), request.parameters.best_of or 1
-        # each non-streamed request has one event, carrying every token
-        drawn = [asyncio.ensure_future(self._first_event(self._events(request, tenant, stream=False)))
-                 for _ in range(count)]
-        try:
-            lasts = await asyncio.gather(*drawn)
-        except BaseException:  # one refused, or the client left: the others stop too
-            for task in drawn:
-                task.cancel()
+        tenant, count = _tenant(http), (request.parameters.best_of or 1)
+        streams = [self._events(request, tenant, stream=False) for _ in range(count)]
+        try:  # each non-streamed request has one event, carrying every token
+            lasts = await asyncio.gather(*(self._first_event(events) for events in streams))
+        except BaseException:  # a refused or failed sequence, or the client left: stop every sequence
+            _cancel(streams)
             raise
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
@@ -248,27 +245,30 @@ class HttpRoutes:
     async def _refused(reason: str) -> AsyncIterator[Refusal]:
         yield Refusal(reason)
 
-    def _events(self, request: GenerateRequest, tenant: Tenant,
-                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+    def _events(self, request: GenerateRequest, tenant: Tenant, stream: bool = True) -> _Metered:
         """The request's events, charged to its tenant; RequestRefused for an adapter outside the tenant's scope."""
         parameters = request.parameters
         merged = parameters.merged_adapters
         for adapter in merged.ids if merged is not None else [parameters.adapter_id]:
             _check_scope(tenant, adapter)
+        return _Metered(self._request_events(request, stream), tenant, parameters.adapter_id)
+
+    def _request_events(self, request: GenerateRequest, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
+        """The request's events from the engine, or a refusal made here as its only event."""
+        parameters = request.parameters
         source = parameters.adapter_source
         if source is not None and source != self.adapter_source:
             return self._refused(f"adapter_source {source!r} is not served here; this server reads adapters "
                                  f"from {self.adapter_source!r}")
         try:
-            params = request.parameters.to_sampling_params()
-            if request.parameters.adapter_id is not None:
-                validate_adapter_id(request.parameters.adapter_id)
+            params = parameters.to_sampling_params()
+            if parameters.adapter_id is not None:
+                validate_adapter_id(parameters.adapter_id)
         except ValueError as exc:  # a combination the engine refuses; an id that is not an adapter id
             return self._refused(str(exc))
-        if merged is not None:
-            return _Metered(self._merged_stream(request, params, stream), tenant, None)
-        return _Metered(self._stream(request.inputs, params, parameters.adapter_id, stream), tenant,
-                        parameters.adapter_id)
+        if parameters.merged_adapters is not None:
+            return self._merged_stream(request, params, stream)
+        return self._stream(request.inputs, params, parameters.adapter_id, stream)
 
     async def _merged_stream(self, request: GenerateRequest, params: SamplingParams,
                              stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
