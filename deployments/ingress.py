@@ -205,7 +205,7 @@ class HttpRoutes:
     async def generate(self, request: GenerateRequest, http: Request):
         """One sequence, or with best_of that many drawn at once: the one whose tokens' logprobs sum highest
         answers (as TGI picks), the others in details.best_of_sequences."""
-        tenant, count = _tenant(http), (request.parameters.best_of or 1)
+        tenant, count = _tenant(http), request.parameters.sequences
         streams = [self._events(request, tenant, stream=False) for _ in range(count)]
         try:  # each non-streamed request has one event, carrying every token
             lasts = await asyncio.gather(*(self._first_event(events) for events in streams))
@@ -223,7 +223,7 @@ class HttpRoutes:
 
     @app.post("/generate_stream")
     async def generate_stream(self, request: GenerateRequest, http: Request):
-        if (request.parameters.best_of or 1) > 1:
+        if request.parameters.sequences > 1:
             raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
         events = self._events(request, _tenant(http))
         first = await self._first_event(events)

@@ -69,11 +69,16 @@ class GenerateParameters(StrictModel):
             raise ValueError("give adapter_id or merged_adapters, not both")
         if self.watermark:
             raise ValueError("not supported yet: watermark")
-        if (self.best_of or 1) > 1 and self.seed is not None:  # as TGI: one seed cannot draw several sequences
+        if self.sequences > 1 and self.seed is not None:  # as TGI: one seed cannot draw several sequences
             raise ValueError("seed must not be set when best_of > 1")
-        if (self.best_of or 1) > 1 and not self.sampled:
+        if self.sequences > 1 and not self.sampled:
             raise ValueError("best_of > 1 needs sampling: set do_sample, temperature, top_k, top_p or typical_p")
         return self
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences the request draws (best_of); the likeliest answers."""
+        return self.best_of or 1
 
     @property
     def sampled(self) -> bool:

@@ -6,8 +6,9 @@ and frequency penalties over the output only, as vLLM applies them), temperature
 Greedy rows take the argmax. Sampled rows draw by inverse CDF, one uniform a row (engine/sampling_filters.py
 cuts top-k, top-p and typical-p first): on 2 cores of an AVX2 EPYC, a sampler call on 64 rows of 49,152 random
 logits took 15-26 ms at temperature 1, 35-58 with top-p 0.9 and 16-33 with top-k 50, against 101-114, 300-312 and
-283-309 with an exponential drawn per token and whole rows sorted (2 alternating rounds). Seeded rows draw from their own generator, so a seed gives the same text whatever else is in the batch;
-unseeded rows share one engine generator, drawn in one call.
+283-309 with an exponential drawn per token and whole rows sorted (2 alternating rounds). Seeded rows draw from
+their own generator, so a seed gives the same text whatever else is in the batch; unseeded rows share one engine
+generator, drawn in one call.
 Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
 as vLLM reports them.
 """
