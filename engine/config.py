@@ -56,6 +56,9 @@ class EngineConfig:
     cuda_fused_ops: bool = True
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
+    # the KV cache's dtype: "auto" is the model's dtype (vLLM's meaning). Where a bf16 model computes in float32 (a
+    # CPU without bf16 matrix math), "float32" keeps its keys and values unrounded at twice the bytes
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests use it to force preemption)
     max_num_seqs: int = 64
@@ -111,6 +114,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        self._validate_kv_cache_dtype()
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, got {self.kv_cache_memory_fraction}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
@@ -128,6 +132,35 @@ class EngineConfig:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    def _validate_kv_cache_dtype(self) -> None:
+        """'auto', the model's dtype, or float32 for a bf16 model (which takes it only where it computes in float32:
+        the attention kernels read float32 queries over a bf16 cache, not the reverse)."""
+        if self.kv_cache_dtype == "auto":
+            return
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}"
+                             " (fp8 KV caches are not implemented)")
+        wanted, model = DTYPES[self.kv_cache_dtype], DTYPES.get(self.dtype)
+        if wanted != model and (wanted, model) != ("float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} does not fit dtype {self.dtype!r}: use 'auto'"
+                             " (the model's dtype), or float32 for a bfloat16 model on a CPU without bf16 matrix math")
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype. "auto" keeps it in the model's dtype even where a bf16 model computes in float32:
+        half the bytes, so twice the tokens in the same budget, and a long context's decode attention reads half as
+        much (the C++ kernels widen the cached bf16 as they load it). float32 is taken only where the model computes
+        in it."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        wanted = getattr(torch, DTYPES[self.kv_cache_dtype])
+        if wanted != self.torch_dtype and wanted != self.compute_dtype:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs a model that computes in it: this "
+                             f"{self.dtype} model computes in {str(self.compute_dtype).removeprefix('torch.')} here")
+        return wanted
 
     def _validate_preloads(self) -> None:
         self.preload_adapters, self.pinned_adapters = tuple(self.preload_adapters), tuple(self.pinned_adapters)

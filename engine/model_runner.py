@@ -113,6 +113,7 @@ class ModelRunner:
             warnings.warn(f"{config.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
                           f"AVX-NE-CONVERT): the model computes in float32 on its {config.dtype} weights", stacklevel=2)
         self.block_size = config.block_size
+        self.kv_dtype = config.kv_torch_dtype  # the model's dtype, even where a bf16 model computes in float32
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
@@ -176,7 +177,7 @@ class ModelRunner:
 
     def _kv_layout(self, config: EngineConfig) -> KVLayout:
         num_layers, kv_heads, head_dim = self.model.kv_shape
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         per_block = 2 * num_layers * kv_heads * head_dim * element * config.block_size
         budget = self._kv_budget(config)
         num_blocks = config.num_kv_blocks or budget // per_block
@@ -208,7 +209,7 @@ class ModelRunner:
         lay = self.layout
         blocks = lay.num_blocks + (self.device.type == "cuda")
         cache = torch.zeros(lay.num_layers, 2, lay.num_kv_heads, blocks, lay.block_size, lay.head_dim,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.kv_dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
     @torch.inference_mode()

@@ -97,6 +97,10 @@ def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others(toke
     for workloads, dtypes in ((("a", "f"), ("float32",)), (("a",), ("float16",)), ((), ("float32",))):
         with pytest.raises(ValueError, match="workloads must be among a, s, b, d, lora, e"):
             peer_compare.Selection(workloads, dtypes)
+    assert peer_compare.jobs("float32", peer_compare.Selection(("e",), long_dtype="bfloat16")) == [
+        PeerJob("e", "bfloat16")]
+    with pytest.raises(ValueError, match="got fp8"):
+        peer_compare.Selection(("a",), vllm_dtype="fp8")
 
 
 def test_the_cli_refuses_an_unknown_workload_by_name():

@@ -199,10 +199,12 @@ def test_argmax_rows_matches_torch(vocab):
         module.argmax_rows(logits.bfloat16())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cache_matches_index_copy(dtype):
-    """The same cache as the PyTorch write (index_copy_ per tensor), from a strided view of a fused projection;
-    a slot outside the cache is refused with the reason, not written."""
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+def test_write_kv_cache_matches_index_copy(dtype, cache_dtype):
+    """The same cache as the PyTorch write (index_copy_ per tensor), from a strided view of a fused projection,
+    float32 keys rounded to a bf16/fp16 cache as torch rounds them; a slot outside the cache is refused with the
+    reason, not written."""
     from engine.layers.attention import _write
 
     module = cpu_ops.load()
@@ -211,11 +213,12 @@ def test_write_kv_cache_matches_index_copy(dtype):
     fused = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(dtype)
     k, v = (part.view(tokens, kv_heads, dim) for part in fused[:, kv_heads * dim:].split(kv_heads * dim, dim=-1))
     slots = torch.randperm(blocks * block, generator=gen)[:tokens]
-    caches = [torch.zeros(kv_heads, blocks, block, dim, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(kv_heads, blocks, block, dim, dtype=cache_dtype) for _ in range(4)]
     module.write_kv_cache(k, v, caches[0], caches[1], slots)
     _write(caches[2], k, slots)
     _write(caches[3], v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
     with pytest.raises(RuntimeError, match="outside the cache"):
         module.write_kv_cache(k[:1], v[:1], caches[0], caches[1], torch.tensor([blocks * block]))
 

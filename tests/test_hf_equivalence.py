@@ -145,8 +145,10 @@ def test_bf16_long_prompts_in_chunks_as_close_to_hf_float32_as_hf_bf16(tmp_path,
 
 def test_bf16_without_bf16_matrix_math_computes_bf16_weights_in_float32(tiny_llama_path, tokenizer, tmp_path):
     """On a CPU without bf16 matrix instructions (an AVX2 EPYC), dtype bfloat16 computes in float32 on the model's
-    weights rounded to bf16: token for token what transformers gives in float32 on those rounded weights. Where the
-    C++ operators widen bf16 weights, the linears store them in bf16, half the bytes."""
+    weights rounded to bf16. With kv_cache_dtype float32: token for token what transformers gives in float32 on
+    those rounded weights. Where the C++ operators widen bf16 weights, the linears store them in bf16, half the
+    bytes. By default ("auto") the KV cache is bf16 too: half the bytes a token, twice the blocks in one budget, and
+    every generated token's logprob, teacher-forced, within 0.1 of that float32 reference."""
     from engine.config import EngineConfig, cpu_has_native_bf16
     from engine.kernels import cpu_ops
 
@@ -157,8 +159,29 @@ def test_bf16_without_bf16_matrix_math_computes_bf16_weights_in_float32(tiny_lla
     tokenizer.save_pretrained(tmp_path)
     params = SamplingParams(max_tokens=40, temperature=0.0)
     reference = hf_greedy(tmp_path, PROMPTS, params.max_tokens)
-    llm = LLM(str(tiny_llama_path), dtype="bfloat16", max_num_seqs=3, log_stats=False)
-    _check(llm, reference, params=params)
+    exact = LLM(str(tiny_llama_path), dtype="bfloat16", kv_cache_dtype="float32", max_num_seqs=3, log_stats=False)
+    _check(exact, reference, params=params)
     if cpu_ops.load() is not None and cpu_ops.load().simd_linear_widens_bf16():
-        stored = {b.dtype for name, b in llm.engine.runner.model.named_buffers() if name.endswith("own_weight")}
+        stored = {b.dtype for name, b in exact.engine.runner.model.named_buffers() if name.endswith("own_weight")}
         assert stored == {torch.bfloat16}
+    llm = LLM(str(tiny_llama_path), dtype="bfloat16", max_num_seqs=3, log_stats=False)
+    assert {cache.dtype for pair in llm.engine.runner.kv_caches for cache in pair} == {torch.bfloat16}
+    assert llm.engine.runner.dtype == torch.float32
+    assert llm.engine.runner.layout.num_blocks == 2 * exact.engine.runner.layout.num_blocks
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)
+    got = [torch.tensor(out.logprobs) for out in outputs]
+    assert _largest_gap(got, _teacher_forced_logprobs(tmp_path, outputs, torch.float32, "cpu")) < 0.1
+
+
+def test_kv_cache_dtype_is_checked_against_the_model():
+    """kv_cache_dtype: 'auto', the model's dtype, or float32 for a bf16 model; anything else refused by name."""
+    from engine.config import EngineConfig
+
+    assert EngineConfig.from_overrides(dtype="bf16", kv_cache_dtype="fp32").kv_cache_dtype == "fp32"
+    with pytest.raises(ValueError, match="fp8 KV caches are not implemented"):
+        EngineConfig.from_overrides(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' does not fit dtype 'float32'"):
+        EngineConfig.from_overrides(kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' does not fit dtype 'float16'"):
+        EngineConfig.from_overrides(dtype="float16", kv_cache_dtype="float32")

@@ -113,3 +113,31 @@ def test_cpu_kernel_attends_prompt_chunks_causally(dtype, heads, kv_heads, dim, 
     error = (out[2:].double() - want[2:]).norm() / want[2:].norm()
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
     assert (out[:2] == 7.0).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", CPU_SHAPES)
+def test_cpu_kernel_reads_float32_queries_over_a_half_cache(cache_dtype, heads, kv_heads, dim, block):
+    """A bf16 model computing in float32 (a CPU without bf16 matrix math) keeps its cache in bf16: float32 queries,
+    decodes and prompt chunks, over the cache's values widened, to float32's tolerance; a bf16 query over a float32
+    cache is refused by name."""
+    from engine.kernels import cpu_attention
+
+    gen = torch.Generator().manual_seed(heads + dim + block)
+    lens = torch.tensor([1, 1, 20, 1, 3] + [1] * 8)  # queries per sequence
+    contexts = torch.tensor([1, 2 * block + 3, 20 + block, 300, 70] + [130] * 8)
+    starts = torch.cumsum(lens, 0) - lens
+    width = int((contexts.max() + block - 1) // block) + 1
+    num_blocks = len(lens) * width + 2
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(cache_dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(int(lens.sum()), heads + kv_heads, dim, generator=gen)[:, :heads]
+    out = torch.empty(q.shape)
+    cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out)
+    want = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts)
+    error = (out.double() - want).norm() / want.norm()
+    assert error < TOLERANCE[torch.float32], f"relative error {error:.2e}"
+    with pytest.raises(RuntimeError, match="unless q is float32"):
+        cpu_attention.paged_attention(q.to(cache_dtype), k_cache.float(), v_cache.float(), tables, contexts, starts,
+                                      lens, out.to(cache_dtype))

@@ -94,6 +94,10 @@ def _arguments(parser) -> None:
                         help=f"workloads to compare, comma-separated (default {','.join(peer_compare.WORKLOADS)})")
     parser.add_argument("--dtypes", type=_names, default=peer_compare.DTYPES,
                         help=f"the comparison's dtypes, comma-separated (default {','.join(peer_compare.DTYPES)})")
+    parser.add_argument("--long-dtype", default=None,
+                        help="(e)'s dtype (default bfloat16 where the CPU has bf16 matrix math, else float32)")
+    parser.add_argument("--vllm-dtype", default=None,
+                        help="run vLLM in this dtype on every workload (default: the workload's)")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -102,7 +106,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _selection(args) -> peer_compare.Selection:
     try:
-        return peer_compare.Selection(args.workloads, args.dtypes)
+        return peer_compare.Selection(args.workloads, args.dtypes, args.long_dtype, args.vllm_dtype)
     except ValueError as error:
         raise SystemExit(f"benchmarks engine: {error}") from None
 
@@ -183,14 +187,17 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
 
     model_dir = resolve_model(systems.MODEL, default_cache_dir() / "models")
     native_bf16 = cpu_has_native_bf16()
-    long_dtype = "bfloat16" if native_bf16 else "float32"
+    long_dtype = selection.long_dtype or ("bfloat16" if native_bf16 else "float32")
     env["vllm"] = f"vLLM CPU build from {python}; " + describe_openmp(vllm_env(python, 2))
     bf16 = "" if native_bf16 else ("; this CPU has no bf16 matrix instructions, so lora-serve computes "
                                    "the bfloat16 rows in float32 on bf16 weights and vLLM emulates bf16")
     env["lora_serve"] = f"torch threads {args.threads}, {env['openmp']}; (e) in {long_dtype}{bf16}"
+    if selection.vllm_dtype:
+        env["vllm"] += f"; vLLM runs every workload in {selection.vllm_dtype}, whatever its dtype asked"
     sizes = peer_compare.Sizes.quick() if args.quick else peer_compare.Sizes()
     adapters = peer_compare.adapters_folder(AutoConfig.from_pretrained(model_dir))
-    engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.out, long_dtype)
+    engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.out, long_dtype,
+                                   selection.vllm_dtype)
     try:
         return peer_compare.run(engines, AutoTokenizer.from_pretrained(model_dir), sizes, rounds, long_dtype,
                                 selection)

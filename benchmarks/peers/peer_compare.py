@@ -66,12 +66,17 @@ class PeerResult:
 @dataclass(frozen=True)
 class Selection:
     """Which workloads and dtypes a run compares (every one by default); (e) runs in its own dtype whatever
-    `dtypes` says."""
+    `dtypes` says: `long_dtype`, else the machine's (bf16 where the CPU has bf16 matrix math). `vllm_dtype` runs
+    vLLM in that dtype on every job (float32, its fastest on a CPU that only emulates bf16), None in the job's."""
     workloads: tuple[str, ...] = WORKLOADS
     dtypes: tuple[str, ...] = DTYPES
+    long_dtype: str | None = None
+    vllm_dtype: str | None = None
 
     def __post_init__(self):
-        unknown = [w for w in self.workloads if w not in WORKLOADS] + [d for d in self.dtypes if d not in DTYPES]
+        fixed = [d for d in (self.long_dtype, self.vllm_dtype) if d is not None]
+        unknown = ([w for w in self.workloads if w not in WORKLOADS]
+                   + [d for d in self.dtypes + tuple(fixed) if d not in DTYPES])
         if unknown or not self.workloads or not self.dtypes:
             raise ValueError(f"peer comparison: workloads must be among {', '.join(WORKLOADS)} and dtypes among "
                              f"{', '.join(DTYPES)}, neither empty; got {', '.join(unknown) or 'an empty list'}")
@@ -79,7 +84,7 @@ class Selection:
 
 def jobs(long_dtype: str, selection: Selection = Selection()) -> list[PeerJob]:
     base = [PeerJob(w, d) for w in ("a", "s", "b", "d") for d in DTYPES]
-    every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", long_dtype)]
+    every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", selection.long_dtype or long_dtype)]
     return [job for job in every if job.workload in selection.workloads
             and (job.workload == "e" or job.dtype in selection.dtypes)]
 
@@ -111,8 +116,9 @@ class Engines:
     """Both sides' engines, one per (dtype, LoRA) and made on first use; vLLM workers are closed at the end."""
 
     def __init__(self, vllm_python: Path, model_dir: Path, threads: int, adapter_dirs: list[Path], log_dir: Path,
-                 long_dtype: str):
+                 long_dtype: str, vllm_dtype: str | None = None):
         self.vllm_python, self.model_dir, self.threads, self.long_dtype = vllm_python, model_dir, threads, long_dtype
+        self.vllm_dtype = vllm_dtype  # every vLLM engine in this dtype; None: the job's
         self.adapter_dirs, self.log_dir = adapter_dirs, log_dir
         self.lora_serve: dict[PeerJob, object] = {}
         self.vllm: dict[PeerJob, VLLMWorker] = {}
@@ -136,7 +142,7 @@ class Engines:
         if key not in self.vllm:
             log = self.log_dir / f"vllm-{key.dtype}{'-lora' if key.lora else ''}.log"
             adapters = self.adapter_dirs if key.lora else []
-            worker = VLLMWorker(self.vllm_python, self.model_dir, key.dtype, 4096, adapters, log,
+            worker = VLLMWorker(self.vllm_python, self.model_dir, self.vllm_dtype or key.dtype, 4096, adapters, log,
                                 kv_cache_gib=2 if self._long(key) else 1)
             self.vllm[key] = worker  # kept before its warm-up, so close() ends it whatever happens
             worker.run(_warmup(key))

@@ -110,7 +110,7 @@ def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """new [T, kv_heads, D] into the cache's slots (slot = block * block_size + offset)."""
     kv_heads, head_dim = cache.shape[0], cache.shape[-1]
-    cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1))
+    cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -120,8 +120,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
-    keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows)  # [kv_heads, B, L, D]
-    values = _gather_blocks(v_cache, meta.decode_block_tables, meta.decode_rows)
+    keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows).to(q.dtype)  # [kv_heads, B, L, D]
+    values = _gather_blocks(v_cache, meta.decode_block_tables, meta.decode_rows).to(q.dtype)
     if q.dtype == torch.float32:  # fp32: SDPA (its decode path beat fp32 grouped matmuls 1.5-3x here)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=meta.decode_mask, enable_gqa=True)
@@ -176,8 +176,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
-    keys = _gather_blocks(k_cache, seg.block_table, seg.rows)[None, :, :seg.context_len]
-    values = _gather_blocks(v_cache, seg.block_table, seg.rows)[None, :, :seg.context_len]
+    keys = _gather_blocks(k_cache, seg.block_table, seg.rows)[None, :, :seg.context_len].to(q.dtype)
+    values = _gather_blocks(v_cache, seg.block_table, seg.rows)[None, :, :seg.context_len].to(q.dtype)
     if q.is_cuda:
         out = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True,
                                              attn_mask=_visible(seg.length, seg.context_len, q.device))

@@ -1,7 +1,10 @@
 // Writes a step's new keys and values into one layer's paged cache in one call. The eager version is two
 // index_copy_ calls a layer on a transposed view of the new tokens, about 30 us each for a 64-sequence decode
-// step on 2 cores (4% of a bf16 step); here each (token, KV head) row is one memcpy of head_dim values.
+// step on 2 cores (4% of a bf16 step); here each (token, KV head) row is one memcpy of head_dim values. A float32
+// model over a bf16 cache (bf16 weights computed in float32 on a CPU without bf16 matrix math) rounds each row to
+// bf16 as it writes it, to nearest even as torch's conversion does.
 
+#include "float_types.h"
 #include "ops.h"
 #include "work_pool.h"
 
@@ -14,11 +17,32 @@ void check(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots
               "block_size, head_dim]");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == slots.size(0) && x.size(1) == cache.size(0) && x.size(2) == cache.size(3),
               name, " must be [tokens, kv_heads, head_dim] matching the cache and the slot mapping");
-  TORCH_CHECK(x.scalar_type() == cache.scalar_type(), name, " and its cache must share a dtype");
+  TORCH_CHECK(x.scalar_type() == cache.scalar_type() || x.scalar_type() == at::kFloat, name,
+              " and its cache must share a dtype, unless ", name, " is float32 (rounded to the cache's)");
   TORCH_CHECK(x.stride(2) == 1, name, "'s head_dim must be contiguous");
 }
 
+// x's rows rounded to the cache's cache_t (float32 x).
+template <typename cache_t>
+void write_rounded(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), slots_per_head = cache.size(1) * cache.size(2);
+  auto* dst = cache.data_ptr<cache_t>();
+  const float* src = x.data_ptr<float>();
+  lora_serve::parallel_for(0, tokens * heads, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      lora_serve::narrow(src + t * x.stride(0) + h * x.stride(1), dst + (h * slots_per_head + slots[t]) * dim, dim);
+    }
+  });
+}
+
 void write(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
+  if (x.scalar_type() != cache.scalar_type()) {
+    lora_serve::dispatch_float_types(cache.scalar_type(), "write_kv_cache", [&](auto type) {
+      write_rounded<decltype(type)>(cache, x, slots);
+    });
+    return;
+  }
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   const int64_t slots_per_head = cache.size(1) * cache.size(2), bytes = dim * x.element_size();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);

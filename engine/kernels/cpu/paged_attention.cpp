@@ -95,10 +95,12 @@ inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, flo
   for (int64_t t = rows; t < width; ++t) scores[t] = -std::numeric_limits<float>::infinity();
 }
 
-// Scores of one query's heads of the group (the first group rows of w.query) against a float32 block's keys
-// as they are stored: a dot product per key and head, block_size apart in `scores` (-inf past `rows`). For a float32
-// decode this replaces copying and transposing each block for a single query.
-inline void score_rows(const Scratch& w, const Shape& s, const float* keys, int64_t rows, float* scores) {
+// Scores of one query's heads of the group (the first group rows of w.query) against a block's keys as they are
+// stored (float32, or bf16/fp16 widened as they are loaded): a dot product per key and head, block_size apart in
+// `scores` (-inf past `rows`). For a float32 decode this replaces copying and transposing each block for a single
+// query.
+template <typename cache_t>
+inline void score_rows(const Scratch& w, const Shape& s, const cache_t* keys, int64_t rows, float* scores) {
   const int64_t d = s.head_dim, whole = d - d % Vec::size();
   for (int64_t g = 0; g < s.group; ++g) {
     const float* q = w.query.data() + g * d;
@@ -108,11 +110,11 @@ inline void score_rows(const Scratch& w, const Shape& s, const float* keys, int6
       Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
       for (int64_t i = 0; i < whole; i += Vec::size()) {
         const Vec qv = Vec::loadu(q + i);
-        for (int64_t k = 0; k < n; ++k) acc[k] = at::vec::fmadd(qv, Vec::loadu(keys + (t + k) * d + i), acc[k]);
+        for (int64_t k = 0; k < n; ++k) acc[k] = at::vec::fmadd(qv, load_float(keys + (t + k) * d + i), acc[k]);
       }
       for (int64_t k = 0; k < n; ++k) {
         float sum = acc[k].reduce_add();
-        for (int64_t i = whole; i < d; ++i) sum += q[i] * keys[(t + k) * d + i];
+        for (int64_t i = whole; i < d; ++i) sum += q[i] * static_cast<float>(keys[(t + k) * d + i]);
         out[t + k] = sum;
       }
     }
@@ -121,17 +123,17 @@ inline void score_rows(const Scratch& w, const Shape& s, const float* keys, int6
 }
 
 // Columns [0, CHUNKS vectors) of acc rows [N, d] (d apart) = acc * rescale + sum over the block's tokens of p[row][t]
-// * V[t] (V's rows d apart): each V vector is loaded once for the N query heads that share it; the accumulators stay
-// in registers.
-template <int CHUNKS, int N>
-inline void accumulate_rows(float* acc, const float* rescale, const float* p, int64_t p_stride, const float* values,
+// * V[t] (V's rows d apart, float32 or widened as loaded): each V vector is loaded once for the N query heads that
+// share it; the accumulators stay in registers.
+template <int CHUNKS, int N, typename value_t>
+inline void accumulate_rows(float* acc, const float* rescale, const float* p, int64_t p_stride, const value_t* values,
                             int64_t rows, int64_t d) {
   Vec out[N][CHUNKS];
   for (int n = 0; n < N; ++n)
     for (int c = 0; c < CHUNKS; ++c) out[n][c] = Vec::loadu(acc + n * d + c * Vec::size()) * Vec(rescale[n]);
   for (int64_t t = 0; t < rows; ++t) {
     Vec v[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) v[c] = Vec::loadu(values + t * d + c * Vec::size());
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load_float(values + t * d + c * Vec::size());
     for (int n = 0; n < N; ++n) {
       const Vec weight(p[n * p_stride + t]);
       for (int c = 0; c < CHUNKS; ++c) out[n][c] = at::vec::fmadd(weight, v[c], out[n][c]);
@@ -142,7 +144,8 @@ inline void accumulate_rows(float* acc, const float* rescale, const float* p, in
 }
 
 // One row: acc[0:d] = acc * rescale + sum over the block's rows of p[t] * V[t].
-inline void accumulate_any(float* acc, float rescale, const float* p, const float* values, int64_t rows,
+template <typename value_t>
+inline void accumulate_any(float* acc, float rescale, const float* p, const value_t* values, int64_t rows,
                            int64_t d) {
   switch (d / Vec::size()) {
     case 2: return accumulate_rows<2, 1>(acc, &rescale, p, 0, values, rows, d);
@@ -152,7 +155,7 @@ inline void accumulate_any(float* acc, float rescale, const float* p, const floa
   }
   for (int64_t i = 0; i < d; ++i) {  // other head dims: scalar
     float out = acc[i] * rescale;
-    for (int64_t t = 0; t < rows; ++t) out += p[t] * values[t * d + i];
+    for (int64_t t = 0; t < rows; ++t) out += p[t] * static_cast<float>(values[t * d + i]);
     acc[i] = out;
   }
 }
@@ -163,8 +166,8 @@ inline void accumulate_any(float* acc, float rescale, const float* p, const floa
 constexpr int kPassVectors = Vec::size() >= 16 ? 4 : 2;
 
 // The n rows' accumulate_rows in passes of CHUNKS vectors over the head dim (d a multiple of CHUNKS vectors).
-template <int CHUNKS>
-inline bool accumulate_group(float* acc, const float* rescale, const float* p, int64_t p_stride, const float* values,
+template <int CHUNKS, typename value_t>
+inline bool accumulate_group(float* acc, const float* rescale, const float* p, int64_t p_stride, const value_t* values,
                              int64_t rows, int64_t n, int64_t d) {
   if (n < 1 || n > 4) return false;
   for (int64_t col = 0; col < d; col += CHUNKS * Vec::size()) {
@@ -180,9 +183,10 @@ inline bool accumulate_group(float* acc, const float* rescale, const float* p, i
 
 // Folds one block into rows first .. first + n - 1 (one query's heads of the group, each seeing `rows` tokens), whose
 // scores are in w.scores, block_size apart (-inf past `rows`): running max and sum, then the weighted values (the
-// block's [block_size, head_dim] values in float32).
+// block's [block_size, head_dim] values: float32, or bf16/fp16 widened as they are read).
+template <typename value_t>
 inline void fold_scores(Scratch& w, const Shape& s, int64_t first, int64_t n, int64_t rows,
-                        const float* values) {
+                        const value_t* values) {
   float rescale[64];
   for (int64_t i = 0; i < n; ++i) {
     float* scores = w.scores.data() + i * s.block_size;
@@ -211,17 +215,18 @@ inline void fold_scores(Scratch& w, const Shape& s, int64_t first, int64_t n, in
 
 // Whether bf16 keys are scored straight from the cache (bf16_scores.h): AVX-512 BF16, blocks of 16 tokens, head
 // dims of whole 32-value vectors.
-template <typename scalar_t>
+template <typename q_t, typename cache_t>
 inline bool scores_in_bf16(const Shape& s) {
-  return lora_serve::kBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && s.block_size == 16 && s.head_dim % 32 == 0;
+  return lora_serve::kBf16Dot && std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+         s.block_size == 16 && s.head_dim % 32 == 0;
 }
 
 // Scores of row g (query t of the tile, head g % group) against one block, into `scores`.
-template <typename scalar_t>
-inline void score_row(Scratch& w, const Shape& s, const scalar_t* q_row, const scalar_t* k_block, int64_t g,
+template <typename q_t, typename cache_t>
+inline void score_row(Scratch& w, const Shape& s, const q_t* q_row, const cache_t* k_block, int64_t g,
                       int64_t rows, bool bf16_scores, float* scores) {
   if (bf16_scores) {
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
       lora_serve::bf16_block_scores(q_row, k_block, s.head_dim, s.scale, scores);
     for (int64_t t = rows; t < s.block_size; ++t) scores[t] = -std::numeric_limits<float>::infinity();
   } else {
@@ -229,11 +234,12 @@ inline void score_row(Scratch& w, const Shape& s, const scalar_t* q_row, const s
   }
 }
 
-template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, const int64_t* table,
-            const Tile& tile, scalar_t* out, const Shape& s, Scratch& w) {
+// q_t: the queries' and the output's dtype; cache_t: the cache's, the same or (float32 queries) bf16/fp16.
+template <typename q_t, typename cache_t>
+void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const int64_t* table,
+            const Tile& tile, q_t* out, const Shape& s, Scratch& w) {
   const int64_t d = s.head_dim, run = s.block_size * d, width = s.group * d, stride = s.heads * d;
-  const bool bf16_scores = scores_in_bf16<scalar_t>(s);
+  const bool bf16_scores = scores_in_bf16<q_t, cache_t>(s);
   const int64_t rows_used = tile.count * s.group, context = tile.position + tile.count;
   if (!bf16_scores)  // the float32 path scores scaled, widened queries; the bf16 one reads q as it is
     for (int64_t t = 0; t < tile.count; ++t)
@@ -247,11 +253,12 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
       prefetch(k_head + table[b + 1] * run, run);
       prefetch(v_head + table[b + 1] * run, run);
     }
-    const scalar_t* k_block = k_head + table[b] * run;
-    const scalar_t* v_block = v_head + table[b] * run;
-    // A float32 tile of one query (a decode) scores each key where it is stored and reads the values in place; a
-    // longer tile shares one transposed copy of each block among its queries.
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    const cache_t* k_block = k_head + table[b] * run;
+    const cache_t* v_block = v_head + table[b] * run;
+    // A float32 tile of one query (a decode) scores each key where it is stored and reads the values in place,
+    // widening a bf16 cache's as it loads them; a longer tile shares one transposed copy of each block among its
+    // queries.
+    if constexpr (std::is_same_v<q_t, float>) {
       if (tile.count == 1) {
         score_rows(w, s, k_block, rows, w.scores.data());
         fold_scores(w, s, 0, s.group, rows, v_block);
@@ -276,7 +283,7 @@ void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, c
     for (int64_t g = 0; g < s.group; ++g) {
       const int64_t row = t * s.group + g;
       const float inv = 1.f / w.total[row];
-      for (int64_t i = 0; i < d; ++i) out[t * stride + g * d + i] = static_cast<scalar_t>(w.acc[row * d + i] * inv);
+      for (int64_t i = 0; i < d; ++i) out[t * stride + g * d + i] = static_cast<q_t>(w.acc[row * d + i] * inv);
     }
 }
 
@@ -292,16 +299,16 @@ std::vector<Tile> make_tiles(const at::Tensor& starts, const at::Tensor& lens, c
   return tiles;
 }
 
-template <typename scalar_t>
+template <typename q_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const std::vector<Tile>& tiles, int64_t work, at::Tensor& out, const Shape& s) {
   const int64_t kv_heads = k_cache.size(0), items = static_cast<int64_t>(tiles.size()) * kv_heads;
   const int64_t head_run = s.num_blocks * s.block_size * s.head_dim;  // one KV head's share of the cache
   const int64_t* table = tables.data_ptr<int64_t>();
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
+  q_t* op = out.data_ptr<q_t>();
   // only a tiny call stays on the calling thread, where waking the pool costs more than it saves; 64 decodes of
   // 40 tokens (bf16, 2 cores) took 290 us on one thread, 132 on two
   const int64_t grain = work * kv_heads < 1024 ? items : 1;
@@ -331,8 +338,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be shaped like q");
   for (const auto* t : {&block_tables, &context_lens, &query_starts, &query_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, lengths and query starts must be int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (q.scalar_type() == k_cache.scalar_type() || q.scalar_type() == at::kFloat),
+              "q and the cache must share a dtype, unless q is float32 (over a float32, bf16 or fp16 cache)");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 64,
               "query heads must be a multiple of the KV heads, at most 64 per KV head");
   TORCH_CHECK(k_cache.size(2) % lora_serve::Vec::size() == 0 && q.size(2) % 4 == 0,
@@ -345,8 +353,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   for (const Tile& tile : tiles) work += tile.position + tile.count;
   Shape s{q.size(1), q.stride(0), q.size(1) / kv_heads, head_dim, k_cache.size(2), k_cache.size(1), tables.size(1),
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))};
+  if (q.scalar_type() != k_cache.scalar_type()) {  // float32 queries over a bf16/fp16 cache
+    lora_serve::dispatch_float_types(k_cache.scalar_type(), "paged_attention", [&](auto type) {
+      run<float, decltype(type)>(q, k_cache, v_cache, tables, tiles, work, out, s);
+    });
+    return;
+  }
   lora_serve::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto type) {
-    run<decltype(type)>(q, k_cache, v_cache, tables, tiles, work, out, s);
+    run<decltype(type), decltype(type)>(q, k_cache, v_cache, tables, tiles, work, out, s);
   });
 }
 
