@@ -189,8 +189,9 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
     native_bf16 = cpu_has_native_bf16()
     long_dtype = selection.long_dtype or ("bfloat16" if native_bf16 else "float32")
     env["vllm"] = f"vLLM CPU build from {python}; " + describe_openmp(vllm_env(python, 2))
-    bf16 = "" if native_bf16 else ("; this CPU has no bf16 matrix instructions, so lora-serve computes "
-                                   "the bfloat16 rows in float32 on bf16 weights and vLLM emulates bf16")
+    emulated = "" if selection.vllm_dtype else " and vLLM emulates bf16"
+    bf16 = "" if native_bf16 else ("; this CPU has no bf16 matrix instructions, so lora-serve computes the bfloat16 "
+                                   f"rows in float32 on bf16 weights, with a bf16 KV cache{emulated}")
     env["lora_serve"] = f"torch threads {args.threads}, {env['openmp']}; (e) in {long_dtype}{bf16}"
     if selection.vllm_dtype:
         env["vllm"] += f"; vLLM runs every workload in {selection.vllm_dtype}, whatever its dtype asked"
