@@ -29,20 +29,23 @@ WRITES = [None, pytest.param(getattr(CPU_OPS, "write_kv_cache", None),
 
 
 @pytest.mark.parametrize("kv_write", WRITES, ids=["index-copy", "cpu-kv-write"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-bf16kv"])
 @pytest.mark.parametrize("num_decode", [1, 16, 21])
-def test_paged_attention_matches_reference(dtype, num_decode, kv_write):
+def test_paged_attention_matches_reference(dtype, cache_dtype, num_decode, kv_write):
+    """float32 math over a bf16 cache (a bf16 model on a CPU without bf16 matrix math): every query, a fresh
+    prompt's included, attends to the keys and values as the cache holds them, to float32's tolerance."""
     torch.manual_seed(num_decode)
     gen = torch.Generator().manual_seed(0)
     contexts = [int(x) for x in torch.randint(1, 30, (num_decode,), generator=gen)]
     # (new tokens, tokens already cached): fresh prompts and chunks with history, short and over many query blocks
     prefills = [(5, 0), (7, 9), (300, 0), (200, 150)]
     num_blocks = 400
-    k_cache = torch.zeros(KV_HEADS, num_blocks, BLOCK, DIM, dtype=dtype)  # the engine's head-major layout
+    k_cache = torch.zeros(KV_HEADS, num_blocks, BLOCK, DIM, dtype=cache_dtype)  # the engine's head-major layout
     v_cache = torch.zeros_like(k_cache)
     free = iter(torch.randperm(num_blocks).tolist())
     seqs = [(ctx, 1) for ctx in contexts] + [(cached + new, new) for new, cached in prefills]
-    tables, full_k, full_v = [], [], []
+    tables, full_k, full_v, keys_new, values_new = [], [], [], [], []
     for total, new in seqs:  # history into scattered blocks; the new tokens are paged_attention's to write
         table = [next(free) for _ in range((total + BLOCK - 1) // BLOCK)]
         keys = torch.randn(total, KV_HEADS, DIM).to(dtype)
@@ -51,13 +54,15 @@ def test_paged_attention_matches_reference(dtype, num_decode, kv_write):
             k_cache[:, table[pos // BLOCK], pos % BLOCK] = keys[pos]
             v_cache[:, table[pos // BLOCK], pos % BLOCK] = values[pos]
         tables.append(table)
-        full_k.append(keys)
-        full_v.append(values)
+        full_k.append(keys.to(cache_dtype).to(dtype))  # as stored
+        full_v.append(values.to(cache_dtype).to(dtype))
+        keys_new.append(keys[total - new:])  # paged_attention's to write: in the math's dtype, unrounded
+        values_new.append(values[total - new:])
     q_rows, k_rows, v_rows, slots, segments = [], [], [], [], []
     for i, (total, new) in enumerate(seqs):
         q_rows.append(torch.randn(new, HEADS, DIM).to(dtype))
-        k_rows.append(full_k[i][total - new:])
-        v_rows.append(full_v[i][total - new:])
+        k_rows.append(keys_new[i])
+        v_rows.append(values_new[i])
         slots += [tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(total - new, total)]
         if i >= num_decode:
             start = sum(n for _, n in seqs[:i])

@@ -173,7 +173,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         return cpu_attention.prompt_attention(q, k_cache, v_cache, seg.block_table, seg.context_len)
     queries = q.transpose(0, 1)[None]  # [1, heads, L, D]
     if seg.block_table is None:  # the whole context is this chunk: plain causal attention
-        out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        keys, values = _as_stored(k, k_cache), _as_stored(v, v_cache)
+        out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                                              is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
     keys = _gather_blocks(k_cache, seg.block_table, seg.rows)[None, :, :seg.context_len].to(q.dtype)
@@ -184,6 +185,13 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     else:
         out = _after_cached(queries, keys, values, seg.context_len - seg.length)
     return out[0].transpose(0, 1)
+
+
+def _as_stored(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """This step's keys or values as the cache holds them: rounded to a bf16 cache under float32 math, so a fresh
+    prompt sees what its later tokens (and a request reusing its prefix) read back from the cache, as when the two
+    dtypes are one."""
+    return new if new.dtype == cache.dtype else new.to(cache.dtype).to(new.dtype)
 
 
 def _after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int) -> torch.Tensor:
