@@ -111,6 +111,7 @@ class OpenAISampling(StrictModel):
                                 json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})] | None = None
     # vLLM's extra sampling parameters (openai clients send them in extra_body)
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)  # tokens at least min_p x the most likely one's probability; 0: off
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
@@ -171,7 +172,7 @@ class OpenAISampling(StrictModel):
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias or {},
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,

@@ -2,9 +2,9 @@
 
 Order of processing follows transformers: structured-output masks first, then the per-request row
 processors (min_tokens' ban on EOS and stop tokens, logit bias, repetition penalty, OpenAI's presence
-and frequency penalties over the output only, as vLLM applies them), temperature, top-k, top-p, typical-p.
+and frequency penalties over the output only, as vLLM applies them), temperature, top-k, top-p, min-p, typical-p.
 Greedy rows take the argmax. Sampled rows draw by inverse CDF, one uniform a row (engine/sampling_filters.py
-cuts top-k, top-p and typical-p first): on 2 cores of an AVX2 EPYC, a sampler call on 64 rows of 49,152 random
+cuts top-k, top-p, min-p and typical-p first): on 2 cores of an AVX2 EPYC, a sampler call on 64 rows of 49,152 random
 logits took 15-26 ms at temperature 1, 35-58 with top-p 0.9 and 16-33 with top-k 50, against 101-114, 300-312 and
 283-309 with an exponential drawn per token and whole rows sorted (2 alternating rounds). Seeded rows draw from
 their own generator, so a seed gives the same text whatever else is in the batch; unseeded rows share one engine

@@ -115,6 +115,7 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     typical_p: float = 1.0  # locally typical sampling (Meister et al.); 1.0: off
+    min_p: float = 0.0  # keep the tokens at least min_p times as likely as the most likely one (vLLM's); 0: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI's: subtracted from every token the output already holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds the token
@@ -153,6 +154,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.typical_p <= 1.0:
             raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
                                                         or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")

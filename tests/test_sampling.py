@@ -55,6 +55,19 @@ def test_sampled_tokens_stay_inside_top_k(llm, tiny_llama_path):
         assert token in alternatives
 
 
+def test_min_p_samples_only_tokens_near_the_most_likely(llm):
+    """At temperature 1 every token drawn with min_p is at least min_p times as likely as the step's most likely
+    token (its logprob against the top alternative's); the random model's near-flat rows leave a few such tokens, so
+    without min_p the same draws fall below that floor."""
+    def gaps(**kw) -> list[float]:
+        outs = llm.generate(PROMPTS[:4], _sampled(seed=3, logprobs=1, **kw), use_tqdm=False)
+        return [lp - max(top.values()) for out in outs for lp, top in zip(out.logprobs, out.top_logprobs)]
+
+    floor = math.log(0.8)
+    assert min(gaps(min_p=0.8)) >= floor - 1e-4
+    assert min(gaps()) < floor
+
+
 def test_repetition_penalty_matches_hf(tiny_llama_path):
     reference = hf_greedy(tiny_llama_path, PROMPTS[:4], 16, repetition_penalty=1.5)
     llm = LLM(str(tiny_llama_path), log_stats=False)
@@ -135,18 +148,21 @@ def _kept(logits: torch.Tensor, **per_row: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [300, 5000])  # 5,000: more tokens than the filters' candidates
 def test_filters_keep_what_transformers_warpers_keep(vocab):
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+    from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                                                        TypicalLogitsWarper)
 
     logits = _flat_and_peaked_rows(vocab)
     ks, ps, typical = [1, 5, 40, 0, 2000, 3], [0.2, 0.5, 0.9, 0.95, 0.7, 1.0], [0.95, 0.2, 1.0, 0.5, 0.9, 0.7]
+    min_ps = [0.05, 0.0, 0.3, 0.01, 1.0, 0.5]
     filters = (("top_k", ks, TopKLogitsWarper, 0), ("top_p", ps, TopPLogitsWarper, 1.0),
+               ("min_p", min_ps, MinPLogitsWarper, 0.0),
                ("typical_p", typical, TypicalLogitsWarper, 1.0))  # each with the value that turns it off
     for name, values, warper, off in filters:
         kept = _kept(logits, **{name: values})
         for row, value in enumerate(values):
             want = logits[row:row + 1] if value == off else warper(value)(None, logits[row:row + 1].clone())
             assert torch.equal(kept[row], want.isfinite()[0]), (name, row)
-    together = _kept(logits, top_k=ks, top_p=ps, typical_p=typical)  # transformers' order: top-k, top-p, typical
+    together = _kept(logits, top_k=ks, top_p=ps, min_p=min_ps, typical_p=typical)  # transformers' order
     for row in range(len(ks)):
         scores = logits[row:row + 1].clone()
         for _, values, warper, off in filters:
@@ -308,7 +324,8 @@ def test_stop_string_cuts_text(llm):
                                  dict(presence_penalty=2.5), dict(frequency_penalty=-3),
                                  dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
                                  dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1), dict(typical_p=0),
-                                 dict(typical_p=1.5), dict(truncate_prompt_tokens=0)])
+                                 dict(typical_p=1.5), dict(truncate_prompt_tokens=0), dict(min_p=-0.1),
+                                 dict(min_p=1.5)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

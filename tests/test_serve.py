@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,7 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "hi", "stop": [""]}, "at least 1 character"),
     ("completions", {"prompt": "hi", "suffix": "!"}, "suffix: not supported by this server"),
     ("completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("chat/completions", {"messages": []}, "messages"),
@@ -367,6 +369,23 @@ def test_truncate_through_lorax_and_openai_clients_keeps_the_prompts_last_tokens
     done = client.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                      extra_body={"truncate_prompt_tokens": 4})
     assert (done.choices[0].text, done.usage.prompt_tokens) == (tail.text, 4)
+
+
+def test_openai_min_p_draws_only_tokens_near_the_most_likely(server, tiny_llama_path):
+    """vLLM's min_p in the openai client's extra_body: every token drawn at temperature 1 is at least min_p times
+    as likely as the step's most likely one; without it the random model's flat rows give tokens below that."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+    def gaps(extra: dict) -> list[float]:
+        done = client.completions.create(model=str(tiny_llama_path), prompt=PROMPTS[3], max_tokens=16, seed=3,
+                                         temperature=1.0, logprobs=1, extra_body={"ignore_eos": True, **extra})
+        logprobs = done.choices[0].logprobs
+        return [lp - max(top.values()) for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs)]
+
+    assert min(gaps({"min_p": 0.8})) >= math.log(0.8) - 1e-4
+    assert min(gaps({})) < math.log(0.8)
 
 
 def test_lorax_best_of_answers_with_the_likeliest_of_its_sequences(server):
