@@ -97,8 +97,9 @@ def test_a_selection_runs_the_workloads_and_dtypes_named_and_refuses_others(toke
     for workloads, dtypes in ((("a", "f"), ("float32",)), (("a",), ("float16",)), ((), ("float32",))):
         with pytest.raises(ValueError, match="workloads must be among a, s, b, d, lora, e"):
             peer_compare.Selection(workloads, dtypes)
-    assert peer_compare.jobs("float32", peer_compare.Selection(("e",), long_dtype="bfloat16")) == [
-        PeerJob("e", "bfloat16")]
+    forced = peer_compare.Selection(("e",), long_dtype="bfloat16")
+    assert peer_compare.jobs(forced.long_dtype_for(False), forced) == [PeerJob("e", "bfloat16")]
+    assert [peer_compare.Selection().long_dtype_for(native) for native in (False, True)] == ["float32", "bfloat16"]
     with pytest.raises(ValueError, match="got fp8"):
         peer_compare.Selection(("a",), vllm_dtype="fp8")
 

@@ -187,7 +187,7 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
 
     model_dir = resolve_model(systems.MODEL, default_cache_dir() / "models")
     native_bf16 = cpu_has_native_bf16()
-    long_dtype = selection.long_dtype or ("bfloat16" if native_bf16 else "float32")
+    long_dtype = selection.long_dtype_for(native_bf16)
     env["vllm"] = f"vLLM CPU build from {python}; " + describe_openmp(vllm_env(python, 2))
     emulated = "" if selection.vllm_dtype else " and vLLM emulates bf16"
     bf16 = "" if native_bf16 else ("; this CPU has no bf16 matrix instructions, so lora-serve computes the bfloat16 "

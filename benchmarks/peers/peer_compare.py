@@ -81,10 +81,14 @@ class Selection:
             raise ValueError(f"peer comparison: workloads must be among {', '.join(WORKLOADS)} and dtypes among "
                              f"{', '.join(DTYPES)}, neither empty; got {', '.join(unknown) or 'an empty list'}")
 
+    def long_dtype_for(self, native_bf16: bool) -> str:
+        """(e)'s dtype: long_dtype, else bf16 where the CPU has bf16 matrix math and float32 where it has not."""
+        return self.long_dtype or ("bfloat16" if native_bf16 else "float32")
+
 
 def jobs(long_dtype: str, selection: Selection = Selection()) -> list[PeerJob]:
     base = [PeerJob(w, d) for w in ("a", "s", "b", "d") for d in DTYPES]
-    every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", selection.long_dtype or long_dtype)]
+    every = base + [PeerJob("lora", d, lora=True) for d in DTYPES] + [PeerJob("e", long_dtype)]
     return [job for job in every if job.workload in selection.workloads
             and (job.workload == "e" or job.dtype in selection.dtypes)]
 

@@ -22,39 +22,35 @@ void check(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots
   TORCH_CHECK(x.stride(2) == 1, name, "'s head_dim must be contiguous");
 }
 
-// x's rows rounded to the cache's cache_t (float32 x).
-template <typename cache_t>
-void write_rounded(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), slots_per_head = cache.size(1) * cache.size(2);
-  auto* dst = cache.data_ptr<cache_t>();
-  const float* src = x.data_ptr<float>();
-  lora_serve::parallel_for(0, tokens * heads, 512, [&](int64_t begin, int64_t end) {
+// Each (token, KV head) row of x into its slot: copy_row(x's offset of the row, the cache's offset of its slot), in
+// elements.
+template <typename CopyRow>
+void for_each_row(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots, const CopyRow& copy_row) {
+  const int64_t heads = x.size(1), dim = x.size(2), slots_per_head = cache.size(1) * cache.size(2);
+  lora_serve::parallel_for(0, x.size(0) * heads, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads;
-      lora_serve::narrow(src + t * x.stride(0) + h * x.stride(1), dst + (h * slots_per_head + slots[t]) * dim, dim);
+      copy_row(t * x.stride(0) + h * x.stride(1), (h * slots_per_head + slots[t]) * dim);
     }
   });
 }
 
+// A row is one memcpy where x and the cache share a dtype, else float32 rounded to the cache's.
 void write(at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
-  if (x.scalar_type() != cache.scalar_type()) {
-    lora_serve::dispatch_float_types(cache.scalar_type(), "write_kv_cache", [&](auto type) {
-      write_rounded<decltype(type)>(cache, x, slots);
+  const int64_t dim = x.size(2);
+  if (x.scalar_type() == cache.scalar_type()) {
+    auto* dst = static_cast<char*>(cache.data_ptr());
+    const auto* src = static_cast<const char*>(x.data_ptr());
+    const int64_t item = x.element_size();
+    for_each_row(cache, x, slots, [&](int64_t from, int64_t to) {
+      std::memcpy(dst + to * item, src + from * item, dim * item);
     });
     return;
   }
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
-  const int64_t slots_per_head = cache.size(1) * cache.size(2), bytes = dim * x.element_size();
-  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  auto* dst = static_cast<char*>(cache.data_ptr());
-  const auto* src = static_cast<const char*>(x.data_ptr());
-  const int64_t item = x.element_size();
-  lora_serve::parallel_for(0, tokens * heads, 512, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / heads, h = i % heads;
-      std::memcpy(dst + ((h * slots_per_head + slots[t]) * dim) * item,
-                  src + (t * token_stride + h * head_stride) * item, bytes);
-    }
+  lora_serve::dispatch_float_types(cache.scalar_type(), "write_kv_cache", [&](auto type) {
+    auto* dst = cache.data_ptr<decltype(type)>();
+    const float* src = x.data_ptr<float>();
+    for_each_row(cache, x, slots, [&](int64_t from, int64_t to) { lora_serve::narrow(src + from, dst + to, dim); });
   });
 }
 
