@@ -22,8 +22,8 @@ def error_body(path: str, message: str, status: int) -> dict:
 
 
 def openai_error(message: str, status: int) -> dict:
-    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None,
-                      "code": None}}
+    kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 def lorax_error(message: str, status: int) -> dict:

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
 from deployments.chat import chat_prompt
@@ -30,7 +32,7 @@ from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
 from engine.config import EngineConfig
-from engine.errors import OVERLOADED_RETRY_AFTER_S
+from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
@@ -39,6 +41,8 @@ from lora_cache.registry import Registration
 from lora_cache.sources import validate_adapter_id
 
 app = FastAPI(title="lora-serve")
+# Serve finds a stopped engine at its next health checks (every 10 s, llm_server.py) and starts another replica
+ENGINE_STOPPED_RETRY_AFTER_S = 10
 
 
 app.add_middleware(GateMiddleware)
@@ -49,12 +53,33 @@ async def _refused_response(request: Request, exc: RequestRefused) -> JSONRespon
     return error_response(request.url.path, str(exc), exc.status, exc.retry_after_s)
 
 
+@app.exception_handler(EngineDeadError)
+async def _engine_stopped(request: Request, exc: EngineDeadError) -> JSONResponse:
+    """A replica whose engine loop ended fails Serve's health checks and is replaced; until then its requests
+    are told to come back, not given a bare 500."""
+    return error_response(request.url.path, f"this replica's engine stopped ({exc}); it is being replaced, retry",
+                          503, ENGINE_STOPPED_RETRY_AFTER_S)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """FastAPI's own refusals (a body it cannot parse, an unknown path or method) in OpenAI's error shape under
+    /v1/, where OpenAI's clients read it; elsewhere FastAPI's {"detail"}."""
+    if request.url.path.startswith("/v1/"):
+        response = error_response(request.url.path, str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})
+        return response
+    return await http_exception_handler(request, exc)
+
+
 @app.exception_handler(RequestValidationError)
-async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
     if request.url.path.startswith("/v1/"):  # OpenAI answers invalid parameters with 400
         reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {_reason(e)}" for e in exc.errors())
         return error_response(request.url.path, reasons)
-    return await request_validation_exception_handler(request, exc)
+    # FastAPI's 422 ({"detail": [...]}, as TGI's clients read it), with ASCII escapes: its errors echo the input,
+    # and an input holding a lone surrogate ("\ud800" in the JSON) cannot be encoded as UTF-8
+    return Response(json.dumps({"detail": jsonable_encoder(exc.errors())}), 422, media_type="application/json")
 
 
 def _reason(error: dict) -> str:
@@ -149,7 +174,8 @@ def _cancel(streams) -> None:
 
 class HttpRoutes:
     """The routes of @serve.ingress(app). The class serving them provides `_stream` (a request's events) and
-    `_replica_info` (this replica's memory and prefix-cache figures), and calls `_init_routes` first."""
+    `_replica_info` (this replica's memory and prefix-cache figures) and `_engine_running`, and calls
+    `_init_routes` first."""
 
     def _init_routes(self, config: EngineConfig, tokenizer) -> None:
         self.model_name = config.model
@@ -169,6 +195,9 @@ class HttpRoutes:
     def _replica_info(self) -> dict:
         raise NotImplementedError
 
+    def _engine_running(self) -> bool:
+        raise NotImplementedError
+
     async def _register(self, name: str, lora_path: str) -> Registration:
         raise NotImplementedError
 
@@ -179,7 +208,9 @@ class HttpRoutes:
         raise NotImplementedError
 
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self, http: Request):
+        if not self._engine_running():
+            return error_response(http.url.path, "engine loop is not running", 503, ENGINE_STOPPED_RETRY_AFTER_S)
         return {"status": "ok"}
 
     @app.get("/info")

@@ -39,11 +39,11 @@ router_app = FastAPI()
 
 def requested_adapter(body: bytes, model_name: str) -> str | None:
     """The adapter a request body names: OpenAI's `model` when it is not the base model, LoRAX's
-    `parameters.adapter_id`; None for the base model, and for a body that is not a JSON object (the replica
-    answers that one with its 4xx)."""
+    `parameters.adapter_id`; None for the base model, and for a body that is not a JSON object or nests too deep
+    for Python's parser (the replica answers those with its 4xx)."""
     try:
         data = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None

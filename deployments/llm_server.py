@@ -273,8 +273,11 @@ class LLMServer(HttpRoutes):
         """Each adapter's requests in flight here now (the base model's are not counted)."""
         return {a: n for a, n in dict(self._in_flight).items() if a is not None and n > 0}
 
+    def _engine_running(self) -> bool:
+        return self.engine.is_healthy
+
     def check_health(self) -> None:
-        if not self.engine.is_healthy:
+        if not self._engine_running():
             raise RuntimeError("engine loop is not running")
 
     def __del__(self):

@@ -12,7 +12,7 @@ from deployments.chat import ChatMessage
 from deployments.strict import StrictModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
-                             MAX_SCHEMA_DEPTH, ResponseFormat, SamplingParams)
+                             MAX_SCHEMA_DEPTH, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams)
 
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -100,7 +100,7 @@ class OpenAISampling(StrictModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: OpenAIResponseFormat | None = None
@@ -168,7 +168,7 @@ class OpenAISampling(StrictModel):
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
         and the choices differ). A default_max_tokens of None lets the output fill the context."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        seed = None if self.seed is None else self.seed + choice
+        seed = None if self.seed is None else _wrap_seed(self.seed + choice)
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -263,3 +263,9 @@ class LoadLoRAAdapterRequest(StrictModel):
 class UnloadLoRAAdapterRequest(StrictModel):
     """vLLM's POST /v1/unload_lora_adapter (lora_int_id is vLLM's internal number: not taken)."""
     lora_name: str = Field(min_length=1, max_length=256)
+
+
+def _wrap_seed(seed: int) -> int:
+    """A choice's seed (the request's + its index) back into the 64-bit range the engine takes, so that the
+    largest seed still gives n choices."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN

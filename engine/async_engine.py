@@ -9,6 +9,7 @@ to their requests' asyncio queues with one call_soon_threadsafe per event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from engine.sampling import SamplingParams
 # waiting for the GIL beside the step thread. Longer prompts, grammars and adapter reads (a disk read when cold)
 # still go to a worker thread, so they never stall the loop.
 INLINE_PROMPT_CHARS = 2048
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,6 +104,8 @@ class AsyncEngine:
                 self._preparing -= 1
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self._error is not None:  # it died while this prompt was prepared: no one would answer the stream
+                raise EngineDeadError(f"engine loop died: {self._error!r}")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -154,6 +159,7 @@ class AsyncEngine:
                     continue
                 self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - every waiting stream must learn of it
+            log.exception("engine loop died; every request of this engine fails from now on")
             self._error = exc
             with self._lock:
                 streams, self._streams = list(self._streams.values()), {}

@@ -107,6 +107,9 @@ def _check_choice(choice) -> None:
         raise ValueError(f"a choice string has {longest} characters: at most {MAX_CHOICE_CHARS} are allowed")
 
 
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the context leaves (up to the engine's max_tokens_limit)
@@ -168,6 +171,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer between {SEED_MIN} and {SEED_MAX} (64 bits), got {self.seed!r}")
         if self.response_format is not None:
             self.response_format.validate()
         for name in ("logprobs", "prompt_logprobs"):

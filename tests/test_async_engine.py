@@ -118,3 +118,33 @@ def test_full_waiting_queue_refuses_new_requests_with_retry_hint(tiny_llama_path
         assert asyncio.run(_collect(tight, "after", PROMPTS[1], 5))[-1].finished  # and it keeps serving
     finally:
         tight.shutdown()
+
+
+def test_a_step_that_raises_fails_every_request_at_once(tiny_llama_path):
+    """A step that raises ends the loop: the stream waiting on it and every later request get EngineDeadError at
+    once (none waits forever), and the engine reports itself unhealthy, which fails its replica's health check.
+    The fault here is the KV cache taken from under a running request."""
+    from engine import EngineDeadError
+
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False)
+
+    async def main():
+        stream = eng.generate("running", PROMPTS[0], _params(50))
+        await stream.__anext__()
+        eng.engine.runner.kv_caches.clear()
+        with pytest.raises(EngineDeadError, match="engine loop died"):
+            await asyncio.wait_for(_drain(stream), 30)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(eng, "later", PROMPTS[1], 2), 30)
+
+    try:
+        assert eng.is_healthy
+        asyncio.run(main())
+        assert not eng.is_healthy
+    finally:
+        eng.shutdown()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

@@ -97,3 +97,35 @@ def _read_with_openai(lines: list[str]) -> list:
     response = httpx2.Response(200, content="".join(lines).encode(), headers={"content-type": "text/event-stream"},
                                request=httpx2.Request("POST", f"{url}/completions"))
     return list(openai.Stream(cast_to=Completion, response=response, client=openai.OpenAI(api_key="-", base_url=url)))
+
+
+def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
+    """A replica whose engine loop ended answers /health and its requests with 503 and Retry-After (Serve replaces
+    it after failed health checks), each in its API's error shape, not a bare 500."""
+    from starlette.requests import Request
+
+    from deployments.ingress import _engine_stopped
+    from engine import EngineDeadError
+
+    def request(path: str) -> Request:
+        return Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""})
+
+    for path, message in (("/v1/completions", lambda body: body["error"]["message"]),
+                          ("/generate", lambda body: body["error"])):
+        answer = asyncio.run(_engine_stopped(request(path), EngineDeadError("engine loop died: boom")))
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
+        assert "engine stopped" in message(json.loads(answer.body)) and "boom" in message(json.loads(answer.body))
+
+    health = asyncio.run(_EngineState(running=False).health(request("/health")))
+    assert health.status_code == 503 and "not running" in json.loads(health.body)["error"]
+    assert asyncio.run(_EngineState(running=True).health(request("/health"))) == {"status": "ok"}
+
+
+class _EngineState(HttpRoutes):
+    """Routes over an engine that is running or not."""
+
+    def __init__(self, running: bool):
+        self.running = running
+
+    def _engine_running(self) -> bool:
+        return self.running

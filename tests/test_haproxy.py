@@ -14,6 +14,7 @@ from tests.helpers import (PROMPTS, adapter_requests, complete, free_port, repli
                            write_tiny_adapters)
 
 pytestmark = pytest.mark.slow
+DEEP_BODY = b'{"model": "alpha", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past Python's parser
 
 
 def test_the_adapter_is_read_from_either_api():
@@ -21,7 +22,8 @@ def test_the_adapter_is_read_from_either_api():
     assert requested_adapter(b'{"model": "base", "prompt": "hi"}', "base") is None
     assert requested_adapter(b'{"inputs": "hi", "parameters": {"adapter_id": "beta"}}', "base") == "beta"
     assert requested_adapter(b'{"inputs": "hi", "parameters": {}}', "base") is None
-    for body in (b"", b'{"model": ', b"[1, 2]", b'{"model": 3}', b'{"parameters": {"adapter_id": ["x"]}}'):
+    for body in (b"", b'{"model": ', b"[1, 2]", b'{"model": 3}', b'{"parameters": {"adapter_id": ["x"]}}',
+                 DEEP_BODY):
         assert requested_adapter(body, "base") is None  # the replica answers these with its 4xx
 
 
@@ -164,5 +166,8 @@ def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):
     response = requests.post(f"{haproxy}/v1/completions", data=b'{"model": ', timeout=30,
                              headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    response = requests.post(f"{haproxy}/v1/completions", data=DEEP_BODY, timeout=30,
+                             headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "parsing the body" in response.json()["error"]["message"]
     response = complete(haproxy, "no-such-adapter", "hi")
     assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, inverse_cdf
 from engine.sampling_filters import filter_logits
+from engine.sampling import SEED_MAX, SEED_MIN
 from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
 
@@ -32,6 +33,14 @@ def test_same_seed_same_text_alone_and_in_busy_batch(llm):
     assert busy[8].token_ids == alone.token_ids
     other_seed = llm.generate([PROMPTS[0]], _sampled(seed=99), use_tqdm=False)[0]
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_the_widest_seeds_sample_and_repeat(llm):
+    """A seed at either end of the 64-bit range draws (a wider one is refused when the request is made): the
+    generator is seeded inside the step, where an overflow would end the engine loop for every request."""
+    for seed in (SEED_MIN, SEED_MAX):
+        first, again = (llm.generate([PROMPTS[0]], _sampled(seed=seed), use_tqdm=False)[0] for _ in range(2))
+        assert first.token_ids == again.token_ids and len(first.token_ids) == 20
 
 
 def test_unseeded_sampling_varies(llm):
@@ -325,7 +334,7 @@ def test_stop_string_cuts_text(llm):
                                  dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
                                  dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1), dict(typical_p=0),
                                  dict(typical_p=1.5), dict(truncate_prompt_tokens=0), dict(min_p=-0.1),
-                                 dict(min_p=1.5)])
+                                 dict(min_p=1.5), dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -82,6 +82,8 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"best_of": 17, "do_sample": True}}, 422, "best_of"),
     ({"inputs": "hi", "parameters": {"return_k_alternatives": 50}}, 422, "return_k_alternatives"),
     ({"inputs": "hi", "parameters": {"truncate": 0}}, 422, "truncate"),
+    ({"inputs": "hi", "parameters": {"do_sample": True, "seed": 2 ** 64}}, 422, "seed"),
+    ({"inputs": "\ud800"}, 422, "unicode"),  # a lone surrogate: FastAPI's 422 echoes it, and it is not UTF-8
     ({"inputs": "hi", "parameters": {"typical_p": 1.5}}, 422, "typical_p"),
     ({"inputs": "word " * 600}, 400, "limit"),
 ])
@@ -104,6 +106,9 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "hi", "suffix": "!"}, "suffix: not supported by this server"),
     ("completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "hi", "seed": 2 ** 70}, "seed: Input should be less than or equal to"),
+    ("completions", {"prompt": "\ud800"}, "unicode"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -2 ** 63 - 1}, "seed"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("chat/completions", {"messages": []}, "messages"),
