@@ -328,6 +328,8 @@ class HttpRoutes:
         """vLLM's route: serve `lora_name` from `lora_path`; loading a name again replaces its weights (requests
         already running finish on the old ones). Answers once every live replica serves the new weights."""
         _tenant(http).check_manage(request.lora_name)
+        if request.lora_name == self.model_name:  # requests naming it would be the base model's
+            raise RequestRefused(f"lora_name {request.lora_name!r} is the base model's name; choose another")
         done = await _lifecycle(self._register(request.lora_name, request.lora_path))
         return {"lora_name": done.name, "content_id": done.content_id,
                 "message": f"LoRA adapter {done.name!r} loaded from {request.lora_path}"}

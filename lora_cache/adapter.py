@@ -86,6 +86,7 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
     shapes = target_module_shapes(hf_config)
     modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes,
                                hf_config.num_hidden_layers)
+    _check_layers(adapter_id, config, {layer for layer, _ in modules})
     layers: dict[int, dict[str, LoRAWeights]] = {}
     for (layer, key), (name, pair) in sorted(modules.items()):
         layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes[key])
@@ -136,10 +137,10 @@ def _check_features(adapter_id: str, config: dict) -> None:
     if init.startswith(BASE_REWRITING_INITS):
         raise AdapterError(adapter_id, f"init_lora_weights={init!r} rewrites the base weights; save the adapter "
                                        "with path_initial_model_for_weight_conversion to get a plain LoRA")
-    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)  # PEFT's defaults
-    if type(r) is not int or r <= 0 or type(alpha) not in (int, float):
-        raise AdapterError(adapter_id, f"r must be a positive integer and lora_alpha a number, "
-                                       f"got r={r!r}, lora_alpha={alpha!r}")
+    _check_rank_and_alpha(adapter_id, config.get("r", 8), config.get("lora_alpha", 8), "")  # PEFT's defaults
+    chosen = config.get("layers_to_transform")
+    if not (chosen is None or type(chosen) is int or isinstance(chosen, list) and all(type(i) is int for i in chosen)):
+        raise AdapterError(adapter_id, f"layers_to_transform must be an integer or a list of them, got {chosen!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise AdapterError(adapter_id, f"{key} must be an object")
@@ -211,6 +212,7 @@ def _module_weights(adapter_id: str, config: dict, name: str, pair: dict[str, to
                     shape: tuple[int, int]) -> LoRAWeights:
     a, b = (_lora_tensor(adapter_id, name, pair, ab) for ab in "AB")
     rank, alpha, rank_source = _rank_and_alpha(config, name)
+    _check_rank_and_alpha(adapter_id, rank, alpha, f" for {name}")
     if a.shape[0] != rank:
         raise AdapterError(adapter_id, f"rank {rank} in {rank_source} but lora_A of {name} has {a.shape[0]} rows")
     if b.shape[1] != rank:
@@ -223,6 +225,26 @@ def _module_weights(adapter_id: str, config: dict, name: str, pair: dict[str, to
                                        "different base model")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoRAWeights(lora_a=a, lora_b=b, scaling=float(scaling))
+
+
+def _check_rank_and_alpha(adapter_id: str, rank, alpha, where: str) -> None:
+    """A rank a positive integer and an alpha a finite number (a NaN alpha would make every logit NaN)."""
+    if type(rank) is not int or rank <= 0 or type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise AdapterError(adapter_id, f"r must be a positive integer and lora_alpha a finite number{where}, "
+                                       f"got r={rank!r}, lora_alpha={alpha!r}")
+
+
+def _check_layers(adapter_id: str, config: dict, layers: set[int]) -> None:
+    """Weights only in the layers that layers_to_transform names, when it does: PEFT would leave the others'
+    weights unused, so serving them would not give PEFT's outputs."""
+    chosen = config.get("layers_to_transform")
+    if chosen is None:
+        return
+    chosen = {chosen} if type(chosen) is int else set(chosen)
+    outside = sorted(layers - chosen)
+    if outside:
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} has weights for layers {outside}, which "
+                                       f"layers_to_transform {sorted(chosen)} leaves out")
 
 
 def _lora_tensor(adapter_id: str, name: str, pair: dict[str, torch.Tensor], ab: str) -> torch.Tensor:

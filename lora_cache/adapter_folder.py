@@ -9,11 +9,21 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
+# A registered adapter's key is "name#generation" (lora_cache/registry.py); '#' is never part of a valid id
+SEPARATOR = "#"
+
+
+def key_name(key: str) -> str:
+    return key.partition(SEPARATOR)[0]
+
+
 class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names the adapter and the reason."""
+    """An adapter that cannot be served; the message names the adapter as requested (not its key's generation)
+    and the reason."""
 
     def __init__(self, adapter_id: str, reason: str):
-        shown = adapter_id if len(adapter_id) <= 100 else adapter_id[:100] + "..."
+        name = key_name(adapter_id)
+        shown = name if len(name) <= 100 else name[:100] + "..."
         super().__init__(f"adapter {shown!r}: {reason}")
         self.adapter_id = adapter_id
         self.reason = reason

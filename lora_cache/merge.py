@@ -50,6 +50,8 @@ def _merge_module(key: str, parts: list[tuple[LoRAWeights, float]], spec: MergeS
     weights_b = torch.tensor([math.sqrt(abs(s)) for s in scaled])
     lora_a = _combine([w.lora_a for w, _ in parts], weights_a, spec)
     lora_b = _combine([w.lora_b for w, _ in parts], weights_b, spec)
+    if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
+        raise AdapterError(key, f"merge weights {list(spec.weights)} make the merged weights overflow float32")
     return LoRAWeights(lora_a.contiguous(), lora_b.contiguous(), 1.0)
 
 

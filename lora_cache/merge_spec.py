@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from lora_cache.sources import validate_adapter_id
@@ -28,6 +29,8 @@ class MergeSpec:
         if len(self.ids) < 1 or len(self.ids) != len(self.weights):
             raise ValueError(f"merged_adapters needs one weight per id: {len(self.ids)} ids, "
                              f"{len(self.weights)} weights")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in self.weights):
+            raise ValueError(f"merged_adapters weights must be finite numbers, got {list(self.weights)}")
         if self.merge_strategy not in STRATEGIES:
             raise ValueError(f"merge_strategy {self.merge_strategy!r} is not one of {', '.join(STRATEGIES)}")
         if not 0 < self.density <= 1:

@@ -23,18 +23,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_cache.adapter_folder import AdapterNotFoundError
+from lora_cache.adapter_folder import SEPARATOR, AdapterNotFoundError, key_name
 from lora_cache.sources import AdapterLocation
-
-SEPARATOR = "#"
 
 
 def adapter_key(name: str, generation: int) -> str:
     return name if generation == 0 else f"{name}{SEPARATOR}{generation}"
-
-
-def key_name(key: str) -> str:
-    return key.partition(SEPARATOR)[0]
 
 
 def key_generation(key: str) -> int:

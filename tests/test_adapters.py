@@ -172,6 +172,10 @@ def test_refuses_an_adapter_for_another_base_model(llama_adapter):
     ("lora_bias", True, "lora_bias"),
     ("init_lora_weights", "pissa", "rewrites the base weights"),
     ("r", 0, "positive integer"),
+    ("lora_alpha", float("nan"), "lora_alpha a finite number"),  # every logit would be NaN
+    ("lora_alpha", float("inf"), "lora_alpha a finite number"),
+    ("alpha_pattern", {"q_proj": "x"}, "finite number for model.layers.0.self_attn.q_proj"),
+    ("layers_to_transform", "all", "layers_to_transform must be an integer or a list"),
 ])
 def test_refuses_unsupported_config(llama_copy, key, value, reason):
     _edit_config(llama_copy, **{key: value})
@@ -183,6 +187,14 @@ def test_refuses_unsupported_target_modules(tmp_path, module, shown):
     _peft_model(LLAMA, tmp_path, r=4, target_modules=["q_proj", module])
     message = _refused(tmp_path, f"target module {shown} is not supported")
     assert "self_attn.q_proj" in message  # names the supported modules
+
+
+def test_layers_to_transform_must_cover_the_weights(tmp_path, llama_copy):
+    """PEFT leaves weights of layers outside layers_to_transform unused: serving them would not be PEFT's model."""
+    _edit_config(llama_copy, layers_to_transform=[0])
+    _refused(llama_copy, "weights for layers [1], which layers_to_transform [0] leaves out")
+    _peft_model(LLAMA, tmp_path, r=4, target_modules=["q_proj"], layers_to_transform=[1])
+    assert set(load_adapter("acme/x", tmp_path, LLAMA).layers) == {1}
 
 
 def test_refuses_missing_lora_b(llama_copy):
@@ -215,6 +227,8 @@ def test_adapter_error_survives_pickling():  # Ray sends exceptions between proc
     err = pickle.loads(pickle.dumps(AdapterError("acme/x", "not found in /adapters")))
     assert isinstance(err, AdapterError) and str(err) == "adapter 'acme/x': not found in /adapters"
     assert (err.adapter_id, err.reason) == ("acme/x", "not found in /adapters")
+    reloaded = AdapterError("acme/x#3", "bad")  # a name loaded at run time, third generation: named as requested
+    assert str(reloaded) == "adapter 'acme/x': bad" and reloaded.adapter_id == "acme/x#3"
 
 
 def test_unsupported_base_architecture():

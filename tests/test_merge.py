@@ -15,7 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from lora_cache.adapter import load_adapter, target_module_shapes
+from lora_cache.adapter import AdapterError, load_adapter, target_module_shapes
 from lora_cache.merge import merge_adapters
 from lora_cache.merge_spec import MergeSpec
 from tests.helpers import PROMPTS, write_tiny_adapters
@@ -113,3 +113,17 @@ def test_merge_specs_are_checked():
         MergeSpec(("a",), (1.0,), "ties", 0.0)
     with pytest.raises(ValueError, match=r"\.\."):
         MergeSpec(("../a",), (1.0,))
+    for weight in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            MergeSpec(("a", "b"), (0.5, weight))
+
+
+def test_a_merge_that_overflows_float32_is_refused(tiny_llama_path, adapters):
+    """Finite merge weights whose square roots overflow float32 would make every logit NaN: refused by name."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama_path)
+    spec = MergeSpec(("one", "two"), (1e300, 1e300))
+    parts = [load_adapter(name, adapters / name, hf_config) for name in spec.ids]
+    with pytest.raises(AdapterError, match="overflow float32"):
+        merge_adapters(spec.key(), parts, spec, list(target_module_shapes(hf_config)))

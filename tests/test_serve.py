@@ -758,7 +758,8 @@ def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_lla
             ("load", {"lora_name": "gamma", "lora_path": "relative/path"}, 400, "must be absolute"),
             ("load", {"lora_name": "gamma", "lora_path": "ftp://x/y"}, 400, "known schemes"),
             ("load", {"lora_name": "../gamma", "lora_path": str(tmp_path / "v1")}, 400, ".."),
-            ("load", {"lora_name": "gamma", "lora_path": str(tmp_path / "v1"), "lora_int_id": 3}, 400, "lora_int_id")]:
+            ("load", {"lora_name": "gamma", "lora_path": str(tmp_path / "v1"), "lora_int_id": 3}, 400, "lora_int_id"),
+            ("load", {"lora_name": str(tiny_llama_path), "lora_path": str(tmp_path / "v1")}, 400, "base model's name")]:
         r = requests.post(f"{server}/v1/{route}_lora_adapter", json=body, timeout=60)
         assert r.status_code == status and words in r.json()["error"]["message"], (route, body, r.text)
 
