@@ -12,7 +12,8 @@ from deployments.chat import ChatMessage
 from deployments.strict import StrictModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
-                             MAX_SCHEMA_DEPTH, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams)
+                             MAX_SCHEMA_DEPTH, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat,
+                             SamplingParams)
 
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -112,7 +113,7 @@ class OpenAISampling(StrictModel):
     # vLLM's extra sampling parameters (openai clients send them in extra_body)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)  # tokens at least min_p x the most likely one's probability; 0: off
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     skip_special_tokens: bool = True

@@ -10,7 +10,7 @@ from deployments.events import TokenEntry
 from deployments.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.strict import StrictModel
 from deployments.token_texts import TokenTexts
-from engine.sampling import SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
+from engine.sampling import REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
 from lora_cache.merge_spec import MergeSpec
 
 
@@ -46,7 +46,7 @@ class GenerateParameters(StrictModel):
     top_p: float | None = Field(None, gt=0, le=1)
     typical_p: float | None = Field(None, gt=0, le=1)  # locally typical sampling
     truncate: int | None = Field(None, ge=1)  # only the prompt's last `truncate` tokens
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
     ignore_eos_token: bool = False

@@ -107,14 +107,20 @@ def _check_choice(choice) -> None:
         raise ValueError(f"a choice string has {longest} characters: at most {MAX_CHOICE_CHARS} are allowed")
 
 
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
+# A temperature below this is greedy, as in vLLM: dividing logits by it leaves float32's range (5e-324 made every
+# probability NaN and drew token 0 each step), and the draw would be the argmax anyway
+GREEDY_BELOW = 1e-5
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+# Logits are divided (or multiplied) by the repetition penalty in float32: 1e-300 is 0 there, and every probability
+# became NaN. Inside this range a logit stays finite.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the context leaves (up to the engine's max_tokens_limit)
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     typical_p: float = 1.0  # locally typical sampling (Meister et al.); 1.0: off
@@ -162,8 +168,9 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
                                                         or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be between {REPETITION_PENALTY_RANGE[0]} and "
+                             f"{REPETITION_PENALTY_RANGE[1]}, got {self.repetition_penalty}")
         if any(not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids (integers >= 0) to biases between -100 and 100")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -186,4 +193,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -43,6 +43,16 @@ def test_the_widest_seeds_sample_and_repeat(llm):
         assert first.token_ids == again.token_ids and len(first.token_ids) == 20
 
 
+def test_a_vanishing_temperature_is_greedy(llm):
+    """As in vLLM: the logits divided by 5e-324 leave float32's range and every probability was NaN."""
+    greedy = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0]
+    for temperature in (5e-324, 1e-30, 1e-6):
+        tiny = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True),
+                            use_tqdm=False)[0]
+        assert tiny.token_ids == greedy.token_ids, temperature
+
+
 def test_unseeded_sampling_varies(llm):
     outs = llm.generate([PROMPTS[1]] * 4, _sampled(), use_tqdm=False)
     assert len({tuple(o.token_ids) for o in outs}) > 1
@@ -334,7 +344,8 @@ def test_stop_string_cuts_text(llm):
                                  dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
                                  dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1), dict(typical_p=0),
                                  dict(typical_p=1.5), dict(truncate_prompt_tokens=0), dict(min_p=-0.1),
-                                 dict(min_p=1.5), dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5)])
+                                 dict(min_p=1.5), dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5),
+                                 dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
