@@ -16,28 +16,28 @@ from typing import Literal
 from jinja2 import TemplateError
 from pydantic import Field, model_validator
 
-from deployments.strict import StrictModel
+from deployments.strict import OpenAIModel
 from deployments.tools import FunctionName, ToolMode, ToolUse, check_template, is_json_object, renders_tools
 
 
-class TextPart(StrictModel):
+class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(StrictModel):
+class FunctionCall(OpenAIModel):
     name: FunctionName
     arguments: str  # JSON text of an object
 
 
-class MessageToolCall(StrictModel):
+class MessageToolCall(OpenAIModel):
     """A call an assistant message made, given back in the conversation."""
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(StrictModel):
+class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)  # passed to the template, which may show it

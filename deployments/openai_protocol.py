@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
 
 from deployments.chat import ChatMessage
-from deployments.strict import StrictModel
+from deployments.strict import OpenAIModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
                              MAX_SCHEMA_DEPTH, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat,
@@ -32,7 +32,7 @@ class JSONSchemaSpec(BaseModel):
     strict: bool | None = None  # the output always follows the schema: strict or not
 
 
-class OpenAIResponseFormat(StrictModel):
+class OpenAIResponseFormat(OpenAIModel):
     """{"type": "text"}, {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {...}}."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaSpec | None = None
@@ -74,7 +74,7 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOIC
                     Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
 
 
-class StructuredOutputs(StrictModel):
+class StructuredOutputs(OpenAIModel):
     """vLLM's structured_outputs: one of json (a JSON schema), regex (the whole output matches it), choice (the
     output is one of the strings), grammar (Lark, in llguidance's syntax) or json_object: true (any JSON object)."""
     json_schema: Schema | None = Field(None, alias="json")  # a field named json would shadow BaseModel.json
@@ -84,7 +84,7 @@ class StructuredOutputs(StrictModel):
     json_object: bool | None = None
 
 
-class OpenAISampling(StrictModel):
+class OpenAISampling(OpenAIModel):
     # OpenAI's bookkeeping fields: accepted, with no effect on the output
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -254,14 +254,14 @@ class ChatRequest(OpenAISampling):
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-class LoadLoRAAdapterRequest(StrictModel):
+class LoadLoRAAdapterRequest(OpenAIModel):
     """vLLM's POST /v1/load_lora_adapter."""
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096, description="an absolute local folder, "
                            "s3://bucket/prefix or hf://org/name[@revision]")
 
 
-class UnloadLoRAAdapterRequest(StrictModel):
+class UnloadLoRAAdapterRequest(OpenAIModel):
     """vLLM's POST /v1/unload_lora_adapter (lora_int_id is vLLM's internal number: not taken)."""
     lora_name: str = Field(min_length=1, max_length=256)
 

@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from deployments.strict import StrictModel
+from deployments.strict import OpenAIModel
 from engine.sampling import ResponseFormat
 
 MAX_TOOLS = 128  # as OpenAI
@@ -36,23 +36,23 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
-class FunctionDefinition(StrictModel):
+class FunctionDefinition(OpenAIModel):
     name: FunctionName
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None  # calls made through the grammar always follow the schema: strict or not
 
 
-class Tool(StrictModel):
+class Tool(OpenAIModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionChoice(StrictModel):
+class FunctionChoice(OpenAIModel):
     name: FunctionName
 
 
-class NamedToolChoice(StrictModel):
+class NamedToolChoice(OpenAIModel):
     """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
     type: Literal["function"]
     function: FunctionChoice

@@ -124,6 +124,22 @@ def test_bad_openai_requests_get_400_with_the_reason(server, tiny_llama_path, pa
     assert ok.status_code == 200
 
 
+def test_openai_nulls_are_not_given(server, tiny_llama_path):
+    """As OpenAI's API: null for an optional field is the field not given. A multi-turn client sends the SDK's
+    assistant message back with "refusal": null and "audio": null; some send "temperature": null."""
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and?"}]
+    plain = {"model": str(tiny_llama_path), "max_tokens": 6, "temperature": 0, "messages": turn}
+    nulls = {**plain, "n": None, "seed": None, "frequency_penalty": None, "stream_options": None, "messages": [
+        turn[0], {**turn[1], "refusal": None, "audio": None, "function_call": None, "tool_calls": None}, turn[2]]}
+    answers = [requests.post(f"{server}/v1/chat/completions", json=body, timeout=60) for body in (plain, nulls)]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["choices"] == answers[1].json()["choices"]
+    refused = requests.post(f"{server}/v1/chat/completions", timeout=60, json={**plain, "messages": [
+        turn[0], {**turn[1], "refusal": "no"}, turn[2]]})
+    assert refused.status_code == 400 and "refusal: not supported" in refused.json()["error"]["message"]
+
+
 def test_malformed_json_is_422(server):
     r = requests.post(f"{server}/generate", data="{not json", headers={"content-type": "application/json"},
                       timeout=60)
