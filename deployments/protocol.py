@@ -69,6 +69,9 @@ class GenerateParameters(StrictModel):
             raise ValueError("give adapter_id or merged_adapters, not both")
         if self.watermark:
             raise ValueError("not supported yet: watermark")
+        if self.api_token:  # a request's token would fetch an adapter that every later request then shares
+            raise ValueError("api_token is not supported: the server reads adapters with its own credentials "
+                             "($HF_TOKEN, or the S3 client's)")
         if self.sequences > 1 and self.seed is not None:  # as TGI: one seed cannot draw several sequences
             raise ValueError("seed must not be set when best_of > 1")
         if self.sequences > 1 and not self.sampled:

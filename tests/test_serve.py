@@ -77,6 +77,7 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p"),
     ({"inputs": "hi", "parameters": {"bogus": 1}}, 422, "bogus"),
     ({"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported yet: watermark"),
+    ({"inputs": "hi", "parameters": {"api_token": "hf_x"}}, 422, "api_token is not supported"),
     ({"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True, "seed": 3}}, 422, "seed must not be set"),
     ({"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of > 1 needs sampling"),
     ({"inputs": "hi", "parameters": {"best_of": 17, "do_sample": True}}, 422, "best_of"),
