@@ -317,6 +317,24 @@ def test_openai_n_choices(server, tiny_llama_path, tokenizer):
     assert len(chat.choices[1].logprobs.content) == chat.usage.completion_tokens // 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompts_later_choices_find_its_blocks_cached(server, tiny_llama_path, stream):
+    """The first choice runs alone until its first token; the other n - 1 then start together and read the prompt's
+    KV blocks from the cache instead of prefilling it again (as they did when all n started at once)."""
+    def hits() -> int:
+        return requests.get(f"{server}/info", timeout=10).json()["prefix_cache"]["hit_tokens"]
+
+    prompt = f"{stream} " + " ".join(PROMPTS) * 3  # a prompt no other test sends: nothing of it is cached yet
+    body = {"model": str(tiny_llama_path), "prompt": prompt, "max_tokens": 4, "n": 3, "stream": stream}
+    before = hits()
+    r = requests.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    after_n = hits()
+    requests.post(f"{server}/v1/completions", json={**body, "n": 1, "stream": False}, timeout=60)
+    cacheable = hits() - after_n  # the same prompt again: every block that can come from the cache
+    assert cacheable > 0 and after_n - before == 2 * cacheable
+
+
 def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
     import openai
 
