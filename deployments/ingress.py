@@ -411,10 +411,10 @@ class HttpRoutes:
         """Every choice of every prompt (given as starters, in order), with its first event. Each prompt's first
         choice runs alone (streamed, whatever the request asked) until its first token, when the prompt's KV blocks
         are cached; then the prompt's other choices start at once and find them there. n = 4 choices of 64 tokens
-        (AVX2 EPYC, bf16, serve_config.yaml): over a 2,700-token prompt 11.6-13.0 s this way, 21.9-23.8 s started
-        together (each choice prefilled the prompt again), 17.2 s whole one after another (as unstreamed choices
-        were run); over a short prompt 2.1 s this way and 6.9 s one after another. A refused or failed choice, or
-        a client that left, stops every choice started."""
+        (AVX2 EPYC, bf16, serve_config.yaml): over a 2,700-token prompt 11.6-13.0 s this way, 21.9-23.8 s with all
+        four started together (each prefills the prompt) and 17.2 s with each run whole after the one before; over a
+        short prompt 2.1 s this way and 6.9 s one after another. A refused or failed choice, or a client that left,
+        stops every choice started."""
         opened: list[_Metered] = []
 
         def start(starter: Callable[[bool], _Metered], as_stream: bool) -> _Metered:

@@ -107,13 +107,13 @@ def _check_choice(choice) -> None:
         raise ValueError(f"a choice string has {longest} characters: at most {MAX_CHOICE_CHARS} are allowed")
 
 
-# A temperature below this is greedy, as in vLLM: dividing logits by it leaves float32's range (5e-324 made every
-# probability NaN and drew token 0 each step), and the draw would be the argmax anyway
+# A temperature below this is greedy, as in vLLM: dividing logits by it leaves float32's range (at 5e-324 every
+# probability is NaN and each draw token 0), and the draw would be the argmax anyway
 GREEDY_BELOW = 1e-5
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
 # Logits are divided (or multiplied) by the repetition penalty in float32: 1e-300 is 0 there, and every probability
-# became NaN. Inside this range a logit stays finite.
-REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
+# would be NaN. Inside this range a logit stays finite.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass

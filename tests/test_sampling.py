@@ -44,7 +44,7 @@ def test_the_widest_seeds_sample_and_repeat(llm):
 
 
 def test_a_vanishing_temperature_is_greedy(llm):
-    """As in vLLM: the logits divided by 5e-324 leave float32's range and every probability was NaN."""
+    """As in vLLM: the logits divided by 5e-324 leave float32's range and every probability would be NaN."""
     greedy = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                           use_tqdm=False)[0]
     for temperature in (5e-324, 1e-30, 1e-6):

@@ -320,7 +320,7 @@ def test_openai_n_choices(server, tiny_llama_path, tokenizer):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompts_later_choices_find_its_blocks_cached(server, tiny_llama_path, stream):
     """The first choice runs alone until its first token; the other n - 1 then start together and read the prompt's
-    KV blocks from the cache instead of prefilling it again (as they did when all n started at once)."""
+    KV blocks from the cache instead of prefilling it again, as n choices started together would."""
     def hits() -> int:
         return requests.get(f"{server}/info", timeout=10).json()["prefix_cache"]["hit_tokens"]
 
