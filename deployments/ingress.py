@@ -167,6 +167,12 @@ class _Choice:
     events: _Metered
 
 
+def _mid_stream_status(exc: Exception) -> int:
+    """The status an error event names when a stream fails after its first token: 503 when this replica's engine
+    stopped (a retry lands on a live one), 500 when the peer serving it died."""
+    return 503 if isinstance(exc, EngineDeadError) else 500
+
+
 def _raise_failure(pumps: list[asyncio.Task]) -> None:
     """The exception of a choice's pump that has failed, if one has."""
     for task in pumps:
@@ -463,8 +469,8 @@ class HttpRoutes:
                 _raise_failure(pumps)  # a choice that failed fails the stream at once
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield f"data: {json.dumps(render.usage_chunk(cid, usage(lasts, request.n)))}\n\n"
-        except PeerLost as exc:  # as vLLM: an error event, then the stream's end
-            yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
+        except (PeerLost, EngineDeadError) as exc:  # as vLLM: an error event, then the stream's end
+            yield f"data: {json.dumps(openai_error(str(exc), _mid_stream_status(exc)))}\n\n"
         finally:
             for task in pumps:
                 task.cancel()
@@ -493,8 +499,8 @@ class HttpRoutes:
                 return
             try:
                 event = await events.__anext__()
-            except PeerLost as exc:  # as TGI: an error event ends the stream
-                yield f"data:{json.dumps(lorax_error(str(exc), 500))}\n\n"
+            except (PeerLost, EngineDeadError) as exc:  # as TGI: an error event ends the stream
+                yield f"data:{json.dumps(lorax_error(str(exc), _mid_stream_status(exc)))}\n\n"
                 return
 
     @staticmethod

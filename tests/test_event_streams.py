@@ -22,11 +22,12 @@ from engine import EngineConfig
 
 
 class _PeerDiesAfter:
-    """A forwarded request's events whose peer dies once these have come back."""
+    """A forwarded request's events whose peer dies once these have come back (or that fail with `error`)."""
 
-    def __init__(self, events: list[TokenEvent], every_s: float = 0.0):
+    def __init__(self, events: list[TokenEvent], every_s: float = 0.0, error: Exception | None = None):
         self._events = iter(events)
         self._every_s = every_s  # how long each event takes to come
+        self._error = error or PeerLost()
         self.cancelled = False
 
     def __aiter__(self):
@@ -36,7 +37,7 @@ class _PeerDiesAfter:
         await asyncio.sleep(self._every_s)
         event = next(self._events, None)
         if event is None:
-            raise PeerLost()
+            raise self._error
         return event
 
     def cancel(self) -> None:
@@ -86,6 +87,23 @@ def test_an_openai_stream_ends_with_an_error_event_and_stops_the_other_choices(r
     assert dying.cancelled and all(other.cancelled for other in others)
     with pytest.raises(openai.APIError, match="stopped before it finished"):
         _read_with_openai(lines)
+
+
+def test_an_engine_that_stops_mid_stream_ends_it_with_a_503_event(routes, tokenizer):
+    """The engine of the replica serving a stream stops after its first tokens: each API's stream ends with an
+    error event naming 503 (a retry lands on a live replica), not a connection cut off without one."""
+    from engine import EngineDeadError
+
+    stopped = EngineDeadError("engine loop died: boom")
+    tgi = asyncio.run(_lines(routes._sse(GenerateRequest(inputs="Hello"), _event(tokenizer, "Hello"),
+                                         _PeerDiesAfter([], error=stopped))))
+    assert json.loads(tgi[-1].removeprefix("data:")) == {"error": "engine loop died: boom", "error_type": "overloaded"}
+    request = oai.CompletionRequest(model=routes.model_name, prompt="Hello", stream=True, max_tokens=8)
+    lines = asyncio.run(_lines(routes._openai_sse(request, CompletionRenderer(request, routes.token_texts),
+                                                  "cmpl-test", [_event(tokenizer, "Hello")],
+                                                  [_PeerDiesAfter([], error=stopped)])))
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["type"] == "overloaded_error"
 
 
 def _read_with_openai(lines: list[str]) -> list:
