@@ -385,6 +385,10 @@ class HttpRoutes:
         as in vLLM."""
         adapter = None if request.model == self.model_name else request.model
         _check_scope(tenant, adapter)
+        sequences = len(prompts) * request.n
+        if sequences > self.config.max_waiting_requests:  # could never be queued at once: not worth a retry (429)
+            raise RequestRefused(f"{len(prompts)} prompts x n={request.n} is {sequences} sequences; this server queues "
+                                 f"at most {self.config.max_waiting_requests} (max_waiting_requests)")
         try:
             params = [request.to_sampling_params(render.default_max_tokens, choice) for choice in range(request.n)]
             if adapter is not None:

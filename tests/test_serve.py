@@ -108,6 +108,7 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"prompt": "hi", "seed": 2 ** 70}, "seed: Input should be less than or equal to"),
+    ("completions", {"prompt": ["hi"] * 64, "n": 16}, "64 prompts x n=16 is 1024 sequences; this server queues"),
     ("completions", {"prompt": "\ud800"}, "unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -2 ** 63 - 1}, "seed"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
