@@ -167,6 +167,15 @@ class _Choice:
     events: _Metered
 
 
+async def _wholes(choices: list[_Choice]) -> list[TokenEvent]:
+    """Each choice's events as one; a failed choice, or a client that left, stops every choice."""
+    try:
+        return await asyncio.gather(*(_last(choice.first, choice.events) for choice in choices))
+    except BaseException:
+        _cancel([choice.events for choice in choices])
+        raise
+
+
 def _mid_stream_status(exc: Exception) -> int:
     """The status an error event names when a stream fails after its first token: 503 when this replica's engine
     stopped (a retry lands on a live one), 500 when the peer serving it died."""
@@ -252,12 +261,7 @@ class HttpRoutes:
         answers (as TGI picks), the others in details.best_of_sequences."""
         tenant, count = _tenant(http), request.parameters.sequences
         starter = lambda stream: self._events(request, tenant, stream)  # noqa: E731
-        choices = await self._start_choices([[starter] * count], stream=False)
-        try:
-            lasts = await asyncio.gather(*(_last(choice.first, choice.events) for choice in choices))
-        except BaseException:  # a failed sequence, or the client left: stop every sequence
-            _cancel([choice.events for choice in choices])
-            raise
+        lasts = await _wholes(await self._start_choices([[starter] * count], stream=False))
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
         if request.parameters.details:
@@ -397,17 +401,11 @@ class HttpRoutes:
             raise RequestRefused(str(exc), 400) from None
         choices = await self._start_choices(
             [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
-        streams = [choice.events for choice in choices]
-        if not request.stream:
-            try:
-                lasts = await asyncio.gather(*(_last(choice.first, choice.events) for choice in choices))
-            except BaseException:  # a failed choice, or the client left: stop every choice
-                _cancel(streams)
-                raise
         cid = completion_id(render.id_prefix)
         if request.stream:
-            return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices], streams),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices],
+                                                      [c.events for c in choices]), media_type="text/event-stream")
+        lasts = await _wholes(choices)
         finals = [render.finished(last, prompt)
                   for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
         return render.body(cid, finals, usage(lasts, request.n))

@@ -138,9 +138,6 @@ def _check_features(adapter_id: str, config: dict) -> None:
         raise AdapterError(adapter_id, f"init_lora_weights={init!r} rewrites the base weights; save the adapter "
                                        "with path_initial_model_for_weight_conversion to get a plain LoRA")
     _check_rank_and_alpha(adapter_id, config.get("r", 8), config.get("lora_alpha", 8), "")  # PEFT's defaults
-    chosen = config.get("layers_to_transform")
-    if not (chosen is None or type(chosen) is int or isinstance(chosen, list) and all(type(i) is int for i in chosen)):
-        raise AdapterError(adapter_id, f"layers_to_transform must be an integer or a list of them, got {chosen!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise AdapterError(adapter_id, f"{key} must be an object")
@@ -235,11 +232,13 @@ def _check_rank_and_alpha(adapter_id: str, rank, alpha, where: str) -> None:
 
 
 def _check_layers(adapter_id: str, config: dict, layers: set[int]) -> None:
-    """Weights only in the layers that layers_to_transform names, when it does: PEFT would leave the others'
-    weights unused, so serving them would not give PEFT's outputs."""
+    """layers_to_transform, when set, an integer or a list of them, naming every layer that has weights: PEFT would
+    leave the others' weights unused, so serving them would not give PEFT's outputs."""
     chosen = config.get("layers_to_transform")
     if chosen is None:
         return
+    if not (type(chosen) is int or isinstance(chosen, list) and all(type(i) is int for i in chosen)):
+        raise AdapterError(adapter_id, f"layers_to_transform must be an integer or a list of them, got {chosen!r}")
     chosen = {chosen} if type(chosen) is int else set(chosen)
     outside = sorted(layers - chosen)
     if outside:
