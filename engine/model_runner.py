@@ -246,13 +246,18 @@ class ModelRunner:
     def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits in float32. On CPU they are widened into a buffer kept from step to step: a
         fresh 12 MB tensor a step (64 rows of 49,152) took 1.5 ms of page faults, the copy alone 0.35 ms. The
-        sampler reads them within the step, and the next step overwrites them."""
+        sampler reads them within the step, and the next step overwrites them. The C++ operators widen them on
+        their own threads (cpu/widen.cpp: torch's copy stalled now and then, waking OpenMP's threads)."""
         if logits.dtype == torch.float32 or self.device.type != "cpu":
             return logits.float()
         rows, vocab = logits.shape
         if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
             self._logits_buffer = torch.empty(rows, vocab, dtype=torch.float32)
-        return self._logits_buffer[:rows].copy_(logits)
+        out = self._logits_buffer[:rows]
+        if self.cpu_ops is None or not logits.is_contiguous():
+            return out.copy_(logits)
+        self.cpu_ops.widen_(out, logits)
+        return out
 
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
         logprobs: list[float] = []

@@ -199,6 +199,24 @@ def test_argmax_rows_matches_torch(vocab):
         module.argmax_rows(logits.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (64, 49152), (3, 8193), (2, 17)])
+def test_widen_is_bitwise_torch_float(dtype, rows, vocab):
+    """Logits widened into a kept float32 buffer exactly as .float(), for widths that leave a partial last chunk
+    and a scalar tail; a buffer of another shape or dtype is refused by name, not written past."""
+    module = cpu_ops.load()
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 30).to(dtype)
+    logits[0, -1] = float("nan")
+    logits[-1, 0] = float("-inf")
+    out = torch.full((rows, vocab), 7.0)
+    module.widen_(out, logits)
+    assert torch.equal(out.isnan(), logits.float().isnan())
+    torch.testing.assert_close(out, logits.float(), rtol=0, atol=0, equal_nan=True)
+    for wrong in (torch.empty(rows, vocab + 1), torch.empty(rows, vocab, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="widen_ takes"):
+            module.widen_(wrong, logits)
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
 def test_write_kv_cache_matches_index_copy(dtype, cache_dtype):

@@ -46,6 +46,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // The first index of each row's maximum in float32 logits [rows, vocab], as torch.argmax(-1) gives it (argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+// out = x widened to float32, in place of out (contiguous, x's shape; x float32, bf16 or fp16) (widen.cpp).
+void widen_(at::Tensor& out, const at::Tensor& x);
+
 // k, v [tokens, kv_heads, head_dim] (head_dim contiguous) into their slots of one layer's caches [kv_heads, blocks,
 // block_size, head_dim]; slot = block * block_size + offset (kv_write.cpp).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
