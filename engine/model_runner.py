@@ -229,8 +229,16 @@ class ModelRunner:
         scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
         if not step.sample_rows:
             return StepResult(torch.empty(0, device=self.device), [], scores)
-        rows = torch.tensor(step.sample_rows, device=self.device)
-        return StepResult(self._float_logits(self.model.compute_logits(hidden[rows])), step.sampling, scores)
+        return StepResult(self._float_logits(self.model.compute_logits(self._sampled(hidden, step.sample_rows))),
+                          step.sampling, scores)
+
+    def _sampled(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The hidden rows whose logits are sampled (rows ascending): all of them in a step of decodes alone, else
+        gathered, on CPU by the C++ operators (cpu/gather.cpp: torch's indexing woke OpenMP's threads)."""
+        if len(rows) == hidden.shape[0]:
+            return hidden
+        index = torch.tensor(rows, device=self.device)
+        return hidden[index] if self.cpu_ops is None else self.cpu_ops.gather_rows(hidden, index)
 
     def _set_lora_state(self, runs: list[AdapterRun]) -> None:
         """What the LoRA linears read this step (LoRAStepState): nothing when no token has an adapter."""

@@ -199,6 +199,46 @@ def test_argmax_rows_matches_torch(vocab):
         module.argmax_rows(logits.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_rows_is_index_select(dtype):
+    """Rows by index as index_select gives them, repeats and any order, from a table whose rows are strided (a
+    column slice of a wider tensor); an index outside the table, negative or past its end, or not int64, is refused
+    by name, and nothing is read past the table."""
+    module = cpu_ops.load()
+    wide = torch.randn(300, 80, generator=torch.Generator().manual_seed(5)).to(dtype)
+    table = wide[:, 8:72]
+    index = torch.tensor([299, 0, 7, 7, 150] * 13)
+    out = module.gather_rows(table, index)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, table.index_select(0, index), rtol=0, atol=0)
+    assert module.gather_rows(table, index[:0]).shape == (0, 64)
+    for bad in (torch.tensor([0, 300]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="outside the table's 300 rows"):
+            module.gather_rows(table, bad)
+    with pytest.raises(RuntimeError, match="int64 index"):
+        module.gather_rows(table, index.int())
+
+
+def test_model_gathers_embeddings_and_sampled_rows_on_the_operators():
+    """With the C++ operators, the embedding and rotary lookups take gather_rows and a step of decodes alone
+    samples its hidden rows as they are: a model's logits are bitwise those of torch's own lookups."""
+    from engine import LLM, SamplingParams
+    from engine.layers.embedding import Embedding
+    from engine.layers.rotary import RotaryEmbedding
+
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", num_threads=2, log_stats=False)
+    lookups = [m for m in llm.engine.runner.model.modules() if isinstance(m, (Embedding, RotaryEmbedding))]
+    assert len(lookups) == 2 and all(m.fused_ops is cpu_ops.load() for m in lookups)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = ["What is the capital of France?", "Why do cats purr?"]
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    for module in lookups:
+        module.fused_ops = None
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (64, 49152), (3, 8193), (2, 17)])
 def test_widen_is_bitwise_torch_float(dtype, rows, vocab):

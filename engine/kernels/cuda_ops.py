@@ -157,6 +157,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], width)
 
 
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table's rows at index (token embeddings): the C++ operators' call, here torch's own."""
+    return table.index_select(0, index)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """k, v [tokens, kv_heads, head_dim] (unit stride along head_dim) into the head-major caches [kv_heads, blocks,

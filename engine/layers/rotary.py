@@ -27,9 +27,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
+        self.fused_ops = None  # the fused operators' row gather (set by use_fused_ops; engine/layers/embedding.py)
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [tokens, 1, head_dim], computed once per step and shared by all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if self.fused_ops is None:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return (self.fused_ops.gather_rows(self.cos, positions).unsqueeze(1),
+                self.fused_ops.gather_rows(self.sin, positions).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ checkpoint, or drawn once by load_format "dummy" (engine/models/__init__.py).
 Why: nn.Linear and nn.Embedding draw initial weights as they are built (kaiming_uniform_, normal_), and the load
 then overwrites all of them. On 2 cores of an AVX2 EPYC, loading SmolLM2 in float32 took 1.34-1.42 s with that
 drawing and 0.64-0.69 s without; building a model of Llama-3.2-1B's shape in bf16, 14.4 s against milliseconds. They
-stay torch's own classes, so nothing that checks a module's type changes: a linear is built on the meta device
+stay torch's classes, so nothing that checks a module's type changes (an embedding is engine/layers/embedding.py's
+subclass, whose lookup takes the fused operators' row gather): a linear is built on the meta device
 (nothing drawn) and given fresh parameters; an embedding takes its weight as built. Both land on the device and in
 the dtype in force (`torch.device(...)`, the default dtype), as torch's modules do. Not `torch.nn.utils.skip_init`:
 its `to_empty`, and an embedding's init on the meta device, go through torch's Python reference ops, whose first use
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.embedding import Embedding
+
 
 def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
     layer = nn.Linear(in_features, out_features, bias=bias, device="meta")
@@ -25,5 +28,5 @@ def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
     return layer
 
 
-def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
-    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+def embedding(num_embeddings: int, embedding_dim: int) -> Embedding:
+    return Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))

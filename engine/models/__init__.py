@@ -79,7 +79,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
 def use_fused_ops(model: nn.Module, ops) -> None:
     """Hand a set of fused operators (the C++ CPU operators, engine/kernels/cpu_ops.py, or the Triton ones on CUDA,
     engine/kernels/cuda_ops.py: the same calls) to every module with a fused path (RMSNorm and its residual
-    addition, rotary in attention, SiLU times up in the MLP)."""
+    addition, rotary in attention, SiLU times up in the MLP, the embeddings' row gather)."""
     for module in model.modules():
         if hasattr(module, "fused_ops"):
             module.fused_ops = ops

@@ -46,6 +46,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // The first index of each row's maximum in float32 logits [rows, vocab], as torch.argmax(-1) gives it (argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+// The rows table[index[i]] of a 2-D table (unit stride along its width), copied in order into a new [n, width]
+// tensor; an index outside the table is refused (gather.cpp).
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index);
+
 // out = x widened to float32, in place of out (contiguous, x's shape; x float32, bf16 or fp16) (widen.cpp).
 void widen_(at::Tensor& out, const at::Tensor& x);
 
