@@ -35,22 +35,28 @@ namespace lora_serve::simd_linear_detail {
 // Vec (float_types.h) is 16 lanes with AVX-512 and 8 with AVX2: 6 rows x kVectors sums + kVectors weights + 1
 // broadcast fit the registers (32 with AVX-512, 16 with AVX2).
 constexpr int64_t kVectors = Vec::size() >= 16 ? 4 : 2;
-constexpr int64_t kCols = Vec::size() * kVectors;
+constexpr int64_t kCols = Vec::size() * kVectors;  // output columns per packed block
 // The registers' own type, for every value of a row block's loop: with Vec (ATen's Vectorized<float>, a class)
 // for its 24 sums, GCC kept all but one in memory, a load and a store around each dot product. On 2 cores of an
 // AMD EPYC Zen 4 (one 512-bit store a cycle, 256 bits wide), SmolLM2's 30 layers of bf16 weights took 33.8 ms
-// at 32 rows that way and 18.7 in registers (oneDNN: 22.4); 69.5 and 34.0 at 64 rows (oneDNN: 41.4).
+// at 32 rows that way and 18.5 in registers (oneDNN: 22.8); 69.5 and 33.4 at 64 rows (oneDNN: 37.7).
 #if defined(CPU_CAPABILITY_AVX512)
 using RawVec = __m512;
 inline RawVec raw_zero() { return _mm512_setzero_ps(); }
 inline RawVec raw_load(const float* p) { return _mm512_loadu_ps(p); }
 inline RawVec raw_add(RawVec a, RawVec b) { return _mm512_add_ps(a, b); }
+inline RawVec raw_broadcast(float x) { return _mm512_set1_ps(x); }
+inline RawVec raw_fmadd(RawVec a, RawVec b, RawVec acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline void raw_store(float* p, RawVec v) { _mm512_storeu_ps(p, v); }
 #else
 using RawVec = __m256;
 inline RawVec raw_zero() { return _mm256_setzero_ps(); }
 inline RawVec raw_load(const float* p) { return _mm256_loadu_ps(p); }
 inline RawVec raw_add(RawVec a, RawVec b) { return _mm256_add_ps(a, b); }
-#endif  // output columns per packed block
+inline RawVec raw_broadcast(float x) { return _mm256_set1_ps(x); }
+inline RawVec raw_fmadd(RawVec a, RawVec b, RawVec acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline void raw_store(float* p, RawVec v) { _mm256_storeu_ps(p, v); }
+#endif
 constexpr int kRows = 6;                           // rows per register block
 constexpr int64_t kPrefetchAhead = 4096;           // bytes ahead in the stream of the block's first pass
 
@@ -60,17 +66,10 @@ struct Float32 {
   using weight_t = float;
   using vector_t = RawVec;
   static constexpr int64_t kDepth = 1;
-#if defined(CPU_CAPABILITY_AVX512)
   static RawVec load(const float* p) { return raw_load(p); }
-  static RawVec broadcast(const float* p) { return _mm512_set1_ps(*p); }
-  static RawVec madd(RawVec acc, RawVec a, RawVec b) { return _mm512_fmadd_ps(a, b, acc); }
-  static void store(float* p, RawVec v) { _mm512_storeu_ps(p, v); }
-#else
-  static RawVec load(const float* p) { return raw_load(p); }
-  static RawVec broadcast(const float* p) { return _mm256_set1_ps(*p); }
-  static RawVec madd(RawVec acc, RawVec a, RawVec b) { return _mm256_fmadd_ps(a, b, acc); }
-  static void store(float* p, RawVec v) { _mm256_storeu_ps(p, v); }
-#endif
+  static RawVec broadcast(const float* p) { return raw_broadcast(*p); }
+  static RawVec madd(RawVec acc, RawVec a, RawVec b) { return raw_fmadd(a, b, acc); }
+  static void store(float* p, RawVec v) { raw_store(p, v); }
   // The block's kVectors weight vectors at one depth.
   static void load_depth(const float* w, RawVec (&b)[kVectors]) {
     for (int v = 0; v < kVectors; ++v) b[v] = load(w + Vec::size() * v);
