@@ -51,6 +51,9 @@ class EngineConfig:
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
+    # CPU (Linux): the weights and the KV cache on 2 MiB transparent huge pages (engine/huge_pages.py); False keeps
+    # them on the allocator's ordinary pages
+    huge_pages: bool = True
     # CUDA: fused Triton element-wise operators (engine/kernels/cuda_ops.py: the residual addition with RMSNorm,
     # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)
     cuda_fused_ops: bool = True

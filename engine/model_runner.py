@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine import huge_pages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
@@ -118,6 +119,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
         self.layout = self._kv_layout(config)
+        self.huge_pages = config.huge_pages and self.device.type == "cpu" and huge_pages.supported()
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_ops = self._cuda_ops(config)
         fused = self.cpu_ops or self.cuda_ops  # the C++ or the Triton operators: the same calls
@@ -138,6 +140,8 @@ class ModelRunner:
                                                  cpu_ops=self.cpu_ops)
             linears = [lora for layer in self.lora_layers for lora in layer.values()]
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
+        if self.huge_pages:  # the adapters' slots too: after the LoRA layers are in place
+            huge_pages.move_module(self.model)
         self.graphs = self._decode_graphs(config, max_model_len)
         self._logits_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float_logits)
 
@@ -208,8 +212,11 @@ class ModelRunner:
         decode graph write to."""
         lay = self.layout
         blocks = lay.num_blocks + (self.device.type == "cuda")
-        cache = torch.zeros(lay.num_layers, 2, lay.num_kv_heads, blocks, lay.block_size, lay.head_dim,
-                            dtype=self.kv_dtype, device=self.device)
+        shape = (lay.num_layers, 2, lay.num_kv_heads, blocks, lay.block_size, lay.head_dim)
+        if self.huge_pages:
+            cache = huge_pages.zeros(shape, self.kv_dtype)
+        else:
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
     @torch.inference_mode()
