@@ -16,7 +16,7 @@ The engine's own kernels (engine/kernels/cpu) take what they do faster than oneD
   measured, up to 94% of the dot-product units' rate); float32 linears of up to FP32_MAX_ROWS rows, 8.2 ms at 1 row
   against 11.5, 33.3 against 37.8 at 64 and 60.6 against 73.9 at 128 (at 512 the two were even, so prefill
   chunks stay on oneDNN, and those linears keep both packings). On a Zen 4 EPYC (512-bit operations in two
-  halves) in bf16: 7.0 ms at 1 row against oneDNN's 10.8, 18.5 against 22.8 at 32, 33.4 against 37.7 at 64. Where
+  halves) in bf16: 7.1 ms at 1 row against oneDNN's 11.7, 17.3 against 22.3 at 32, 31.8 against 38.0 at 64. Where
   a CPU has AMX, Intel's, oneDNN keeps the float32 linears: the kernel has not been measured there.
 - on a CPU with AVX2 and FMA alone (the same kernel with 8-lane vectors; 2 cores of an AMD EPYC Zen 3): every
   float32 linear, on its own packing alone, 18.4 ms at 1 row against oneDNN's 29.2 (23 GB/s of weights against

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 namespace lora_serve::simd_linear_detail {
 
@@ -186,6 +187,12 @@ void rows(const Problem<F>& p, int64_t block, int64_t row0, int count, const typ
 // SmolLM2's decode steps took 8.6% less time at 8 sequences, 4-17% at 16 and 3-10% at 32 (2-3 interleaved
 // comparisons; at one register block of rows or fewer a step is the weight stream alone, and nothing changes).
 // Spreading the next block's fetch over every later pass instead was no faster.
+//
+// Where the column blocks do not divide evenly among the threads (SmolLM2's 576 outputs are 9 blocks: 5 for one
+// thread of 2, 4 for the other, which then waits a ninth of the call), each block's rows are cut into parts, one
+// item each, so the items divide evenly; a thread's consecutive items are parts of one block, which it reads from
+// memory once. 2 cores of a Zen 4 EPYC, bf16, the o and down projections (576 x 576, 576 x 1536): 0.10 -> 0.09
+// and 0.32 -> 0.25 ms at 64 rows, 2.59 -> 2.35 and 6.92 -> 6.27 ms at 1,618.
 template <typename F>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32, at::Tensor& y) {
   using value_t = typename F::value_t;
@@ -194,13 +201,17 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32
                      reinterpret_cast<const weight_t*>(packed.data_ptr()),
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, reinterpret_cast<value_t*>(y.data_ptr()),
                      x.size(0), y.size(1), x.size(1)};
-  lora_serve::parallel_for(0, p.n / kCols, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {  // a thread's next chunk follows this one (work_pool.cpp)
-      const weight_t* next = block + 1 < p.n / kCols ? p.w + (block + 1) * p.k * kCols : nullptr;
-      for (int64_t row0 = 0; row0 < p.m; row0 += kRows) {
+  const int64_t blocks = p.n / kCols, row_blocks = (p.m + kRows - 1) / kRows, threads = lora_serve::pool_threads();
+  const int64_t parts = std::min(row_blocks, threads / std::gcd(blocks, threads));  // row parts a block
+  lora_serve::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {  // a thread's next chunk follows this one (work_pool.cpp)
+      const int64_t block = item / parts, part = item % parts;
+      const int64_t first_row = row_blocks * part / parts * kRows, last_row = row_blocks * (part + 1) / parts * kRows;
+      const weight_t* next = part + 1 == parts && block + 1 < blocks ? p.w + (block + 1) * p.k * kCols : nullptr;
+      for (int64_t row0 = first_row; row0 < std::min(p.m, last_row); row0 += kRows) {
         const int count = static_cast<int>(std::min<int64_t>(kRows, p.m - row0));
-        if (row0 == 0) rows<F, true>(p, block, row0, count, nullptr);
-        else rows<F, false>(p, block, row0, count, row0 == kRows ? next : nullptr);
+        if (row0 == first_row) rows<F, true>(p, block, row0, count, nullptr);
+        else rows<F, false>(p, block, row0, count, row0 == first_row + kRows ? next : nullptr);
       }
     }
   });

@@ -226,6 +226,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function
   work_pool_detail::pool().run(begin, end, grain, fn);
 }
 
+int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
+
 }  // namespace lora_serve
 
 void parallel_for_count_(at::Tensor& counts, int64_t grain, int64_t fail_item) {

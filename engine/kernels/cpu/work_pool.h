@@ -11,4 +11,7 @@ namespace lora_serve {
 // With more threads than the pool was measured to serve well, at::parallel_for runs it instead.
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
+// The threads parallel_for runs on (the caller included).
+int64_t pool_threads();
+
 }  // namespace lora_serve
