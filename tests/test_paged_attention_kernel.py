@@ -78,6 +78,28 @@ def test_cpu_kernel_matches_reference(dtype, heads, kv_heads, dim, block):
     assert out.dtype == dtype and error < TOLERANCE[dtype], f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decodes_on_both_sides_of_the_two_pass_limit(dtype):
+    """A decode of up to 4,096 tokens takes two passes over its context, a longer one folds block by block
+    (cpu/paged_attention.cpp): both sides of the limit, beside short decodes in the same call."""
+    from engine.kernels import cpu_attention
+
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(4096)
+    lens = torch.tensor([4096, 4097, 4200, 1, 17])
+    width = int((lens.max() + block - 1) // block)
+    num_blocks = len(lens) * width
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(len(lens), width)
+    q = (3 * torch.randn(len(lens), heads, dim, generator=gen)).to(dtype)  # peaked softmaxes: the max matters
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    want = _reference(q, k_cache, v_cache, tables, lens)
+    for i in range(len(lens)):
+        error = (out[i].double() - want[i]).norm() / want[i].norm()
+        assert error < TOLERANCE[dtype], f"context {lens[i]}: relative error {error:.2e}"
+
+
 def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts):
     """Each sequence's queries one at a time, as decodes of their own causal prefix."""
     out = torch.zeros(q.shape, dtype=torch.float64)

@@ -6,8 +6,10 @@
 // widened once per tile. A sequence's blocks are walked through its block table; in the engine's head-major
 // cache ([kv_heads, blocks, block_size, head_dim]) one block of one KV head is a contiguous [block_size,
 // head_dim] run. Queries are causal: the query at position p sees keys 0..p, its chunk's own keys included
-// (they are written before the call). Softmax is online (running max and sum in float32), so nothing of size
-// context is ever materialised and no block is copied. With AVX-512 BF16, bf16 keys are scored as they are stored
+// (they are written before the call). A decode of up to kTwoPassTokens takes two passes over its blocks: every
+// score of its context into a per-thread row, one softmax, then the weighted values (decode_in_two_passes). Longer
+// decodes and prompt tiles fold block by block with an online softmax (running max and sum in float32), so nothing
+// of size context is materialised. No block is ever copied. With AVX-512 BF16, bf16 keys are scored as they are stored
 // (bf16_scores.h); otherwise a block of keys is widened to float32 and transposed once for the tile. Values are
 // widened to float32 a block at a time, and each value row is loaded once for the query heads that share it.
 // Products and sums are float32 in every dtype. Each block's successor is prefetched while it is scored. One
@@ -61,6 +63,7 @@ struct Shape {
 // one query's group of heads for that block.
 struct Scratch {
   std::vector<float> query, acc, keys_t, values, rows, scores, best, total;
+  std::vector<float> probs;  // a decode's scores, then weights, over its whole context (decode_in_two_passes)
   explicit Scratch(const Shape& s)
       : query(TILE * s.group * s.head_dim), acc(TILE * s.group * s.head_dim), keys_t(s.head_dim * s.block_size),
         values(s.block_size * s.head_dim), rows(s.block_size * s.head_dim), scores(s.group * s.block_size),
@@ -105,11 +108,12 @@ inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, flo
 // `scores` (-inf past `rows`). For a float32 decode this replaces copying and transposing each block for a single
 // query.
 template <typename cache_t>
-inline void score_rows(const Scratch& w, const Shape& s, const cache_t* keys, int64_t rows, float* scores) {
+inline void score_rows(const Scratch& w, const Shape& s, const cache_t* keys, int64_t rows, float* scores,
+                       int64_t head_stride) {
   const int64_t d = s.head_dim, whole = d - d % Vec::size();
   for (int64_t g = 0; g < s.group; ++g) {
     const float* q = w.query.data() + g * d;
-    float* out = scores + g * s.block_size;
+    float* out = scores + g * head_stride;
     for (int64_t t = 0; t < rows; t += 4) {  // 4 keys: 4 independent chains of FMAs, each q vector loaded once
       const int64_t n = std::min<int64_t>(4, rows - t);
       Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
@@ -239,11 +243,88 @@ inline void score_row(Scratch& w, const Shape& s, const q_t* q_row, const cache_
   }
 }
 
+// Contexts up to which a decode takes two passes; longer ones fold block by block (attend).
+constexpr int64_t kTwoPassTokens = 4096;
+
+// p[0:n] (n a multiple of the vector width) = exp(p - max p); returns their sum.
+inline float softmax_in_place(float* p, int64_t n) {
+  Vec top(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p + t));
+  const Vec best(top.reduce_max());
+  Vec sum(0.f);
+  for (int64_t t = 0; t < n; t += Vec::size()) {
+    const Vec e = (Vec::loadu(p + t) - best).exp_u20();
+    e.store(p + t);
+    sum = sum + e;
+  }
+  return sum.reduce_add();
+}
+
+// One decode (a tile of one query) in two passes over its context: every block's scores for the group's heads into
+// w.probs (each head's row kTwoPassTokens long), one softmax per head over the whole context, then the weighted
+// values of every block, read where they are stored. Folding block by block instead rescales every accumulator and
+// takes a max, an exp and two horizontal sums per head and block, and (in bf16) widened each block of values to
+// float32 first. One layer, bf16, 2 cores of a Zen 4 EPYC: 64 decodes of 26-56 tokens 0.103 -> 0.089 ms with warm
+// caches, 0.233 -> 0.186 ms a call in 64 greedy requests of 32 tokens; 16 decodes of 2,000 tokens 2.10 -> 1.26-1.41.
+// The passes stay in this one function: with the second in a function of its own, GCC inlined differently and the
+// 64 short decodes took 0.115 ms.
+template <typename q_t, typename cache_t>
+void decode_in_two_passes(const q_t* q, const cache_t* k_head, const cache_t* v_head, const int64_t* table,
+                          int64_t context, q_t* out, const Shape& s, Scratch& w) {
+  const int64_t d = s.head_dim, run = s.block_size * d, blocks = (context + s.block_size - 1) / s.block_size;
+  const bool bf16_scores = scores_in_bf16<q_t, cache_t>(s);
+  if (static_cast<int64_t>(w.probs.size()) < s.group * kTwoPassTokens) w.probs.resize(s.group * kTwoPassTokens);
+  if (!bf16_scores)
+    for (int64_t i = 0; i < s.group * d; ++i) w.query[i] = static_cast<float>(q[i]) * s.scale;
+  for (int64_t b = 0; b < blocks; ++b) {  // scores
+    const int64_t start = b * s.block_size, rows = std::min(s.block_size, context - start);
+    if (b + 1 < blocks) {
+      prefetch(k_head + table[b + 1] * run, run);
+      prefetch(v_head + table[b + 1] * run, run);  // for the second pass
+    }
+    const cache_t* k_block = k_head + table[b] * run;
+    if constexpr (std::is_same_v<q_t, float>) {
+      score_rows(w, s, k_block, rows, w.probs.data() + start, kTwoPassTokens);
+    } else {
+      if (!bf16_scores) {
+        lora_serve::widen(k_block, w.rows.data(), rows * d);
+        at::vec::transpose_mxn<float>(w.rows.data(), d, w.keys_t.data(), s.block_size, rows, d);
+      }
+      for (int64_t g = 0; g < s.group; ++g)
+        score_row(w, s, q + g * d, k_block, g, rows, bf16_scores, w.probs.data() + g * kTwoPassTokens + start);
+    }
+  }
+  const int64_t padded = blocks * s.block_size;  // past the context: -inf, from the last block's scoring
+  float rescale[64], inverse[64];  // rescale: none (accumulate_group's factors on the accumulators)
+  for (int64_t g = 0; g < s.group; ++g) {
+    inverse[g] = 1.f / softmax_in_place(w.probs.data() + g * kTwoPassTokens, padded);
+    rescale[g] = 1.f;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + s.group * d, 0.f);
+  const bool grouped = s.head_dim % (kPassVectors * Vec::size()) == 0 && s.group <= 4;
+  for (int64_t b = 0; b < blocks; ++b) {  // weighted values
+    const int64_t start = b * s.block_size, rows = std::min(s.block_size, context - start);
+    if (b + 1 < blocks) prefetch(v_head + table[b + 1] * run, run);
+    const cache_t* v_block = v_head + table[b] * run;
+    const float* p = w.probs.data() + start;
+    if (grouped) {
+      accumulate_group<kPassVectors>(w.acc.data(), rescale, p, kTwoPassTokens, v_block, rows, s.group, d);
+    } else {
+      for (int64_t g = 0; g < s.group; ++g)
+        accumulate_any(w.acc.data() + g * d, 1.f, p + g * kTwoPassTokens, v_block, rows, d);
+    }
+  }
+  for (int64_t g = 0; g < s.group; ++g)
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<q_t>(w.acc[g * d + i] * inverse[g]);
+}
+
 // q_t: the queries' and the output's dtype; cache_t: the cache's, the same or (float32 queries) bf16/fp16.
 template <typename q_t, typename cache_t>
 void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const int64_t* table,
             const Tile& tile, q_t* out, const Shape& s, Scratch& w) {
   const int64_t d = s.head_dim, run = s.block_size * d, width = s.group * d, stride = s.heads * d;
+  if (tile.count == 1 && tile.position < kTwoPassTokens)
+    return decode_in_two_passes(q, k_head, v_head, table, tile.position + 1, out, s, w);
   const bool bf16_scores = scores_in_bf16<q_t, cache_t>(s);
   const int64_t rows_used = tile.count * s.group, context = tile.position + tile.count;
   if (!bf16_scores)  // the float32 path scores scaled, widened queries; the bf16 one reads q as it is
@@ -265,7 +346,7 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
     // queries.
     if constexpr (std::is_same_v<q_t, float>) {
       if (tile.count == 1) {
-        score_rows(w, s, k_block, rows, w.scores.data());
+        score_rows(w, s, k_block, rows, w.scores.data(), s.block_size);
         fold_scores(w, s, 0, s.group, rows, v_block);
         continue;
       }
