@@ -46,8 +46,10 @@ void run(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::
   const scalar_t* dp = delta == nullptr ? nullptr : delta->data_ptr<scalar_t>();
   const scalar_t* wp = w.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  // a row is a few thousand floats at most: a thread needs dozens of rows to pay for waking it
-  lora_serve::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  // chunks of 16 rows: within a step the pool's threads are awake from the operator before, and a 576-wide bf16
+  // row takes about 0.3 us (its roundings are ATen's vector conversions); 64 x 576 on 2 cores of a Zen 4 EPYC took
+  // 18.6 us in chunks of 64 rows (one thread), 11.9 in chunks of 16; one chunk of 16 rows or fewer runs inline
+  lora_serve::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (dp != nullptr) add_row(xp + r * d, dp + r * d, d);
       norm_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));
