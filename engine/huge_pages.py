@@ -17,6 +17,7 @@ shared. Where the kernel has no transparent huge pages the advice is refused and
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass, field
 
@@ -37,7 +38,6 @@ def supported() -> bool:
 class Region:
     """One anonymous mapping of `size` bytes (a multiple of 2 MiB, from a 2 MiB boundary), handed out in order."""
     size: int
-    advised: bool = False
     _map: mmap.mmap = field(init=False, repr=False)
     _start: int = field(init=False, default=0)  # the first byte on a 2 MiB boundary
     _used: int = field(init=False, default=0)
@@ -49,13 +49,12 @@ class Region:
         self._start = (-address) % HUGE_PAGE
         try:
             self._map.madvise(mmap.MADV_HUGEPAGE, self._start, self.size)
-            self.advised = True
         except OSError:  # a kernel without transparent huge pages: ordinary pages
-            self.advised = False
+            pass
 
     def storage(self, nbytes: int) -> torch.UntypedStorage:
         """The next `nbytes` of the region, zero until written, as a storage of its own."""
-        offset = -(-self._used // ALIGN) * ALIGN
+        offset = _aligned(self._used)
         if offset + nbytes > self.size:
             raise ValueError(f"huge-page region of {self.size} bytes has {self.size - offset} left, {nbytes} asked")
         self._used = offset + nbytes
@@ -66,10 +65,7 @@ class Region:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor on huge pages of its own, its pages faulted in now (not in the first steps that touch
     them)."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     tensor = torch.empty(0, dtype=dtype).set_(Region(nbytes).storage(nbytes), 0, shape)
     return tensor.zero_()
 
@@ -77,10 +73,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def move_module(module: nn.Module) -> int:
     """Re-seat every dense CPU tensor of `module` (parameters, buffers, tensor attributes; bitsandbytes' and oneDNN's
     opaque ones excepted) on huge pages, in regions of up to REGION_BYTES. Returns the bytes moved."""
-    groups = _by_storage(module)
     moved = 0
-    for batch in _batches(groups):
-        region = Region(sum(-(-_nbytes(tensors) // ALIGN) * ALIGN for tensors in batch))
+    for batch, size in _batches(_by_storage(module)):
+        region = Region(size)
         for tensors in batch:
             moved += _move_storage(tensors, region)
     return moved
@@ -98,22 +93,24 @@ def _move_storage(tensors: list[torch.Tensor], region: Region) -> int:
 
 
 def _batches(groups: list[list[torch.Tensor]]):
-    """Storages in module order, cut into runs of up to REGION_BYTES (one larger storage is a run of its own)."""
+    """Storages in module order, cut into runs of up to REGION_BYTES (one larger storage is a run of its own), each
+    with the bytes its region needs."""
     batch: list[list[torch.Tensor]] = []
     size = 0
     for tensors in groups:
-        nbytes = -(-_nbytes(tensors) // ALIGN) * ALIGN
+        nbytes = _aligned(tensors[0].untyped_storage().nbytes())
         if batch and size + nbytes > REGION_BYTES:
-            yield batch
+            yield batch, size
             batch, size = [], 0
         batch.append(tensors)
         size += nbytes
     if batch:
-        yield batch
+        yield batch, size
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return tensors[0].untyped_storage().nbytes()
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a whole number of cache lines (where the next storage may start)."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _by_storage(module: nn.Module) -> list[list[torch.Tensor]]:
