@@ -44,12 +44,26 @@ inline void widen(const scalar_t* src, float* dst, int64_t n) {
 template <typename scalar_t>
 inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
 
+// 2 * Vec::size() float32 values a, b rounded to the reduced type scalar_t, to nearest even. For bf16 on a CPU
+// with AVX-512 BF16 that is one instruction (vcvtne2ps2bf16) instead of ATen's dozen integer ones, which made
+// half of the time of silu_and_mul in bf16. The instruction reads float32 denormals (below 1.2e-38) as 0, where
+// ATen rounds them to bf16 denormals; everything else is bitwise the same.
+template <typename scalar_t>
+inline at::vec::Vectorized<scalar_t> narrow_pair(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    return at::vec::Vectorized<scalar_t>(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+  }
+#endif
+  return at::vec::convert_from_float<scalar_t>(a, b);
+}
+
 // 2 * Vec::size() values as float32 vectors a, b, rounded to scalar_t and back in place (ATen's vector
 // conversions round to nearest even, as the scalar ones do; float32 stays as it is).
 template <typename scalar_t>
 inline void round_pair(Vec& a, Vec& b) {
   if constexpr (!std::is_same_v<scalar_t, float>) {
-    std::tie(a, b) = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(a, b));
+    std::tie(a, b) = at::vec::convert_to_float<scalar_t>(narrow_pair<scalar_t>(a, b));
   }
 }
 
@@ -60,7 +74,7 @@ inline void store_pair(const Vec& a, const Vec& b, scalar_t* out) {
     a.store(out);
     b.store(out + Vec::size());
   } else {
-    at::vec::convert_from_float<scalar_t>(a, b).store(out);
+    narrow_pair<scalar_t>(a, b).store(out);
   }
 }
 
