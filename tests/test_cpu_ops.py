@@ -100,7 +100,7 @@ def test_silu_and_mul_matches_the_pytorch_mlp(dtype, tokens, width):
     assert ops is not None, "the C++ CPU operators did not build"
     gen = torch.Generator().manual_seed(tokens * width)
     gate_up = (torch.randn(tokens, 2 * width, generator=gen) * 4).to(dtype)
-    extremes = torch.tensor([-100.0, -89.0, -88.0, -30.0, 30.0, 88.0, float("inf"), float("-inf"), float("nan"), 0.0])
+    extremes = torch.tensor([-100.0, -89.0, -87.0, -30.0, 30.0, 88.0, float("inf"), float("-inf"), float("nan"), 0.0])
     gate_up[0, :min(width, len(extremes))] = extremes[:width].to(dtype)
     gate, up = gate_up.split(width, dim=-1)
     config = SimpleNamespace(hidden_size=8, intermediate_size=width, hidden_act="silu")
