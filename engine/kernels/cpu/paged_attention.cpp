@@ -389,6 +389,13 @@ std::vector<Tile> make_tiles(const at::Tensor& starts, const at::Tensor& lens, c
   return tiles;
 }
 
+// Blocks of the next work item asked for while one runs. attend prefetches each block's successor, so only an
+// item's first block waited on memory, and a short decode has 2-4 blocks. With the first one prefetched, in 64
+// greedy requests of 32 tokens (bf16, 2 cores of a Zen 4 EPYC) a layer's call took 0.164-0.181 ms against
+// 0.186-0.196 without (7 alternating pairs of processes, faster in each); the next item's first 2 or 4 blocks,
+// no faster.
+constexpr int64_t kAheadBlocks = 1;
+
 template <typename q_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const std::vector<Tile>& tiles, int64_t work, at::Tensor& out, const Shape& s) {
@@ -407,6 +414,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t item = begin; item < end; ++item) {
       const Tile& tile = tiles[item / kv_heads];
       const int64_t h = item % kv_heads;
+      if (item + 1 < end) {  // the next item's first blocks, while this one runs (kAheadBlocks)
+        const Tile& next = tiles[(item + 1) / kv_heads];
+        const int64_t next_head = (item + 1) % kv_heads * head_run, run_size = s.block_size * s.head_dim;
+        const int64_t ahead = std::min(kAheadBlocks, (next.position + next.count + s.block_size - 1) / s.block_size);
+        for (int64_t b = 0; b < ahead; ++b) {
+          const int64_t at = table[next.seq * s.table_width + b] * run_size;
+          prefetch(kp + next_head + at, run_size);
+          prefetch(vp + next_head + at, run_size);
+        }
+      }
       const int64_t head = h * s.group * s.head_dim;
       attend(qp + tile.first * s.q_stride + head, kp + h * head_run, vp + h * head_run,
              table + tile.seq * s.table_width, tile, op + tile.first * s.heads * s.head_dim + head, s, w);
