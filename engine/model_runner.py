@@ -64,7 +64,7 @@ class StepInputs:
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # float32 [len(sampling), vocab]
+    logits: torch.Tensor  # [len(sampling), vocab] in the model's dtype (the sampler widens them where it must)
     sampling: list[ScheduledSeq]  # the sequences that sample this step
     prompt_scores: list[PromptScores]
 
@@ -143,7 +143,6 @@ class ModelRunner:
         if self.huge_pages:  # the adapters' slots too: after the LoRA layers are in place
             huge_pages.move_module(self.model)
         self.graphs = self._decode_graphs(config, max_model_len)
-        self._logits_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float_logits)
 
     def _cuda_ops(self, config: EngineConfig):
         """The Triton fused element-wise operators on CUDA (imported there only: triton may be absent on CPU)."""
@@ -226,7 +225,7 @@ class ModelRunner:
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
         if self._fits_graph(ordered):
             hidden = self.graphs.run(self._decode_inputs(ordered))
-            return StepResult(self._float_logits(self.model.compute_logits(hidden)), ordered, [])
+            return StepResult(self.model.compute_logits(hidden), ordered, [])
         step = self._prepare(ordered)
         self._set_lora_state(step.adapter_runs)
         try:
@@ -236,7 +235,7 @@ class ModelRunner:
         scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
         if not step.sample_rows:
             return StepResult(torch.empty(0, device=self.device), [], scores)
-        return StepResult(self._float_logits(self.model.compute_logits(self._sampled(hidden, step.sample_rows))),
+        return StepResult(self.model.compute_logits(self._sampled(hidden, step.sample_rows)),
                           step.sampling, scores)
 
     def _sampled(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -257,22 +256,6 @@ class ModelRunner:
             self.lora_state.token_slots = token_slots(runs, self.device)
         else:
             self.lora_state.batch = build_lora_batch(runs, self.device, self.lora_padding)
-
-    def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampled rows' logits in float32. On CPU they are widened into a buffer kept from step to step: a
-        fresh 12 MB tensor a step (64 rows of 49,152) took 1.5 ms of page faults, the copy alone 0.35 ms. The
-        sampler reads them within the step, and the next step overwrites them. The C++ operators widen them on
-        their own threads (cpu/widen.cpp: torch's copy stalled now and then, waking OpenMP's threads)."""
-        if logits.dtype == torch.float32 or self.device.type != "cpu":
-            return logits.float()
-        rows, vocab = logits.shape
-        if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
-            self._logits_buffer = torch.empty(rows, vocab, dtype=torch.float32)
-        out = self._logits_buffer[:rows]
-        if self.cpu_ops is None or not logits.is_contiguous():
-            return out.copy_(logits)
-        self.cpu_ops.widen_(out, logits)
-        return out
 
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
         logprobs: list[float] = []

@@ -194,20 +194,24 @@ def test_a_build_killed_half_way_does_not_block_later_starts():
     assert not (folder / "lock").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 17])
-def test_argmax_rows_matches_torch(vocab):
-    """First maximal index, as torch.argmax: random rows, ties, a NaN (which wins), a row of -inf, and widths that
-    leave a scalar tail after the vector loop; 64 rows run on both threads."""
+def test_argmax_rows_matches_torch(vocab, dtype):
+    """First maximal index, as torch.argmax: random rows, ties (in bf16 and fp16 also those that rounding makes),
+    a NaN (which wins), a row of -inf, and widths that leave a scalar tail after the vector loop; 64 rows run on
+    both threads; anything but a float dtype or a 2-D tensor is refused by name."""
     module = cpu_ops.load()
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(64, vocab, generator=gen)
+    logits = torch.randn(64, vocab, generator=gen).to(dtype)
     logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0  # a tie: the first wins
     logits[2, vocab - 1] = 50.0  # the maximum in the scalar tail
     logits[3, vocab // 2] = float("nan")
     logits[4] = float("-inf")
     torch.testing.assert_close(module.argmax_rows(logits), logits.argmax(-1), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="float32"):
-        module.argmax_rows(logits.bfloat16())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        module.argmax_rows(logits.double())
+    with pytest.raises(RuntimeError, match=r"\[rows, vocab\]"):
+        module.argmax_rows(logits[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -406,3 +406,23 @@ def test_penalty_tallies_grow_step_by_step_to_what_a_rebuild_gives():
     expected[seen] = torch.where(row[seen] < 0, row[seen] * 1.3, row[seen] / 1.3)
     expected -= row - counted  # the output penalties, after the repetition penalty
     torch.testing.assert_close(rows[0], expected)
+
+
+@pytest.mark.parametrize("with_ops", [True, False])
+def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops):
+    """A step whose rows are all plain greedy reads a bf16 model's logits as the LM head wrote them (no float32
+    copy); a row asking logprobs or a penalty widens the step, and either way the tokens are float32's argmax."""
+    from engine.kernels import cpu_ops
+    from engine.sequence import Sequence
+
+    sampler = Sampler(torch.device("cpu"), seed=0, cpu_ops=cpu_ops.load() if with_ops else None)
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits[3, 10] = logits[3, 900] = 9.0  # a tie: the first wins
+    want = logits.float().argmax(-1).tolist()
+    plain = [Sequence(str(i), [1], SamplingParams(max_tokens=4, temperature=0)) for i in range(8)]
+    out = sampler(logits, plain)
+    assert out.token_ids == want and out.logprobs == [None] * 8 and sampler._float_buffer is None
+    asking = plain[:7] + [Sequence("7", [1], SamplingParams(max_tokens=4, temperature=0, logprobs=2))]
+    out = sampler(logits, asking)
+    assert out.token_ids == want and out.logprobs[:7] == [None] * 7 and out.logprobs[7] is not None
+    assert sampler._float_buffer is not None

@@ -1,6 +1,8 @@
-// The greedy token of every row of float32 logits: PyTorch's argmax over a 49,152-token vocabulary runs a scalar
-// loop (about 2-3.7 ms for 64 rows on 2 cores, a tenth of a bf16 decode step of 64 sequences). Here each row
-// takes two vectorised passes: its maximum, then the first index holding it; about 0.1 ms for the same rows.
+// The greedy token of every row of logits (float32, or bf16/fp16 widened as they are loaded, exactly): PyTorch's
+// argmax over a 49,152-token vocabulary runs a scalar loop (about 2-3.7 ms for 64 rows on 2 cores, a tenth of a
+// bf16 decode step of 64 sequences). Here each row takes two vectorised passes: its maximum, then the first index
+// holding it; about 0.1 ms for the same rows. A bf16 model's greedy rows are read as the LM head wrote them, not
+// widened into a float32 copy first (engine/sampler.py).
 //
 // Ties and NaN follow torch.argmax: the first maximal index wins, and a NaN counts as larger than any number.
 
@@ -12,44 +14,55 @@
 
 namespace lora_serve::argmax_detail {
 
-float row_max(const float* x, int64_t n) {
+template <typename scalar_t>
+float row_max(const scalar_t* x, int64_t n) {
   Vec best(-INFINITY);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) best = at::vec::maximum(best, Vec::loadu(x + i));  // NaN wins
+  for (; i + Vec::size() <= n; i += Vec::size()) best = at::vec::maximum(best, load_float(x + i));  // NaN wins
   float out = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, best);
-  for (; i < n; ++i)
-    if (std::isnan(x[i]) || x[i] > out) out = x[i];
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v) || v > out) out = v;
+  }
   return out;
 }
 
-int64_t first_index_of(const float* x, int64_t n, float value) {
+template <typename scalar_t>
+int64_t first_index_of(const scalar_t* x, int64_t n, float value) {
   if (std::isnan(value)) {
     for (int64_t i = 0; i < n; ++i)
-      if (std::isnan(x[i])) return i;
+      if (std::isnan(static_cast<float>(x[i]))) return i;
   }
   const Vec target(value);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
-    if (Vec::loadu(x + i).eq(target).zero_mask() != (1 << Vec::size()) - 1) break;  // some lane equals value
+    if (load_float(x + i).eq(target).zero_mask() != (1 << Vec::size()) - 1) break;  // some lane equals value
   }
   for (; i < n; ++i)
-    if (x[i] == value) return i;
+    if (static_cast<float>(x[i]) == value) return i;
   return 0;  // unreachable: value was read from the row
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& input, at::Tensor& out) {
+  const int64_t rows = input.size(0), n = input.size(1);
+  const scalar_t* xp = input.data_ptr<scalar_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = first_index_of(xp + r * n, n, row_max(xp + r * n, n));
+  });
 }
 
 }  // namespace lora_serve::argmax_detail
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   using namespace lora_serve::argmax_detail;
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits must be float32 [rows, vocab]");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
   const auto input = logits.contiguous();
-  const int64_t rows = input.size(0), n = input.size(1);
-  TORCH_CHECK(n > 0, "argmax_rows of an empty vocabulary");
-  auto out = input.new_empty({rows}, input.options().dtype(at::kLong));
-  const float* xp = input.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) op[r] = first_index_of(xp + r * n, n, row_max(xp + r * n, n));
+  TORCH_CHECK(input.size(1) > 0, "argmax_rows of an empty vocabulary");
+  auto out = input.new_empty({input.size(0)}, input.options().dtype(at::kLong));
+  lora_serve::dispatch_float_types(input.scalar_type(), "argmax_rows", [&](auto type) {
+    run<decltype(type)>(input, out);
   });
   return out;
 }

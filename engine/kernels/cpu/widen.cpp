@@ -1,5 +1,5 @@
-// A step's logits widened to float32 into a buffer kept from step to step (model_runner._float_logits), on the
-// operators' own threads.
+// A step's logits widened to float32 into a buffer kept from step to step (Sampler._float in engine/sampler.py),
+// on the operators' own threads.
 //
 // Why: torch's copy_ runs on OpenMP's threads, which sleep while the rest of a decode step runs on the operators'
 // pool (work_pool.cpp). Waking one onto a core that the caller or a pool thread holds stalled the copy for a time
