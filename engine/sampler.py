@@ -187,15 +187,19 @@ ROW_PROCESSORS = (
 )
 
 
+def _row_edits(seq: Sequence) -> list:
+    """The processors that apply to `seq`'s row this step, in ROW_PROCESSORS' order."""
+    return [edit for uses, edit in ROW_PROCESSORS if uses(seq)]
+
+
 def _plain_greedy(seq: Sequence) -> bool:
     """A row whose token is the argmax of the raw logits, and which reports no logprobs."""
-    return (seq.params.greedy and seq.params.logprobs is None
-            and not any(uses(seq) for uses, _ in ROW_PROCESSORS))
+    return seq.params.greedy and seq.params.logprobs is None and not _row_edits(seq)
 
 
 def _process_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each request's processors on its own row; the logits are copied once, and only when some row needs it."""
-    edits = [(i, [edit for uses, edit in ROW_PROCESSORS if uses(seq)]) for i, seq in enumerate(seqs)]
+    edits = [(i, _row_edits(seq)) for i, seq in enumerate(seqs)]
     edits = [(i, row_edits) for i, row_edits in edits if row_edits]
     if not edits:
         return logits

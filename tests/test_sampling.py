@@ -411,7 +411,7 @@ def test_penalty_tallies_grow_step_by_step_to_what_a_rebuild_gives():
 @pytest.mark.parametrize("with_ops", [True, False])
 def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops):
     """A step whose rows are all plain greedy reads a bf16 model's logits as the LM head wrote them (no float32
-    copy); a row asking logprobs or a penalty widens the step, and either way the tokens are float32's argmax."""
+    copy); a row asking logprobs widens the step, and either way the tokens are float32's argmax."""
     from engine.kernels import cpu_ops
     from engine.sequence import Sequence
 
