@@ -159,7 +159,8 @@ class OpenAISampling(OpenAIModel):
         return None
 
     def logprobs_wanted(self) -> int | None:
-        """None: no logprobs in the response; k: the chosen tokens' logprobs and their k most likely alternatives."""
+        """None: no logprobs in the response, and none computed (a step whose rows all ask none skips the
+        log-softmax over the vocabulary); k: the chosen tokens' logprobs and their k most likely alternatives."""
         return None
 
     def prompt_logprobs_wanted(self) -> int | None:
@@ -178,7 +179,7 @@ class OpenAISampling(OpenAIModel):
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               min_tokens=self.min_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
                               skip_special_tokens=self.skip_special_tokens,
-                              logprobs=self.logprobs_wanted() or 0, prompt_logprobs=self.prompt_logprobs_wanted(),
+                              logprobs=self.logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=self.engine_response_format())
 
 

@@ -263,8 +263,8 @@ class ModelRunner:
         for offset in range(0, len(chunk.targets), SCORED_ROWS_PER_SLICE):
             part = chunk.targets[offset:offset + SCORED_ROWS_PER_SLICE]
             start = chunk.row + offset
-            logits = self.model.compute_logits(hidden[start:start + len(part)]).float()
-            picked, top = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs)
+            logits = self.model.compute_logits(hidden[start:start + len(part)])
+            picked, top = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
             logprobs += picked
             tops += top
         return PromptScores(chunk.seq, chunk.start + 1, logprobs, tops)

@@ -214,6 +214,29 @@ def test_argmax_rows_matches_torch(vocab, dtype):
         module.argmax_rows(logits[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 17])
+def test_log_normalizers_match_torch_logsumexp(vocab, dtype):
+    """Each row's logsumexp in float32, as torch.logsumexp of the float32 logits, within the fast exp's error:
+    random rows of large logits, widths that leave a scalar tail, and torch's answers for a +inf (inf), a row of
+    -inf (-inf), a NaN (NaN) and a row half -inf; 64 rows run on both threads; anything but a float dtype or a 2-D
+    tensor is refused by name."""
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(64, vocab, generator=gen) * 8).to(dtype)
+    logits[1, vocab - 1] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, vocab // 2] = float("nan")
+    logits[4, ::2] = float("-inf")
+    got = module.log_normalizers(logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, logits.float().logsumexp(-1), rtol=0, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        module.log_normalizers(logits.double())
+    with pytest.raises(RuntimeError, match=r"\[rows, vocab\]"):
+        module.log_normalizers(logits[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_rows_is_index_select(dtype):
     """Rows by index as index_select gives them, repeats and any order, from a table whose rows are strided (a

@@ -411,7 +411,8 @@ def test_penalty_tallies_grow_step_by_step_to_what_a_rebuild_gives():
 @pytest.mark.parametrize("with_ops", [True, False])
 def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops):
     """A step whose rows are all plain greedy reads a bf16 model's logits as the LM head wrote them (no float32
-    copy); a row asking logprobs widens the step, and either way the tokens are float32's argmax."""
+    copy), rows asking logprobs included: their logprobs and top alternatives are float32 log_softmax's. A row with
+    a processor (logit_bias) widens the step. Either way the tokens are float32's argmax."""
     from engine.kernels import cpu_ops
     from engine.sequence import Sequence
 
@@ -422,7 +423,15 @@ def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops)
     plain = [Sequence(str(i), [1], SamplingParams(max_tokens=4, temperature=0)) for i in range(8)]
     out = sampler(logits, plain)
     assert out.token_ids == want and out.logprobs == [None] * 8 and sampler._float_buffer is None
-    asking = plain[:7] + [Sequence("7", [1], SamplingParams(max_tokens=4, temperature=0, logprobs=2))]
+    asking = plain[:6] + [Sequence(str(i), [1], SamplingParams(max_tokens=4, temperature=0, logprobs=k))
+                          for i, k in ((6, 0), (7, 2))]
     out = sampler(logits, asking)
-    assert out.token_ids == want and out.logprobs[:7] == [None] * 7 and out.logprobs[7] is not None
-    assert sampler._float_buffer is not None
+    expected = logits.float().log_softmax(-1)
+    assert out.token_ids == want and out.logprobs[:6] == [None] * 6 and sampler._float_buffer is None
+    assert out.logprobs[6:] == pytest.approx([expected[6, want[6]].item(), expected[7, want[7]].item()], abs=1e-5)
+    values, ids = expected[7].topk(2)
+    assert out.top_logprobs[6] is None and list(out.top_logprobs[7]) == ids.tolist()
+    assert list(out.top_logprobs[7].values()) == pytest.approx(values.tolist(), abs=1e-5)
+    biased = plain[:7] + [Sequence("7", [1], SamplingParams(max_tokens=4, temperature=0, logit_bias={5: 0.5}))]
+    out = sampler(logits, biased)
+    assert out.token_ids[:7] == want[:7] and sampler._float_buffer is not None

@@ -214,6 +214,23 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
         client.completions.create(model=str(tiny_llama_path), prompt="hi", max_tokens=2, presence_penalty=2.5)
 
 
+def test_openai_requests_ask_the_engine_for_logprobs_only_when_the_client_does():
+    """A step whose rows ask no logprobs skips the log-softmax over the vocabulary (and, when greedy, widening the
+    logits): an OpenAI request without logprobs must not ask for them."""
+    from deployments.openai_protocol import ChatRequest, CompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    asked = {"plain completion": CompletionRequest(model="m", prompt="hi"),
+             "completion, logprobs 0": CompletionRequest(model="m", prompt="hi", logprobs=0),
+             "completion, logprobs 3": CompletionRequest(model="m", prompt="hi", logprobs=3),
+             "plain chat": ChatRequest(model="m", messages=messages),
+             "chat, logprobs": ChatRequest(model="m", messages=messages, logprobs=True),
+             "chat, top_logprobs 2": ChatRequest(model="m", messages=messages, logprobs=True, top_logprobs=2)}
+    got = {name: request.to_sampling_params(8).logprobs for name, request in asked.items()}
+    assert got == {"plain completion": None, "completion, logprobs 0": 0, "completion, logprobs 3": 3,
+                   "plain chat": None, "chat, logprobs": 0, "chat, top_logprobs 2": 2}
+
+
 def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer):
     import openai
 
