@@ -17,11 +17,14 @@ stops it, so drift on this shared machine hits all of them alike and no idle ser
 (an idle vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores
 of throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
 (tokens - 1). The offline engine (lora-serve's LLM.generate, both cores, with the engine args of the config's
-application: the same LoRA slots and KV cache as the server) runs the same requests in every round, before the
-servers start, twice: all at once, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished
-request lets the next one in, as a closed loop of 32 clients does). HTTP share = HTTP tok/s at 32 concurrent / each
-offline tok/s of that round: against all at once it counts the larger batch that HTTP at 32 streams cannot form;
-against 32 at a time, only what the serving path loses. While each server runs 32 streams, every process of its
+application: the same LoRA slots and KV cache as the server) runs the same requests all at once at the start of
+every round, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one
+in, as a closed loop of 32 clients does) right before each lora-serve server starts and right after it stops.
+HTTP share = HTTP tok/s at 32 concurrent / offline tok/s: against all at once (that round's) it counts the larger
+batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server),
+only what the serving path loses. The two runs bracket the server because this machine's speed drifts: one
+offline run per round, minutes away from some servers, put one server's share at 109% and another's at 69% in
+runs whose HTTP rounds were within 13% of each other. While each server runs 32 streams, every process of its
 tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is
 given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md,
 .json and .png.
@@ -85,6 +88,7 @@ class Scenario:
     ttft_ms_p90: float | None = None
     tpot_ms_p90: float | None = None
     cores: dict | None = None
+    beside: str | None = None  # an offline run: the server whose start (or stop) it came right before (after)
 
 
 async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str, max_tokens: int,
@@ -155,7 +159,8 @@ def offline_name(concurrency: int, requests: int) -> str:
     return f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
 
 
-def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int) -> Scenario:
+def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
+            beside: str | None = None) -> Scenario:
     """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -163,7 +168,7 @@ def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd
     seconds = time.perf_counter() - start
     return Scenario(offline_name(concurrency, len(prompts)), concurrency, rnd, len(prompts), len(outputs), seconds,
                     sum(len(o.token_ids) for o in outputs) / seconds, statistics.median(o.ttft * 1000 for o in outputs),
-                    None)
+                    None, beside=beside)
 
 
 @dataclass(frozen=True)
@@ -226,13 +231,19 @@ def run(args) -> dict:
     for llm in engines.values():
         llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     specs = server_specs(args)
+    top = max(concurrency)
     with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
             tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
         for rnd in range(args.rounds):
-            results += [offline(llm, c, prompts, tokens, rnd) for c, llm in engines.items()]  # no server up
+            results += [offline(llm, c, prompts, tokens, rnd) for c, llm in engines.items() if c != top]
             order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
             for spec in order:
+                # lora-serve's share is taken against the offline engine run right before the server starts and
+                # right after it stops: the machine's speed drifts by a fifth within minutes (see share_table)
+                bracket = [engines[top]] if spec.config is not None else []
+                results += [offline(llm, top, prompts, tokens, rnd, spec.name) for llm in bracket]
                 results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
+                results += [offline(llm, top, prompts, tokens, rnd, spec.name) for llm in bracket]
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
             "offline": [offline_name(c, n) for c in engines],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
@@ -270,19 +281,27 @@ def table(raw: dict) -> str:
 
 
 def share_table(raw: dict) -> str:
-    """HTTP at the highest concurrency as a share of each offline run (all at once; as many at a time) in the same
-    round."""
+    """HTTP at the highest concurrency as a share of each offline run in the same round: all at once (run at the
+    round's start), and as many at a time (the mean of the runs right before the server started and right after
+    it stopped, so that the share does not take the machine's drift between the two for the serving path's)."""
     top = max(raw["concurrency"])
     rows = []
     for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
         http = _of(raw, system, top)
         for name in raw["offline"]:
-            offline_runs = _of(raw, name)
-            shares = [h["tok_s"] / o["tok_s"] for h, o in zip(http, offline_runs)]
-            rows.append([system, name, value_range([o["tok_s"] for o in offline_runs]),
-                         value_range([h["tok_s"] for h in http]), value_range([s * 100 for s in shares], 0) + "%"])
+            offline_tok_s = [_offline_tok_s(raw, name, system, h["round"]) for h in http]
+            shares = [h["tok_s"] / o for h, o in zip(http, offline_tok_s)]
+            rows.append([system, name, value_range(offline_tok_s), value_range([h["tok_s"] for h in http]),
+                         ", ".join(f"{s * 100:.0f}%" for s in shares)])
     return markdown_table(["server", "offline run (same requests)", "offline tok/s", f"HTTP tok/s at {top}",
-                           "HTTP share"], rows)
+                           "HTTP share, round by round"], rows)
+
+
+def _offline_tok_s(raw: dict, name: str, system: str, rnd: int) -> float:
+    """The offline run `name` of round `rnd` beside `system` (the mean of those bracketing it), else the round's."""
+    runs = [s for s in _of(raw, name) if s["round"] == rnd]
+    beside = [s for s in runs if s.get("beside") == system] or runs
+    return statistics.mean(s["tok_s"] for s in beside)
 
 
 def cpu_table(raw: dict) -> str:
