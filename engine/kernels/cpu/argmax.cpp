@@ -51,16 +51,6 @@ int64_t first_index_of(const scalar_t* x, int64_t n, float value) {
   return 0;  // unreachable: value was read from the row
 }
 
-template <typename scalar_t>
-void run(const at::Tensor& input, at::Tensor& out) {
-  const int64_t rows = input.size(0), n = input.size(1);
-  const scalar_t* xp = input.data_ptr<scalar_t>();
-  int64_t* op = out.data_ptr<int64_t>();
-  lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) op[r] = first_index_of(xp + r * n, n, row_max(xp + r * n, n));
-  });
-}
-
 // As torch.logsumexp: a row whose maximum is infinite sums around 0 (all -inf gives -inf, a +inf gives +inf), and
 // a NaN anywhere gives NaN.
 template <typename scalar_t>
@@ -76,38 +66,35 @@ float log_normalizer(const scalar_t* x, int64_t n) {
   return std::log(total) + shift;
 }
 
-template <typename scalar_t>
-void run_log_normalizers(const at::Tensor& input, at::Tensor& out) {
+// reduce(row, vocab) of every row of logits [rows, vocab] into a new [rows] tensor of out_t, on the operators'
+// threads; name is the operator's, for its refusals.
+template <typename out_t, typename Reduce>
+at::Tensor reduce_rows(const at::Tensor& logits, const char* name, at::ScalarType out_type, Reduce reduce) {
+  TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
+  const auto input = logits.contiguous();
   const int64_t rows = input.size(0), n = input.size(1);
-  const scalar_t* xp = input.data_ptr<scalar_t>();
-  float* op = out.data_ptr<float>();
-  lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) op[r] = log_normalizer(xp + r * n, n);
+  TORCH_CHECK(n > 0, name, " of an empty vocabulary");
+  auto out = input.new_empty({rows}, input.options().dtype(out_type));
+  out_t* op = out.data_ptr<out_t>();
+  lora_serve::dispatch_float_types(input.scalar_type(), name, [&](auto type) {
+    const auto* xp = input.data_ptr<decltype(type)>();
+    lora_serve::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = reduce(xp + r * n, n);
+    });
   });
+  return out;
 }
 
 }  // namespace lora_serve::argmax_detail
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   using namespace lora_serve::argmax_detail;
-  TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
-  const auto input = logits.contiguous();
-  TORCH_CHECK(input.size(1) > 0, "argmax_rows of an empty vocabulary");
-  auto out = input.new_empty({input.size(0)}, input.options().dtype(at::kLong));
-  lora_serve::dispatch_float_types(input.scalar_type(), "argmax_rows", [&](auto type) {
-    run<decltype(type)>(input, out);
-  });
-  return out;
+  return reduce_rows<int64_t>(logits, "argmax_rows", at::kLong,
+                              [](const auto* x, int64_t n) { return first_index_of(x, n, row_max(x, n)); });
 }
 
 at::Tensor log_normalizers(const at::Tensor& logits) {
   using namespace lora_serve::argmax_detail;
-  TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
-  const auto input = logits.contiguous();
-  TORCH_CHECK(input.size(1) > 0, "log_normalizers of an empty vocabulary");
-  auto out = input.new_empty({input.size(0)}, input.options().dtype(at::kFloat));
-  lora_serve::dispatch_float_types(input.scalar_type(), "log_normalizers", [&](auto type) {
-    run_log_normalizers<decltype(type)>(input, out);
-  });
-  return out;
+  return reduce_rows<float>(logits, "log_normalizers", at::kFloat,
+                            [](const auto* x, int64_t n) { return log_normalizer(x, n); });
 }
