@@ -68,8 +68,9 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), *self._logprobs(model_logits, tokens, seqs))
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop: 2-3.7 ms for 64 rows
-        of SmolLM2's 49,152 logits, against about 0.1 ms), with the same ties and NaN handling, in any float dtype."""
+        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop: for 64 rows of
+        SmolLM2's 49,152 logits 1.3-1.6 ms in float32 and 5.7 in bf16, against 0.24 and 0.28, cpu/argmax.cpp), with
+        the same ties and NaN handling, in any float dtype."""
         if self.cpu_ops is None or logits.device.type != "cpu":
             return logits.argmax(dim=-1)
         return self.cpu_ops.argmax_rows(logits)

@@ -240,10 +240,12 @@ def run(args) -> dict:
             for spec in order:
                 # lora-serve's share is taken against the offline engine run right before the server starts and
                 # right after it stops: the machine's speed drifts by a fifth within minutes (see share_table)
-                bracket = [engines[top]] if spec.config is not None else []
-                results += [offline(llm, top, prompts, tokens, rnd, spec.name) for llm in bracket]
+                brackets = spec.config is not None
+                if brackets:
+                    results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
                 results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
-                results += [offline(llm, top, prompts, tokens, rnd, spec.name) for llm in bracket]
+                if brackets:
+                    results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
             "offline": [offline_name(c, n) for c in engines],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],

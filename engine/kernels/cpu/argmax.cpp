@@ -1,9 +1,9 @@
 // Reductions over each row of the logits, read in their own dtype (float32, or bf16/fp16 widened as they are
 // loaded, exactly): the greedy token, and the log-normalizer that turns logits into log-probabilities.
 //
-// argmax_rows: PyTorch's argmax over a 49,152-token vocabulary runs a scalar loop (about 2-3.7 ms for 64 rows on
-// 2 cores, a tenth of a bf16 decode step of 64 sequences). Here each row takes two vectorised passes: its maximum,
-// then the first index holding it; about 0.1 ms for the same rows. A bf16 model's greedy rows are read as the LM
+// argmax_rows: PyTorch's argmax over a 49,152-token vocabulary runs a scalar loop. Here each row takes two
+// vectorised passes: its maximum, then the first index holding it. 64 rows on 2 cores of a Zen 4 EPYC: 0.24 ms
+// against PyTorch's 1.3-1.6 in float32, 0.28 against 5.7 in bf16. A bf16 model's greedy rows are read as the LM
 // head wrote them, not widened into a float32 copy first (engine/sampler.py). Ties and NaN follow torch.argmax:
 // the first maximal index wins, and a NaN counts as larger than any number.
 //

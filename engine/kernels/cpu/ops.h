@@ -43,7 +43,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // transformers rounds; returns a contiguous [tokens, heads, D] (rotary.cpp).
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// The first index of each row's maximum in logits [rows, vocab] (float32, bf16 or fp16), as torch.argmax(-1) gives it (argmax.cpp).
+// The first index of each row's maximum in logits [rows, vocab] (float32, bf16 or fp16), as torch.argmax(-1)
+// gives it (argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& logits);
 
 // Each row's logsumexp in float32 over logits [rows, vocab] (float32, bf16 or fp16), as torch.logsumexp(-1) of the
