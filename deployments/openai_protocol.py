@@ -159,8 +159,8 @@ class OpenAISampling(OpenAIModel):
         return None
 
     def logprobs_wanted(self) -> int | None:
-        """None: no logprobs in the response, and none computed (a step whose rows all ask none skips the
-        log-softmax over the vocabulary); k: the chosen tokens' logprobs and their k most likely alternatives."""
+        """None: no logprobs in the response, and none computed (a step whose rows all ask none skips each row's
+        logsumexp over the vocabulary); k: the chosen tokens' logprobs and their k most likely alternatives."""
         return None
 
     def prompt_logprobs_wanted(self) -> int | None:

@@ -215,8 +215,8 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
 
 
 def test_openai_requests_ask_the_engine_for_logprobs_only_when_the_client_does():
-    """A step whose rows ask no logprobs skips the log-softmax over the vocabulary (and, when greedy, widening the
-    logits): an OpenAI request without logprobs must not ask for them."""
+    """A step whose rows ask no logprobs skips each row's logsumexp over the vocabulary: an OpenAI request without
+    logprobs must not ask for them."""
     from deployments.openai_protocol import ChatRequest, CompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]

@@ -7,12 +7,12 @@
 // head wrote them, not widened into a float32 copy first (engine/sampler.py). Ties and NaN follow torch.argmax:
 // the first maximal index wins, and a NaN counts as larger than any number.
 //
-// log_normalizers: each row's logsumexp in float32, so that a token's logprob is its logit minus it. A request that
-// reports logprobs (every TGI token carries one) used to widen the step's logits, index a float32 copy of the rows
-// and write a log_softmax of the whole vocabulary: 5.2 ms for 32 rows of SmolLM2 on 2 cores, most of it the page
-// faults of two fresh 6 MB tensors, and 9% of a closed loop of 32 greedy streams' tokens/s. Here two passes a row
-// (its maximum, then the sum of exp(x - max)) write one float a row: 0.34 ms for the same rows. The exp is ATen's
-// fast one (exp_u20, within 20 ulp: a logprob moves by at most 2.4e-6), 1.3x faster here than SLEEF's.
+// log_normalizers: each row's logsumexp in float32, so that a token's logprob is its logit minus it. Requests that
+// report logprobs (every TGI token carries one) would otherwise have the step widen its logits, index a float32 copy of
+// the rows and write a log_softmax of the whole vocabulary: 5.2 ms for 32 rows of SmolLM2 on 2 cores, most of it the
+// page faults of two fresh 6 MB tensors, and 9% of a closed loop of 32 greedy streams' tokens/s. Here two passes a row
+// (its maximum, then the sum of exp(x - max)) write one float a row: 0.34 ms for the same rows. The exp is ATen's fast
+// one (exp_u20, within 20 ulp: a logprob moves by at most 2.4e-6), 1.3x faster here than SLEEF's.
 
 #include "float_types.h"
 #include "ops.h"
