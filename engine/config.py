@@ -51,6 +51,9 @@ class EngineConfig:
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
+    # CPU with the C++ operators: a step's decoder layers in one C++ call where the step allows it, the GIL released
+    # throughout (engine/models/decoder_stack.py); False keeps the modules' path, its reference in tests
+    decoder_stack: bool = True
     # CPU (Linux): the weights and the KV cache on 2 MiB transparent huge pages (engine/huge_pages.py); False keeps
     # them on the allocator's ordinary pages
     huge_pages: bool = True

@@ -24,6 +24,7 @@ from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batc
                                       per_token_slots, slot_order, token_slots)
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_fused_ops
+from engine.models.decoder_stack import build_decoder_stack
 from engine.sampler import token_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -142,6 +143,9 @@ class ModelRunner:
             self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         if self.huge_pages:  # the adapters' slots too: after the LoRA layers are in place
             huge_pages.move_module(self.model)
+        if config.decoder_stack:  # after the LoRA wrappers and any move of the weights: the stack holds them
+            self.model.decoder_stack = build_decoder_stack(self.model, self.kv_caches, self.cpu_ops,
+                                                           self.lora_state)
         self.graphs = self._decode_graphs(config, max_model_len)
 
     def _cuda_ops(self, config: EngineConfig):

@@ -126,6 +126,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype())
+        # the layers in one C++ call where a step allows it (engine/models/decoder_stack.py), set by the runner once
+        # the weights and caches are in place
+        self.decoder_stack = None
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -141,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # a new tensor: the residual stream the layers add into in place
         delta = None
         cos, sin = self.rotary.lookup(positions)
+        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h.shape[0]):
+            return self.decoder_stack.run(h, cos, sin, meta)
         for layer, cache in zip(self.layers, kv_caches):
             delta = layer(h, delta, cos, sin, cache, meta)
         return self.norm.add_and_norm(delta, h)

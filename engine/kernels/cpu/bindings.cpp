@@ -211,6 +211,7 @@ static PyMethodDef operators[] = {
     LORA_SERVE_OP(simd_linear, "x W^T (+ bias) with AVX-512 (bf16, float32) or AVX2 (float32), without AMX"),
     LORA_SERVE_OP(parallel_for_count_, "the operators' parallel loop, counting the runs of each item"),
     LORA_SERVE_OP(write_kv_cache, "a step's new keys and values into their cache slots"),
+    LORA_SERVE_OP(decoder_stack, "a Llama-family decoder's layers in one call, attention in place"),
     {nullptr, nullptr, 0, nullptr}};
 
 // The module is named by the build (TORCH_EXTENSION_NAME, cpu_ops.build_name()); Python imports it as that name.

@@ -95,6 +95,17 @@ at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 // weight float32 or bf16 widened), float32 sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
 at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
+// A Llama-family decoder's layers over the residual stream h [tokens, hidden] (updated in place), every token
+// attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, o, o bias, post-
+// attention norm, gate_up, gate_up bias, down, down bias] (linears packed for simd_linear, or amx_linear where amx
+// is 1; an empty tensor for no bias), then the final norm's weight; a key and a value cache per layer. Returns the
+// final norm of h, the same bits as the modules' path (decoder_stack.cpp).
+at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
+                         int64_t kv_heads, int64_t amx, double eps);
+
 // The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
 // runs; the item fail_item raises instead. For the loop's own tests.
 void parallel_for_count_(at::Tensor& counts, int64_t grain, int64_t fail_item);

@@ -1,0 +1,94 @@
+// A Llama-family decoder's layers in one call: the step thread runs every operator of every layer from C++, without
+// the GIL and with no Python between operators.
+//
+// Why: a decode step of SmolLM2 runs about 300 operators (9 a layer over 30 layers, plus views). Called from
+// Python, each returns to the interpreter, takes the GIL back, and goes through a module's __call__ before the next
+// starts; in that time the operators' other thread (work_pool.cpp) has nothing to do. Offline the step thread spent
+// 12% of its time outside the operators' loops; in a serving replica 25%, because there the GIL is also taken by
+// the replica's event loops and Ray's threads (5% of the step thread's time went to waiting for it), and a
+// wake-up of the serving stack that preempts the step thread in that time stalls both cores. Here the same
+// operators run in the same order on the same tensors, so the results are the same bits as the modules' path
+// (tests/test_decoder_stack.py checks it).
+//
+// It takes what the modules' path runs on the C++ operators alone: every token attends through the in-place
+// kernel (decodes and short prompt chunks), no token has an adapter, and every linear is on one of the engine's
+// own kernels (engine/models/decoder_stack.py decides, per step).
+
+#include "ops.h"
+
+#include <optional>
+#include <vector>
+
+namespace lora_serve::decoder_stack_detail {
+
+// One layer's tensors, in the order engine/models/decoder_stack.py lays them out.
+enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kPerLayer };
+
+struct Shapes {
+  int64_t tokens, heads, kv_heads, head_dim;
+};
+
+// The attention metadata of the in-place kernel (engine/layers/attention.py, InPlaceQueries).
+struct Metadata {
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& context_lens;
+  const at::Tensor& query_starts;
+  const at::Tensor& query_lens;
+};
+
+std::optional<at::Tensor> bias_of(const at::Tensor& bias) {
+  if (!bias.defined() || bias.numel() == 0) return std::nullopt;  // an empty tensor stands for no bias
+  return bias;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, bool amx) {
+  return amx ? amx_linear(x, packed, bias_of(bias)) : simd_linear(x, packed, bias_of(bias));
+}
+
+// Attention of one layer, as LlamaAttention.forward and paged_attention run it: fused projection, rotary on the
+// queries and keys together, the new keys and values into the cache, the in-place kernel, the output projection.
+at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& cos, const at::Tensor& sin, const Metadata& meta, const Shapes& s, bool amx) {
+  const at::Tensor qkv = linear(x, w[kQkv], w[kQkvBias], amx);
+  const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({s.tokens, s.heads + s.kv_heads, s.head_dim});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({s.tokens, s.kv_heads, s.head_dim});
+  const at::Tensor rotated = rotary(qk, cos, sin);
+  const at::Tensor q = rotated.narrow(1, 0, s.heads), k = rotated.narrow(1, s.heads, s.kv_heads);
+  write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping);
+  at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
+  paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_starts, meta.query_lens,
+                  out);
+  return linear(out.view({s.tokens, q_size}), w[kO], w[kOBias], amx);
+}
+
+at::Tensor mlp(const at::Tensor& x, const at::Tensor* w, bool amx) {
+  return linear(silu_and_mul(linear(x, w[kGateUp], w[kGateUpBias], amx)), w[kDown], w[kDownBias], amx);
+}
+
+}  // namespace lora_serve::decoder_stack_detail
+
+at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
+                         int64_t kv_heads, int64_t amx, double eps) {
+  using namespace lora_serve::decoder_stack_detail;
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(layers > 0 && caches.size() % 2 == 0, "caches must be a key and a value cache per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer + 1, "weights must be ", kPerLayer,
+              " tensors per layer and the final norm's: ", layers * kPerLayer + 1, ", not ", weights.size());
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [tokens, hidden]");
+  const Shapes shapes{h.size(0), heads, kv_heads, cos.size(-1)};
+  const Metadata meta{slot_mapping, block_tables, context_lens, query_starts, query_lens};
+  at::Tensor delta;  // the previous layer's MLP output, added into h by the next norm
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    at::Tensor k_cache = caches[2 * layer], v_cache = caches[2 * layer + 1];
+    const at::Tensor x = layer == 0 ? rms_norm(h, w[kInputNorm], eps) : add_rms_norm(delta, h, w[kInputNorm], eps);
+    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, meta, shapes, amx != 0);
+    delta = mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0);
+  }
+  return add_rms_norm(delta, h, weights.back(), eps);
+}

@@ -1,0 +1,102 @@
+"""A Llama-family model's decoder layers in one call of the C++ operators (engine/kernels/cpu/decoder_stack.cpp).
+
+The modules' path calls the C++ operators one at a time from Python: about 300 calls a decode step of SmolLM2, each
+back through the interpreter and the GIL before the next starts, while the operators' other thread waits. The
+stack runs the same operators in the same order from C++ with the GIL released for the whole pass, so the results
+are the same bits. It serves a step when the modules' path would run on the C++ operators alone:
+- every token attends through the in-place kernel (decodes and prompt chunks shorter than IN_PLACE_CHUNK); a
+  longer chunk takes the prompt kernel or SDPA, per sequence, in Python;
+- no token of the step has an adapter (a step with one takes the LoRA linears' path);
+- every linear is on one of the engine's own kernels (not oneDNN's, not bitsandbytes'), within the rows that
+  kernel takes.
+
+Measured on 2 cores of an AMD EPYC Zen 4 (SmolLM2 bf16, 64 requests x 64 tokens, 32 at a time): see README, "How
+the engine works".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import PrepackedLinear
+from engine.layers.lora import LoRALinear
+from engine.layers.lora_batch import LoRAStepState
+from engine.models.llama import LlamaForCausalLM
+
+NO_BIAS = torch.empty(0)  # the stack's stand-in for a linear without a bias
+
+
+@dataclass
+class DecoderStack:
+    """The tensors and shapes one call needs, gathered once: per layer [input norm, qkv, qkv bias, o, o bias,
+    post-attention norm, gate_up, gate_up bias, down, down bias], then the final norm; a key and a value cache per
+    layer."""
+    ops: object  # the C++ operators' module
+    weights: list[torch.Tensor]
+    caches: list[torch.Tensor]
+    heads: int
+    kv_heads: int
+    amx: bool  # linears on amx_linear, else simd_linear
+    max_rows: int | None  # the most rows the linears' kernel takes (None: any)
+    eps: float
+    lora_state: LoRAStepState | None
+
+    def takes(self, meta: AttentionMetadata, tokens: int) -> bool:
+        """Whether this step's layers can run in the stack, with the results of the modules' path."""
+        return (meta.in_place is not None and not meta.prefills and meta.kv_write is not None
+                and (self.max_rows is None or tokens <= self.max_rows)
+                and (self.lora_state is None or not self.lora_state.active()))
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm of the residual stream h after every layer (h is updated in place)."""
+        q = meta.in_place
+        return self.ops.decoder_stack(h, self.weights, self.caches, cos, sin, meta.slot_mapping, q.block_tables,
+                                      q.context_lens, q.query_starts, q.query_lens, self.heads, self.kv_heads,
+                                      int(self.amx), self.eps)
+
+
+def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ops,
+                        lora_state: LoRAStepState | None) -> DecoderStack | None:
+    """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
+    wrappers and any move of the weights); None where the modules' path must stay."""
+    if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
+        return None
+    linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
+    if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
+        return None
+    kernels = {lin.kernel.name for lin in linears}
+    if len(kernels) != 1 or not all(layer.mlp.silu for layer in model.layers):
+        return None
+    weights = [tensor for layer in model.layers for tensor in _layer_weights(layer)] + [model.norm.weight]
+    attn = model.layers[0].self_attn
+    max_rows = {lin.kernel.max_rows for lin in linears}
+    return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
+                        attn.num_kv_heads, kernels == {"amx"}, min(max_rows, key=_rows_key), model.norm.eps,
+                        lora_state)
+
+
+def _rows_key(rows: int | None) -> float:
+    return float("inf") if rows is None else rows
+
+
+def _linears(layer: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _base(linear: nn.Module) -> nn.Module:
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
+def _packed(linear: nn.Module) -> list[torch.Tensor]:
+    base = _base(linear)
+    return [base.own_weight, NO_BIAS if base.own_bias is None else base.own_bias]
+
+
+def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [layer.input_layernorm.weight, *_packed(attn.qkv_proj), *_packed(attn.o_proj),
+            layer.post_attention_layernorm.weight, *_packed(mlp.gate_up_proj), *_packed(mlp.down_proj)]

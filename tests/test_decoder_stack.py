@@ -1,0 +1,81 @@
+"""The decoder stack (engine/models/decoder_stack.py): the layers in one C++ call give the same bits as the modules'
+path, on every step it takes, and the steps it does not take go the modules' way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_ops
+from tests.helpers import PROMPTS, write_tiny_adapters
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU operators do not build here")
+
+SCORED = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True)
+LONG_PROMPT = " ".join(PROMPTS) * 3  # past IN_PLACE_CHUNK tokens: its prefill takes the modules' path
+
+
+def _stack_calls(llm: LLM, monkeypatch) -> list[int]:
+    """The tokens of each step the stack ran, observed around its run method."""
+    stack = llm.engine.runner.model.decoder_stack
+    assert stack is not None, "the stack must be built where the C++ operators are"
+    calls: list[int] = []
+    run = stack.run
+
+    def observed(h, cos, sin, meta):
+        calls.append(h.shape[0])
+        return run(h, cos, sin, meta)
+
+    monkeypatch.setattr(stack, "run", observed)
+    return calls
+
+
+def _scores(outputs) -> list[tuple]:
+    return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path"])  # qwen2: q/k/v with biases
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
+    path = str(request.getfixturevalue(name))
+    prompts = PROMPTS[:6] + [LONG_PROMPT]
+    stacked = LLM(path, dtype=dtype, max_num_seqs=4, log_stats=False)
+    calls = _stack_calls(stacked, monkeypatch)
+    got = stacked.generate(prompts, SCORED, use_tqdm=False)
+    want = LLM(path, dtype=dtype, max_num_seqs=4, decoder_stack=False, log_stats=False).generate(
+        prompts, SCORED, use_tqdm=False)
+    assert _scores(got) == _scores(want)
+    assert len(calls) > SCORED.max_tokens and max(calls) > 1, "decode steps of several sequences run in the stack"
+    assert stacked.engine.block_manager.num_used_blocks == 0
+
+
+def test_long_prompt_chunk_and_adapter_steps_take_the_modules_path(tiny_llama_path, tmp_path, monkeypatch):
+    root = write_tiny_adapters(tiny_llama_path, tmp_path, ["a"])
+    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False)
+    calls = _stack_calls(llm, monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert len(calls) == params.max_tokens, "a base-model request runs every step in the stack"
+    calls.clear()
+    llm.generate([PROMPTS[0]], params, use_tqdm=False, adapters=["a"])
+    llm.generate([LONG_PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert calls == [], "steps with an adapter's tokens or a long prompt chunk are not the stack's"
+
+
+def test_stack_is_built_only_where_every_linear_has_an_own_kernel(tiny_gpt2_path, tiny_llama_path):
+    assert LLM(str(tiny_gpt2_path), log_stats=False).engine.runner.model.decoder_stack is None
+    assert LLM(str(tiny_llama_path), cpu_kernels=False, log_stats=False).engine.runner.model.decoder_stack is None
+    assert LLM(str(tiny_llama_path), decoder_stack=False, log_stats=False).engine.runner.model.decoder_stack is None
+
+
+def test_operator_refuses_a_malformed_stack():
+    ops = cpu_ops.load()
+    h, meta = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)
+    caches = [torch.zeros(2, 1, 16, 16)] * 2
+    with pytest.raises(RuntimeError, match="weights must be 10 tensors per layer"):
+        ops.decoder_stack(h, [h], caches, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), meta, meta.view(1, 1),
+                          meta, meta, meta, 4, 2, 0, 1e-6)
+    with pytest.raises(RuntimeError, match="a key and a value cache per layer"):
+        ops.decoder_stack(h, [h], caches[:1], torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), meta, meta.view(1, 1),
+                          meta, meta, meta, 4, 2, 0, 1e-6)
