@@ -10,8 +10,9 @@ are the same bits. It serves a step when the modules' path would run on the C++ 
 - every linear is on one of the engine's own kernels (not oneDNN's, not bitsandbytes'), within the rows that
   kernel takes.
 
-Measured on 2 cores of an AMD EPYC Zen 4 (SmolLM2 bf16, 64 requests x 64 tokens, 32 at a time): see README, "How
-the engine works".
+SmolLM2 bf16 on 2 cores of an AMD EPYC Zen 4, the offline engine with and without the stack in one process, 4
+alternating rounds, medians: 105.2 against 86.2 tok/s at one stream, 610 against 517 at 8 and 988 against 910 at
+32 (64 requests x 64 tokens); the step thread spent 94% of its time inside the operators' loops, against 88%.
 """
 
 from __future__ import annotations
