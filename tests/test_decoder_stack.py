@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
+from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_ops
 from tests.helpers import PROMPTS, write_tiny_adapters
@@ -50,17 +52,33 @@ def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     assert stacked.engine.block_manager.num_used_blocks == 0
 
 
-def test_long_prompt_chunk_and_adapter_steps_take_the_modules_path(tiny_llama_path, tmp_path, monkeypatch):
-    root = write_tiny_adapters(tiny_llama_path, tmp_path, ["a"])
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False)
+def test_adapter_steps_give_the_lora_linears_bits(tiny_llama_path, tmp_path, monkeypatch):
+    """Base and adapter requests in one batch, two adapters of different ranks and targets in slots: tokens and
+    logprobs as the LoRA linears give them, every step in the stack."""
+    root = write_tiny_adapters(tiny_llama_path, tmp_path, ["a"])  # rank 4 on q, k, v, o
+    write_random_adapter(root / "b", AutoConfig.from_pretrained(tiny_llama_path), rank=8, seed=5,
+                         targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    prompts, adapters = PROMPTS[:6], ["a", None, "b", "a", None, "b"]
+    stacked = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False)
+    calls = _stack_calls(stacked, monkeypatch)
+    got = stacked.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
+    modules = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
+    want = modules.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
+    base = modules.generate(prompts[:1], SCORED, use_tqdm=False)
+    assert _scores(got) == _scores(want)
+    assert got[0].token_ids != base[0].token_ids, "the adapter must change the output"
+    assert len(calls) >= SCORED.max_tokens
+
+
+def test_long_prompt_chunk_takes_the_modules_path(tiny_llama_path, monkeypatch):
+    llm = LLM(str(tiny_llama_path), log_stats=False)
     calls = _stack_calls(llm, monkeypatch)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    assert len(calls) == params.max_tokens, "a base-model request runs every step in the stack"
+    assert len(calls) == params.max_tokens, "a short prompt runs every step in the stack"
     calls.clear()
-    llm.generate([PROMPTS[0]], params, use_tqdm=False, adapters=["a"])
     llm.generate([LONG_PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert calls == [], "steps with an adapter's tokens or a long prompt chunk are not the stack's"
+    assert calls == [], "a prompt chunk past the in-place kernel's is not the stack's"
 
 
 def test_stack_is_built_only_where_every_linear_has_an_own_kernel(tiny_gpt2_path, tiny_llama_path):
@@ -71,11 +89,17 @@ def test_stack_is_built_only_where_every_linear_has_an_own_kernel(tiny_gpt2_path
 
 def test_operator_refuses_a_malformed_stack():
     ops = cpu_ops.load()
-    h, meta = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)
+    h, index, rope = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, 16)
     caches = [torch.zeros(2, 1, 16, 16)] * 2
+    weights = [h] * 11
+
+    def call(weights, caches, loras):
+        ops.decoder_stack(h, weights, caches, rope, rope, index, index.view(1, 1), index, index, index, 4, 2, 0,
+                          1e-6, loras, index, 4)
+
     with pytest.raises(RuntimeError, match="weights must be 10 tensors per layer"):
-        ops.decoder_stack(h, [h], caches, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), meta, meta.view(1, 1),
-                          meta, meta, meta, 4, 2, 0, 1e-6)
+        call([h], caches, [])
     with pytest.raises(RuntimeError, match="a key and a value cache per layer"):
-        ops.decoder_stack(h, [h], caches[:1], torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), meta, meta.view(1, 1),
-                          meta, meta, meta, 4, 2, 0, 1e-6)
+        call(weights, caches[:1], [])
+    with pytest.raises(RuntimeError, match="loras must be none or 16 tensors per layer"):
+        call(weights, caches, [h])

@@ -99,10 +99,6 @@ class LoRAStepState:
         self.token_slots: torch.Tensor | None = None
         self.slot_order: SlotOrder | None = None
 
-    def active(self) -> bool:
-        """Whether some token of this step has an adapter."""
-        return self.batch is not None or self.token_slots is not None or self.slot_order is not None
-
 
 def padding_allowance(row_flops: int) -> int:
     """Padded rows a group may take on rather than start a new group, for LoRA math of row_flops per row

@@ -11,8 +11,8 @@
 // (tests/test_decoder_stack.py checks it).
 //
 // It takes what the modules' path runs on the C++ operators alone: every token attends through the in-place
-// kernel (decodes and short prompt chunks), no token has an adapter, and every linear is on one of the engine's
-// own kernels (engine/models/decoder_stack.py decides, per step).
+// kernel (decodes and short prompt chunks), every linear is on one of the engine's own kernels, and adapters add
+// their deltas through lora_add_ as the LoRA linears do (engine/models/decoder_stack.py decides, per step).
 
 #include "ops.h"
 
@@ -23,6 +23,18 @@ namespace lora_serve::decoder_stack_detail {
 
 // One layer's tensors, in the order engine/models/decoder_stack.py lays them out.
 enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kPerLayer };
+
+// Each linear's LoRA slots, in the order of a layer's linears: A, then up to kMaxSubs B (one per sub-module fused
+// into the linear: q, k, v), empty tensors past its own and for a linear no resident adapter targets.
+enum Linear { kQkvLinear, kOLinear, kGateUpLinear, kDownLinear, kLinears };
+constexpr int64_t kMaxSubs = 3, kPerLinear = 1 + kMaxSubs, kLoraPerLayer = kLinears * kPerLinear;
+
+// This step's adapters: the token slots (-1: the base model) and one layer's LoRA slots; none when no token has one.
+struct Adapters {
+  const at::Tensor& token_slots;
+  const at::Tensor* slots;  // kLoraPerLayer tensors, or nullptr
+  int64_t rank;
+};
 
 struct Shapes {
   int64_t tokens, heads, kv_heads, head_dim;
@@ -42,15 +54,24 @@ std::optional<at::Tensor> bias_of(const at::Tensor& bias) {
   return bias;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, bool amx) {
-  return amx ? amx_linear(x, packed, bias_of(bias)) : simd_linear(x, packed, bias_of(bias));
+// x W^T (+ bias), then the adapters' deltas in place where this linear has any (LoRALinear.forward's order).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, bool amx,
+                  const Adapters& adapters, Linear which) {
+  at::Tensor y = amx ? amx_linear(x, packed, bias_of(bias)) : simd_linear(x, packed, bias_of(bias));
+  const at::Tensor* lora = adapters.slots == nullptr ? nullptr : adapters.slots + which * kPerLinear;
+  if (lora == nullptr || lora[0].numel() == 0) return y;
+  std::vector<at::Tensor> b_slots;
+  for (int64_t sub = 1; sub <= kMaxSubs && lora[sub].numel() > 0; ++sub) b_slots.push_back(lora[sub]);
+  lora_add_(y, x, lora[0], b_slots, adapters.token_slots, adapters.rank);
+  return y;
 }
 
 // Attention of one layer, as LlamaAttention.forward and paged_attention run it: fused projection, rotary on the
 // queries and keys together, the new keys and values into the cache, the in-place kernel, the output projection.
 at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cache, at::Tensor& v_cache,
-                     const at::Tensor& cos, const at::Tensor& sin, const Metadata& meta, const Shapes& s, bool amx) {
-  const at::Tensor qkv = linear(x, w[kQkv], w[kQkvBias], amx);
+                     const at::Tensor& cos, const at::Tensor& sin, const Metadata& meta, const Shapes& s, bool amx,
+                     const Adapters& adapters) {
+  const at::Tensor qkv = linear(x, w[kQkv], w[kQkvBias], amx, adapters, kQkvLinear);
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({s.tokens, s.heads + s.kv_heads, s.head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({s.tokens, s.kv_heads, s.head_dim});
@@ -60,11 +81,12 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cac
   at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
   paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_starts, meta.query_lens,
                   out);
-  return linear(out.view({s.tokens, q_size}), w[kO], w[kOBias], amx);
+  return linear(out.view({s.tokens, q_size}), w[kO], w[kOBias], amx, adapters, kOLinear);
 }
 
-at::Tensor mlp(const at::Tensor& x, const at::Tensor* w, bool amx) {
-  return linear(silu_and_mul(linear(x, w[kGateUp], w[kGateUpBias], amx)), w[kDown], w[kDownBias], amx);
+at::Tensor mlp(const at::Tensor& x, const at::Tensor* w, bool amx, const Adapters& adapters) {
+  const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpBias], amx, adapters, kGateUpLinear);
+  return linear(silu_and_mul(gate_up), w[kDown], w[kDownBias], amx, adapters, kDownLinear);
 }
 
 }  // namespace lora_serve::decoder_stack_detail
@@ -73,12 +95,15 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
-                         int64_t kv_heads, int64_t amx, double eps) {
+                         int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
+                         const at::Tensor& token_slots, int64_t rank) {
   using namespace lora_serve::decoder_stack_detail;
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers > 0 && caches.size() % 2 == 0, "caches must be a key and a value cache per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer + 1, "weights must be ", kPerLayer,
               " tensors per layer and the final norm's: ", layers * kPerLayer + 1, ", not ", weights.size());
+  TORCH_CHECK(loras.empty() || static_cast<int64_t>(loras.size()) == layers * kLoraPerLayer, "loras must be none or ",
+              kLoraPerLayer, " tensors per layer: ", layers * kLoraPerLayer, ", not ", loras.size());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [tokens, hidden]");
   const Shapes shapes{h.size(0), heads, kv_heads, cos.size(-1)};
   const Metadata meta{slot_mapping, block_tables, context_lens, query_starts, query_lens};
@@ -87,8 +112,9 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     at::Tensor k_cache = caches[2 * layer], v_cache = caches[2 * layer + 1];
     const at::Tensor x = layer == 0 ? rms_norm(h, w[kInputNorm], eps) : add_rms_norm(delta, h, w[kInputNorm], eps);
-    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, meta, shapes, amx != 0);
-    delta = mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0);
+    const Adapters adapters{token_slots, loras.empty() ? nullptr : loras.data() + layer * kLoraPerLayer, rank};
+    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, meta, shapes, amx != 0, adapters);
+    delta = mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0, adapters);
   }
   return add_rms_norm(delta, h, weights.back(), eps);
 }

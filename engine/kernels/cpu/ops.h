@@ -98,13 +98,16 @@ at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 // A Llama-family decoder's layers over the residual stream h [tokens, hidden] (updated in place), every token
 // attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, o, o bias, post-
 // attention norm, gate_up, gate_up bias, down, down bias] (linears packed for simd_linear, or amx_linear where amx
-// is 1; an empty tensor for no bias), then the final norm's weight; a key and a value cache per layer. Returns the
-// final norm of h, the same bits as the modules' path (decoder_stack.cpp).
+// is 1; an empty tensor for no bias), then the final norm's weight; a key and a value cache per layer. With
+// adapters, loras holds per layer and linear (qkv, o, gate_up, down) its slots' A and up to 3 B (lora_add_'s
+// weights; empty tensors past its own, and for a linear without adapter weights), token_slots each token's slot;
+// no adapters: loras empty. Returns the final norm of h, the same bits as the modules' path (decoder_stack.cpp).
 at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
-                         int64_t kv_heads, int64_t amx, double eps);
+                         int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
+                         const at::Tensor& token_slots, int64_t rank);
 
 // The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
 // runs; the item fail_item raises instead. For the loop's own tests.
