@@ -137,34 +137,44 @@ class WithoutGil {
 // EPYC, an AsyncEngine beside 3 threads of its process that take the GIL every 3 ms (benchmarks/serve/
 // contention_worker.py), 3 alternating rounds, medians: TPOT at 1 stream 18.7 ms against 20.0 holding the GIL,
 // 302 tok/s at 32 streams against 289.
-template <typename R, typename... Params>
-R without_gil(R (*op)(Params...), std::decay_t<Params>&... values) {
-  WithoutGil released;
-  return op(values...);
+// The exception: an operator whose work is a few microseconds (a step's row gathers) keeps the GIL. Releasing it
+// let the replica's event loop take it, and the step thread then waited to take it back for longer than the
+// operator ran (py-spy on a replica at 32 streams: the embedding's gather was a fifth of the step thread's GIL
+// waits).
+enum class Gil { kRelease, kKeep };
+
+template <Gil gil, typename R, typename... Params>
+R invoke(R (*op)(Params...), std::decay_t<Params>&... values) {
+  if constexpr (gil == Gil::kKeep) {
+    return op(values...);
+  } else {
+    WithoutGil released;
+    return op(values...);
+  }
 }
 
 // Converts every argument first (left to right), then runs the operator on them as lvalues: an operator that
 // writes a tensor in place (at::Tensor&) writes the caller's storage through its own handle.
-template <typename R, typename... Params, size_t... I>
+template <Gil gil, typename R, typename... Params, size_t... I>
 PyObject* run(R (*op)(Params...), PyObject* const* args, std::index_sequence<I...>) {
   std::tuple<std::decay_t<Params>...> values{Arg<std::decay_t<Params>>::from(args[I], I)...};
   if constexpr (std::is_void_v<R>) {
-    without_gil(op, std::get<I>(values)...);
+    invoke<gil>(op, std::get<I>(values)...);
     Py_RETURN_NONE;
   } else {
-    return to_python(without_gil(op, std::get<I>(values)...));
+    return to_python(invoke<gil>(op, std::get<I>(values)...));
   }
 }
 
 // One operator's call from Python: positional arguments only, as before; C++ errors become Python's (a failed
 // TORCH_CHECK a RuntimeError with its message, as torch's own operators raise it).
-template <typename R, typename... Params>
+template <Gil gil, typename R, typename... Params>
 PyObject* call(const char* name, R (*op)(Params...), PyObject* const* args, Py_ssize_t count) {
   try {
     if (count != static_cast<Py_ssize_t>(sizeof...(Params)))
       throw ArgumentError("takes " + std::to_string(sizeof...(Params)) + " arguments (" + std::to_string(count) +
                           " given)");
-    return run(op, args, std::index_sequence_for<Params...>{});
+    return run<gil>(op, args, std::index_sequence_for<Params...>{});
   } catch (const ArgumentError& error) {
     PyErr_Format(PyExc_TypeError, "%s: %s", name, error.what());
   } catch (const c10::Error& error) {
@@ -179,13 +189,16 @@ PyObject* call(const char* name, R (*op)(Params...), PyObject* const* args, Py_s
 
 }  // namespace lora_serve::bindings_detail
 
-// A method table entry: the operator's name, a vectorcall entry converting its arguments by type, its docstring.
-#define LORA_SERVE_OP(op, doc)                                                                          \
+// A method table entry: the operator's name, a vectorcall entry converting its arguments by type, its docstring;
+// the call releases the GIL (LORA_SERVE_OP) or keeps it (LORA_SERVE_OP_KEEPING_GIL).
+#define LORA_SERVE_ENTRY(op, gil, doc)                                                                  \
   {#op,                                                                                                 \
    reinterpret_cast<PyCFunction>(+[](PyObject*, PyObject* const* args, Py_ssize_t count) -> PyObject* { \
-     return lora_serve::bindings_detail::call(#op, &op, args, count);                                   \
+     return lora_serve::bindings_detail::call<gil>(#op, &op, args, count);                              \
    }),                                                                                                  \
    METH_FASTCALL, doc}
+#define LORA_SERVE_OP(op, doc) LORA_SERVE_ENTRY(op, lora_serve::bindings_detail::Gil::kRelease, doc)
+#define LORA_SERVE_OP_KEEPING_GIL(op, doc) LORA_SERVE_ENTRY(op, lora_serve::bindings_detail::Gil::kKeep, doc)
 
 static PyMethodDef operators[] = {
     LORA_SERVE_OP(paged_attention, "causal attention of decodes and prompt chunks, reading the paged KV cache in place"),
@@ -199,7 +212,7 @@ static PyMethodDef operators[] = {
     LORA_SERVE_OP(silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding"),
     LORA_SERVE_OP(argmax_rows, "first index of each row's maximum, as torch.argmax(-1)"),
     LORA_SERVE_OP(log_normalizers, "each row's logsumexp in float32, as torch.logsumexp(-1)"),
-    LORA_SERVE_OP(gather_rows, "rows of a 2-D table picked by index, as index_select(0, index)"),
+    LORA_SERVE_OP_KEEPING_GIL(gather_rows, "rows of a 2-D table picked by index, as index_select(0, index)"),
     LORA_SERVE_OP(widen_, "x widened to float32 into out, on the operators' threads"),
     LORA_SERVE_OP(lora_add_, "multi-LoRA delta of one linear, each token reading its slot in place"),
     LORA_SERVE_OP(amx_linear_usable, "whether amx_linear takes a weight of [out, in] (AMX, multiples of 32)"),
