@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import PrepackedLinear
+from engine.layers.linear import OwnKernel, PrepackedLinear
 from engine.layers.lora import LoRALinear
 from engine.layers.lora_batch import LoRAStepState
 from engine.models.llama import LlamaForCausalLM
@@ -44,33 +44,31 @@ class DecoderStack:
     caches: list[torch.Tensor]
     heads: int
     kv_heads: int
-    amx: bool  # linears on amx_linear, else simd_linear
-    max_rows: int | None  # the most rows the linears' kernel takes (None: any)
+    kernel: OwnKernel  # every linear's: amx_linear or simd_linear
     eps: float
-    lora_state: LoRAStepState | None
+    lora_state: LoRAStepState
     loras: list[LoRALinear]  # per layer its qkv, o, gate_up and down LoRA linears; none without LoRA
     max_rank: int
 
-    def takes(self, meta: AttentionMetadata, tokens: int) -> bool:
+    def takes(self, meta: AttentionMetadata, h: torch.Tensor) -> bool:
         """Whether this step's layers can run in the stack, with the results of the modules' path."""
         state = self.lora_state
         return (meta.in_place is not None and not meta.prefills and meta.kv_write is not None
-                and (self.max_rows is None or tokens <= self.max_rows)
-                and (state is None or (state.batch is None and state.slot_order is None)))
+                and self.kernel.takes(h) and state.batch is None and state.slot_order is None)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm of the residual stream h after every layer (h is updated in place)."""
         q = meta.in_place
-        token_slots = None if self.lora_state is None else self.lora_state.token_slots
+        token_slots = self.lora_state.token_slots
         loras = [] if token_slots is None else [t for lora in self.loras for t in _lora_slots(lora)]
         return self.ops.decoder_stack(h, self.weights, self.caches, cos, sin, meta.slot_mapping, q.block_tables,
                                       q.context_lens, q.query_starts, q.query_lens, self.heads, self.kv_heads,
-                                      int(self.amx), self.eps, loras,
+                                      int(self.kernel.name == "amx"), self.eps, loras,
                                       NO_TENSOR if token_slots is None else token_slots, self.max_rank)
 
 
 def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ops,
-                        lora_state: LoRAStepState | None) -> DecoderStack | None:
+                        lora_state: LoRAStepState) -> DecoderStack | None:
     """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
     wrappers and any move of the weights); None where the modules' path must stay."""
     if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
@@ -78,7 +76,7 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
-    kernels = {lin.kernel.name for lin in linears}
+    kernels = {lin.kernel for lin in linears}
     if len(kernels) != 1 or not all(layer.mlp.silu for layer in model.layers):
         return None
     weights = [tensor for layer in model.layers for tensor in _layer_weights(layer)] + [model.norm.weight]
@@ -86,10 +84,9 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     if loras and (len(loras) != len(linears) or any(len(lora.b_slots) > MAX_SUBS for lora in loras)):
         return None
     attn = model.layers[0].self_attn
-    max_rows = {lin.kernel.max_rows for lin in linears}
     return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
-                        attn.num_kv_heads, kernels == {"amx"}, min(max_rows, key=_rows_key), model.norm.eps,
-                        lora_state, loras, loras[0].max_rank if loras else 0)
+                        attn.num_kv_heads, kernels.pop(), model.norm.eps, lora_state, loras,
+                        loras[0].max_rank if loras else 0)
 
 
 def _lora_slots(lora: LoRALinear) -> list[torch.Tensor]:
@@ -98,10 +95,6 @@ def _lora_slots(lora: LoRALinear) -> list[torch.Tensor]:
     if not lora.slots_with_weights:
         return [NO_TENSOR] * (1 + MAX_SUBS)
     return [lora.a_slots, *lora.b_slots] + [NO_TENSOR] * (MAX_SUBS - len(lora.b_slots))
-
-
-def _rows_key(rows: int | None) -> float:
-    return float("inf") if rows is None else rows
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:

@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # a new tensor: the residual stream the layers add into in place
         delta = None
         cos, sin = self.rotary.lookup(positions)
-        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h.shape[0]):
+        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):
             return self.decoder_stack.run(h, cos, sin, meta)
         for layer, cache in zip(self.layers, kv_caches):
             delta = layer(h, delta, cos, sin, cache, meta)
