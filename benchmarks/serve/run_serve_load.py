@@ -325,9 +325,8 @@ def cpu_table(raw: dict) -> str:
     rows = []
     for system in raw["systems"]:
         cores = _of(raw, system, top)[0]["cores"] or {}
-        busy = sum(v for k, v in cores.items() if k != "outside")
         parts = ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
-        rows.append([system, f"{busy:.2f}", parts, _idle_cores(raw, system)])
+        rows.append([system, f"{_busy(cores):.2f}", parts, _idle_cores(raw, system)])
     return markdown_table(["server", f"busy cores at {top} concurrent (of 2)", "by process",
                            "busy cores while idle, beside the offline engine"], rows)
 
@@ -339,8 +338,12 @@ def _idle_cores(raw: dict, system: str) -> str:
     runs = [s for s in _of(raw, name) if s.get("beside") == system and s["round"] == 0 and s["cores"]]
     if not runs:
         return "-"
-    cores = runs[0]["cores"]
-    return f"{sum(v for k, v in cores.items() if k != 'outside'):.3f}"
+    return f"{_busy(runs[0]['cores']):.3f}"
+
+
+def _busy(cores: dict[str, float]) -> float:
+    """The cores of a server's own processes: every role but "outside" its tree."""
+    return sum(v for k, v in cores.items() if k != "outside")
 
 
 def plot(raw: dict):
