@@ -14,7 +14,7 @@ from ray.exceptions import RayTaskError
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 LORAX_TYPES = {400: "validation", 401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "validation",
-               429: "overloaded", 503: "overloaded"}
+               422: "validation", 429: "overloaded", 503: "overloaded"}
 
 
 def error_body(path: str, message: str, status: int) -> dict:
@@ -27,7 +27,7 @@ def openai_error(message: str, status: int) -> dict:
 
 
 def lorax_error(message: str, status: int) -> dict:
-    return {"error": message, "error_type": LORAX_TYPES.get(status, "server_error")}
+    return {"error": message, "error_type": LORAX_TYPES.get(status, "validation" if status < 500 else "server_error")}
 
 
 def error_headers(status: int, retry_after_s: float | None) -> dict[str, str]:

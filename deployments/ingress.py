@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Callable
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
@@ -63,29 +61,33 @@ async def _engine_stopped(request: Request, exc: EngineDeadError) -> JSONRespons
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """FastAPI's own refusals (a body it cannot parse, an unknown path or method) in OpenAI's error shape under
-    /v1/, where OpenAI's clients read it; elsewhere FastAPI's {"detail"}."""
-    if request.url.path.startswith("/v1/"):
-        response = error_response(request.url.path, str(exc.detail), exc.status_code)
-        response.headers.update(exc.headers or {})
-        return response
-    return await http_exception_handler(request, exc)
+    """FastAPI's own refusals (an unknown path, a wrong method) in the error shape of the path's API, whose
+    clients read the message from it: OpenAI's under /v1/, LoRAX's elsewhere."""
+    response = error_response(request.url.path, str(exc.detail), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
-    if request.url.path.startswith("/v1/"):  # OpenAI answers invalid parameters with 400
-        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {_reason(e)}" for e in exc.errors())
-        return error_response(request.url.path, reasons)
-    # FastAPI's 422 ({"detail": [...]}, as TGI's clients read it), with ASCII escapes: its errors echo the input,
-    # and an input holding a lone surrogate ("\ud800" in the JSON) cannot be encoded as UTF-8
-    return Response(json.dumps({"detail": jsonable_encoder(exc.errors())}), 422, media_type="application/json")
+    """A body that is not JSON or does not fit the route's model: 400 under /v1/ (as OpenAI answers), 422 on the
+    LoRAX routes (as LoRAX and TGI answer; lorax-client raises its ValidationError with the message). The message
+    names each field and why, not its input, and escapes what UTF-8 cannot encode (a lone surrogate)."""
+    status = 400 if request.url.path.startswith("/v1/") else 422
+    message = "; ".join(_reason(e) for e in exc.errors())
+    return error_response(request.url.path, message.encode("utf-8", "backslashreplace").decode(), status)
 
 
 def _reason(error: dict) -> str:
+    """One of pydantic's errors as a client reads it: the field's path in the body, then why."""
+    where = ".".join(str(part) for part in error["loc"][1:])  # the first part is "body"
+    if error["type"] == "json_invalid":
+        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])} (at character {where})"
     if error["type"] == "extra_forbidden":
-        return "not supported by this server"
-    return error["msg"]
+        why = "not supported by this server"
+    else:  # a model validator's ValueError comes as "Value error, <its message>"
+        why = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {why}" if where else why
 
 
 # Module helpers stand above the routes class: Serve captures the class's globals when it is defined.

@@ -129,6 +129,12 @@ class OpenAISampling(OpenAIModel):
     guided_whitespace_pattern: None = Field(None, description="JSON whitespace is fixed (json.dumps' separators)")
 
     @model_validator(mode="after")
+    def _stream_options_on_streams(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only for streams (stream: true)")
+        return self
+
+    @model_validator(mode="after")
     def _one_structured_output(self):
         given = self._structured()
         if len(given) > 1:

@@ -91,7 +91,7 @@ def test_generate_stream_sends_tokens_then_final_text(server):
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, status, words):
     r = requests.post(f"{server}/generate", json=body, timeout=60)
     assert r.status_code == status, r.text
-    assert words in r.text
+    assert r.json()["error_type"] == "validation" and words in r.json()["error"], r.text  # LoRAX's error shape
     ok = requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200
 
@@ -116,6 +116,7 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options is only for streams"),
 ])
 def test_bad_openai_requests_get_400_with_the_reason(server, tiny_llama_path, path, body, words):
     r = requests.post(f"{server}/v1/{path}", json={"model": str(tiny_llama_path), "max_tokens": 2, **body}, timeout=60)
@@ -142,10 +143,39 @@ def test_openai_nulls_are_not_given(server, tiny_llama_path):
     assert refused.status_code == 400 and "refusal: not supported" in refused.json()["error"]["message"]
 
 
-def test_malformed_json_is_422(server):
-    r = requests.post(f"{server}/generate", data="{not json", headers={"content-type": "application/json"},
-                      timeout=60)
-    assert r.status_code == 422
+def test_malformed_json_is_refused_in_each_apis_shape(server):
+    def post(path: str) -> requests.Response:
+        return requests.post(f"{server}{path}", data="{not json", headers={"content-type": "application/json"},
+                             timeout=60)
+
+    lorax, openai = post("/generate"), post("/v1/completions")
+    assert lorax.status_code == 422 and lorax.json()["error_type"] == "validation", lorax.text
+    assert lorax.json()["error"].startswith("the body is not valid JSON: Expecting property name"), lorax.text
+    assert openai.status_code == 400 and "not valid JSON" in openai.json()["error"]["message"], openai.text
+
+
+def test_a_model_validators_reason_reads_as_a_sentence(server, tiny_llama_path):
+    """A reason from a check across fields has no field path before it, and not pydantic's "Value error, "."""
+    r = requests.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": str(tiny_llama_path), "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "top_logprobs needs logprobs: true", r.text
+
+
+def test_lorax_client_raises_its_errors_with_the_servers_reasons(server):
+    """lorax-client reads {"error", "error_type"}: the server's refusals reach its user as its own exceptions,
+    with the reason, for what the client does not check itself."""
+    from lorax import Client
+    from lorax.errors import NotFoundError, ValidationError
+
+    client = Client(server)
+    with pytest.raises(ValidationError, match="not supported yet: watermark"):
+        client.generate("hi", max_new_tokens=2, watermark=True)
+    with pytest.raises(ValidationError, match="max_model_len"):
+        client.generate("hi", max_new_tokens=10 ** 6)
+    with pytest.raises(NotFoundError, match="'nope'"):
+        client.generate("hi", max_new_tokens=2, adapter_id="nope")
+    missing = requests.get(f"{server}/no-such-route", timeout=60)
+    assert missing.status_code == 404 and missing.json() == {"error": "Not Found", "error_type": "not_found"}
 
 
 def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
