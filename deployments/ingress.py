@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
-from deployments.chat import chat_prompt
+from deployments.chat import ChatMessage, chat_prompt
 from deployments.errors import RequestRefused, client_message, error_response, lorax_error, openai_error
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
@@ -29,6 +29,9 @@ from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
+from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
+                                    tokenize_prompt, tokenize_tgi)
+from deployments.tools import ToolUse
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError
 from engine.sampling import SamplingParams
@@ -223,6 +226,9 @@ class HttpRoutes:
     def _engine_running(self) -> bool:
         raise NotImplementedError
 
+    def _max_model_len(self) -> int:
+        raise NotImplementedError
+
     async def _register(self, name: str, lora_path: str) -> Registration:
         raise NotImplementedError
 
@@ -361,6 +367,44 @@ class HttpRoutes:
         await _lifecycle(self._unregister(request.lora_name))
         return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
 
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, http: Request) -> dict:
+        """OpenAI's retrieve: the base model or a known adapter, as /v1/models lists it."""
+        cards = (await self.models(http))["data"]
+        for card in cards:
+            if card["id"] == model:
+                return card
+        raise RequestRefused(f"model {model!r} is not served here (GET /v1/models lists what is)", 404)
+
+    @app.post("/tokenize")
+    async def tokenize_text(self, request: PromptTokenize | ChatTokenize | TgiTokenize, http: Request):
+        """vLLM's forms (a prompt, or messages through the chat template) and TGI's (`inputs`):
+        deployments/tokenizing.py."""
+        if isinstance(request, TgiTokenize):
+            return tokenize_tgi(self.tokenizer, request.inputs, request.add_special_tokens)
+        await self._check_tokenizer_model(request.model, _tenant(http))
+        text = request.prompt if isinstance(request, PromptTokenize) else self._chat_prompt(request.messages)
+        return tokenize_prompt(self.tokenizer, text, request.add_special_tokens, request.return_token_strs,
+                               self._max_model_len())
+
+    @app.post("/detokenize")
+    async def detokenize_ids(self, request: Detokenize, http: Request) -> dict:
+        await self._check_tokenizer_model(request.model, _tenant(http))
+        try:
+            return detokenize(self.tokenizer, request.tokens)
+        except ValueError as exc:
+            raise RequestRefused(str(exc), 400) from None
+
+    async def _check_tokenizer_model(self, model: str | None, tenant: Tenant) -> None:
+        """A tokenizing request's model: none, the base model or an adapter the tenant sees (they all share the
+        base model's tokenizer); another is refused, as a generation request naming it would be."""
+        if model is None or model == self.model_name:
+            return _check_scope(tenant, None)
+        _check_scope(tenant, model)
+        if model not in await self._adapters(tenant):
+            raise RequestRefused(f"model {model!r} is not served here: tokenizing takes the base model's name "
+                                 f"({self.model_name!r}) or a loaded adapter's (GET /v1/models lists them)", 404)
+
     async def _adapters(self, tenant: Tenant) -> dict[str, AdapterResidence]:
         """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads), of the
         adapters in the tenant's scope."""
@@ -380,11 +424,14 @@ class HttpRoutes:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
+        prompt = self._chat_prompt(request.messages, request.tool_use())
+        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.token_texts))
+
+    def _chat_prompt(self, messages: list[ChatMessage], tools: ToolUse | None = None) -> str:
         try:
-            prompt = chat_prompt(self.tokenizer, request.messages, request.tool_use())
+            return chat_prompt(self.tokenizer, messages, tools)
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
-        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.token_texts))
 
     async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (_start_choices); choice j of prompt i has index i * n + j,

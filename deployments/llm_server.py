@@ -276,6 +276,9 @@ class LLMServer(HttpRoutes):
     def _engine_running(self) -> bool:
         return self.engine.is_healthy
 
+    def _max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def check_health(self) -> None:
         if not self._engine_running():
             raise RuntimeError("engine loop is not running")

@@ -62,6 +62,11 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output tokens) a request may reach."""
+        return self.engine.max_model_len
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
