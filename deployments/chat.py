@@ -6,18 +6,57 @@ image and audio parts are refused: the models served here read text), "developer
 tools gets them as transformers passes them, each earlier call's arguments as an object. A template that does not
 (SmolLM2's) gets the tools described in a system message (deployments/tools.py), and an earlier call written as
 the JSON the grammar made the model write, so the model sees its own calls as it made them.
+
+vLLM's template controls come too: `add_generation_prompt` (false: the prompt ends after the last message),
+`continue_final_message` (the model continues the last message, an assistant's prefill, instead of starting a new
+one) and `chat_template_kwargs` (variables the template reads, such as Qwen3's `enable_thinking`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 from pydantic import Field, model_validator
 
 from deployments.strict import OpenAIModel
 from deployments.tools import FunctionName, ToolMode, ToolUse, check_template, is_json_object, renders_tools
+
+
+# the arguments chat_prompt passes itself: chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "return_dict", "chat_template"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template ends the prompt, and the extra variables it reads."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: dict[str, Any] = field(default_factory=dict)
+
+
+class TemplateControls(OpenAIModel):
+    """vLLM's chat template fields, in the chat route's request and the chat form of /tokenize."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, max_length=MAX_TEMPLATE_KWARGS)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message continues the last message; it needs add_generation_prompt: "
+                             "false")
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do")
+        return self
+
+    def template_options(self) -> TemplateOptions:
+        return TemplateOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
 
 class TextPart(OpenAIModel):
@@ -80,9 +119,10 @@ class ChatMessage(OpenAIModel):
         return message
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolUse | None) -> str:
-    """The prompt of a conversation, ending where the assistant's answer starts; ValueError when the template
-    cannot render it, or cannot take the request's tool_choice."""
+def chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolUse | None,
+                options: TemplateOptions = TemplateOptions()) -> str:
+    """The prompt of a conversation, ending where the assistant's answer starts (or as `options` say); ValueError
+    when the template cannot render it, or cannot take the request's tool_choice."""
     template = tokenizer.chat_template
     check_template(tools, template)
     native = renders_tools(template)
@@ -94,7 +134,9 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolUse | None) -
         else:
             rendered = _with_system(rendered, tools.system_prompt())
     try:
-        return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
+        return tokenizer.apply_chat_template(
+            rendered, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **options.variables, **extra)
     except TemplateError as e:
         raise ValueError(f"the model's chat template cannot render these messages: {e}") from None
 

@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
-from deployments.chat import ChatMessage, chat_prompt
+from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
 from deployments.errors import RequestRefused, client_message, error_response, lorax_error, openai_error
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
@@ -383,7 +383,8 @@ class HttpRoutes:
         if isinstance(request, TgiTokenize):
             return tokenize_tgi(self.tokenizer, request.inputs, request.add_special_tokens)
         await self._check_tokenizer_model(request.model, _tenant(http))
-        text = request.prompt if isinstance(request, PromptTokenize) else self._chat_prompt(request.messages)
+        text = (request.prompt if isinstance(request, PromptTokenize)
+                else self._chat_prompt(request.messages, None, request.template_options()))
         return tokenize_prompt(self.tokenizer, text, request.add_special_tokens, request.return_token_strs,
                                self._max_model_len())
 
@@ -424,12 +425,12 @@ class HttpRoutes:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
-        prompt = self._chat_prompt(request.messages, request.tool_use())
+        prompt = self._chat_prompt(request.messages, request.tool_use(), request.template_options())
         return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.token_texts))
 
-    def _chat_prompt(self, messages: list[ChatMessage], tools: ToolUse | None = None) -> str:
+    def _chat_prompt(self, messages: list[ChatMessage], tools: ToolUse | None, options: TemplateOptions) -> str:
         try:
-            return chat_prompt(self.tokenizer, messages, tools)
+            return chat_prompt(self.tokenizer, messages, tools, options)
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
 

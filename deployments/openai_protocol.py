@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
 
-from deployments.chat import ChatMessage
+from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
@@ -218,7 +218,7 @@ class CompletionRequest(OpenAISampling):
         return list(self.prompt)
 
 
-class ChatRequest(OpenAISampling):
+class ChatRequest(OpenAISampling, TemplateControls):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

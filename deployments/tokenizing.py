@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from deployments.chat import ChatMessage
+from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel, StrictModel
 
 MAX_TOKENIZE_CHARS = 1 << 20  # a body past the gate's size limit never gets here; this bounds the work anyway
@@ -26,8 +26,8 @@ class PromptTokenize(OpenAIModel):
     return_token_strs: bool = False
 
 
-class ChatTokenize(OpenAIModel):
-    """vLLM's chat form: the prompt /v1/chat/completions would run (tools aside), ending where the answer starts."""
+class ChatTokenize(TemplateControls):
+    """vLLM's chat form: the prompt /v1/chat/completions would run (tools aside), with its template controls."""
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False  # the template writes the special tokens it wants

@@ -1,11 +1,14 @@
-"""Tokenizing over HTTP through a real Ray Serve app: vLLM's /tokenize and /detokenize, TGI's /tokenize, and
-OpenAI's model retrieve; each checked against the tokenizer itself and against what the generation routes count."""
+"""The prompts requests make, over HTTP through a real Ray Serve app: vLLM's /tokenize and /detokenize, TGI's
+/tokenize, OpenAI's model retrieve, and the chat template's controls; each checked against the tokenizer and its
+template, against what the generation routes count, and against the offline engine's tokens."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
+from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
+from engine import LLM, SamplingParams
 from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
@@ -94,3 +97,47 @@ def test_openai_client_retrieves_a_model(server, tiny_llama_path):
     assert client.models.retrieve(str(tiny_llama_path)).id == str(tiny_llama_path)
     with pytest.raises(NotFoundError, match="not served here"):
         client.models.retrieve("nope")
+
+
+def test_continue_final_message_continues_the_assistants_prefill(server, tiny_llama_path, tokenizer):
+    """The prompt ends inside the last (assistant) message, and the answer is the engine's continuation of it."""
+    turn = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": "Sure, here is"}]
+    controls = {"add_generation_prompt": False, "continue_final_message": True}
+    text = tokenizer.apply_chat_template(turn, tokenize=False, **controls)
+    assert text.endswith("Sure, here is")
+    tokens = _post(server, "/tokenize", {"messages": turn, **controls})
+    assert tokens.json()["tokens"] == tokenizer(text, add_special_tokens=False).input_ids, tokens.text
+    chat = _post(server, "/v1/chat/completions", {"model": str(tiny_llama_path), "messages": turn, "max_tokens": 8,
+                                                  "temperature": 0, "ignore_eos": True, **controls})
+    assert chat.status_code == 200, chat.text
+    expected = LLM(str(tiny_llama_path), log_stats=False).generate(
+        [text], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert chat.json()["choices"][0]["message"]["content"] == expected.text
+    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+
+
+def test_without_a_generation_prompt_the_prompt_ends_after_the_last_message(server, tokenizer):
+    r = _post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    assert r.json()["tokens"] == tokenizer(text, add_special_tokens=False).input_ids, r.text
+    assert r.json()["count"] < _post(server, "/tokenize", {"messages": MESSAGES}).json()["count"]
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """A template variable (as Qwen3's enable_thinking) is rendered from chat_template_kwargs."""
+    templated = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = "{% if terse %}TERSE {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [ChatMessage(role="user", content="hi")]
+    assert chat_prompt(templated, messages, None, TemplateOptions(variables={"terse": True})) == "TERSE hi"
+    assert chat_prompt(templated, messages, None) == "hi"
+
+
+@pytest.mark.parametrize("controls, words", [
+    ({"continue_final_message": True}, "continue_final_message continues the last message; it needs "
+                                       "add_generation_prompt: false"),
+    ({"chat_template_kwargs": {"tools": [], "messages": []}},
+     "chat_template_kwargs cannot set messages, tools: the request's own fields do"),
+])
+def test_contradictory_template_controls_are_refused(server, tiny_llama_path, controls, words):
+    r = _post(server, "/v1/chat/completions", {"model": str(tiny_llama_path), "messages": MESSAGES, **controls})
+    assert r.status_code == 400 and r.json()["error"]["message"] == words, r.text
