@@ -116,6 +116,7 @@ class OpenAISampling(OpenAIModel):
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
@@ -179,6 +180,7 @@ class OpenAISampling(OpenAIModel):
         seed = None if self.seed is None else _wrap_seed(self.seed + choice)
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias or {},

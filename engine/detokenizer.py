@@ -2,7 +2,7 @@
 
 Each new token's text is released only once it no longer ends in a partial UTF-8 character. Stop strings are
 searched in the new text (and the tail before it, so a stop string split across tokens is found); the text is cut
-where the stop string begins. While streaming, a tail that could still grow into a stop string is held back.
+where the stop string begins, or where it ends when the request keeps it. While streaming, a tail that could still grow into a stop string is held back.
 
 With a fast tokenizer whose decoding transformers leaves as is (no clean-up of spaces), each token goes through
 the tokenizers library's own incremental decoder (DecodeStream, in Rust, one call a token) instead of two decodes
@@ -30,12 +30,13 @@ CONTEXT_TOKENS = 6  # prompt tokens decoded along with the first outputs, for to
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                 stream: bool = True):
+                 stream: bool = True, keep_stop: bool = False):
         """stream: the tokenizers library's incremental decoder where the tokenizer allows it (False: the Python
-        path, the stream's reference in tests)."""
+        path, the stream's reference in tests). keep_stop: the text keeps the stop string it ends with."""
         self.decode = token_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.keep_stop = keep_stop
         self.longest_stop = max((len(s) for s in stop), default=0)
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -82,9 +83,10 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self.longest_stop + 1)
         self.text += new_text
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, stop = min(hits, key=lambda hit: hit[0])  # the first to begin; of those, the first listed
+            self.text = self.text[:start + len(stop) if self.keep_stop else start]
             return True
         return False
 

@@ -200,7 +200,8 @@ class LLMEngine:
                        adapter_id=adapter_id, arrival_time=arrival)
         if params.response_format is not None:
             seq.grammar = self.grammars.matcher(params.response_format)  # ValueError for an invalid schema
-        return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+        return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                           keep_stop=params.include_stop_str_in_output)
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """The request's params with max_tokens resolved: None fills the context (up to max_tokens_limit); a

@@ -13,8 +13,9 @@ TEXTS = ["Hello, world! Ünïcödé façade — naïve café.",
          "  leading spaces\n\ttabs and\r\nlines  "]
 
 
-def _stream(tokenizer, text, stop=(), prompt="Say:", stream=True):
-    detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt).input_ids, list(stop), stream=stream)
+def _stream(tokenizer, text, stop=(), prompt="Say:", stream=True, keep_stop=False):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt).input_ids, list(stop), stream=stream,
+                                   keep_stop=keep_stop)
     pieces, hit = [], False
     for token in tokenizer(text, add_special_tokens=False).input_ids:
         hit = detok.add_token(token)
@@ -64,6 +65,13 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed(tokenizer):
     assert detok.text == "The answer is "
     assert "".join(pieces) == "The answer is "
     assert not any("forty" in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["decode-stream", "python-path"])
+def test_a_kept_stop_string_ends_the_text_and_the_first_to_begin_wins(tokenizer, stream):
+    text = "The answer is forty-two, said the computer."
+    pieces, detok, hit = _stream(tokenizer, text, stop=["said", "forty-two", "two"], stream=stream, keep_stop=True)
+    assert hit and detok.text == "".join(pieces) == "The answer is forty-two"
 
 
 def test_partial_stop_prefix_is_released_when_not_a_stop(tokenizer):

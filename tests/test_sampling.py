@@ -336,6 +336,10 @@ def test_stop_string_cuts_text(llm):
                        use_tqdm=False)[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
+    kept = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True,
+                                                     include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.finish_reason == "stop" and kept.token_ids == cut.token_ids
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),

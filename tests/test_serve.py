@@ -178,6 +178,24 @@ def test_lorax_client_raises_its_errors_with_the_servers_reasons(server):
     assert missing.status_code == 404 and missing.json() == {"error": "Not Found", "error_type": "not_found"}
 
 
+def test_openai_stop_strings_cut_or_kept_as_asked(server, tiny_llama_path):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it, streamed too."""
+    body = {"model": str(tiny_llama_path), "prompt": PROMPTS[3], "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    full = requests.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = full[4:7]
+    assert stop.strip(), "need a non-blank stop string from the generated text"
+    for keep in (False, True):
+        asked = {**body, "stop": [stop], "include_stop_str_in_output": keep}
+        whole = requests.post(f"{server}/v1/completions", json=asked, timeout=60).json()["choices"][0]
+        streamed = requests.post(f"{server}/v1/completions", json={**asked, "stream": True}, stream=True, timeout=60)
+        chunks = [json.loads(line[len("data: "):]) for line in streamed.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+        end = full.index(stop) + (len(stop) if keep else 0)
+        assert whole["text"] == "".join(c["choices"][0]["text"] for c in chunks) == full[:end], keep
+        assert whole["finish_reason"] == "stop"
+
+
 def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
     llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
