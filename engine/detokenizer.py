@@ -2,7 +2,8 @@
 
 Each new token's text is released only once it no longer ends in a partial UTF-8 character. Stop strings are
 searched in the new text (and the tail before it, so a stop string split across tokens is found); the text is cut
-where the stop string begins, or where it ends when the request keeps it. While streaming, a tail that could still grow into a stop string is held back.
+where the stop string begins, or where it ends when the request keeps it. While streaming, a tail that could still
+grow into a stop string is held back.
 
 With a fast tokenizer whose decoding transformers leaves as is (no clean-up of spaces), each token goes through
 the tokenizers library's own incremental decoder (DecodeStream, in Rust, one call a token) instead of two decodes
