@@ -106,6 +106,7 @@ class GenerateParameters(StrictModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=self.seed,
             stop=self.stop,
+            include_stop_str_in_output=True,  # as LoRAX and TGI answer: the text ends with the stop sequence
             ignore_eos=self.ignore_eos_token,
             logprobs=self.return_k_alternatives or 0,  # TGI reports each token's logprob
             prompt_logprobs=0 if self.decoder_input_details else None,

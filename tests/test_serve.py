@@ -196,6 +196,22 @@ def test_openai_stop_strings_cut_or_kept_as_asked(server, tiny_llama_path):
         assert whole["finish_reason"] == "stop"
 
 
+def test_lorax_stop_sequences_end_the_text_as_lorax_ends_it(server):
+    """LoRAX and TGI keep the stop sequence in the generated text (the OpenAI routes cut it)."""
+    from lorax import Client
+
+    client = Client(server)
+    full = client.generate(PROMPTS[3], max_new_tokens=16, ignore_eos_token=True).generated_text
+    stop = full[4:7]
+    assert stop.strip(), "need a non-blank stop string from the generated text"
+    cut = client.generate(PROMPTS[3], max_new_tokens=16, ignore_eos_token=True, stop_sequences=[stop])
+    assert cut.generated_text == full[:full.index(stop) + len(stop)]
+    assert cut.details.finish_reason.value == "stop_sequence"
+    streamed = list(client.generate_stream(PROMPTS[3], max_new_tokens=16, ignore_eos_token=True,
+                                           stop_sequences=[stop]))
+    assert streamed[-1].generated_text == cut.generated_text
+
+
 def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
     llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
