@@ -99,9 +99,36 @@ def _answers(url: str) -> None:
     deadline = time.monotonic() + 90
     for body in ({"inputs": "hi", "parameters": {"max_new_tokens": 3}},
                  {"inputs": "hi", "parameters": {"max_new_tokens": 3, "adapter_id": "beta"}}):
-        while (r := requests.post(f"{url}/generate", json=body, timeout=60)).status_code != 200:
+        while (r := _post_or_explain(url, body)).status_code != 200:
             assert time.monotonic() < deadline, r.text
             time.sleep(1)
+
+
+def _post_or_explain(url: str, body: dict) -> requests.Response:
+    """The answer; a request that hangs fails with what Serve and the live replicas held then, so that a rare hang
+    says where it was."""
+    try:
+        return requests.post(f"{url}/generate", json=body, timeout=60)
+    except requests.Timeout:
+        pytest.fail(f"{body} got no answer in 60 s after the fault; then: {_cluster_state()}")
+
+
+def _cluster_state() -> str:
+    from ray import serve
+
+    deployments = {name: (d.status, d.replica_states)
+                   for name, d in serve.status().applications["lora-serve"].deployments.items()}
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    replicas = {}
+    for _ in range(6):
+        try:
+            s = handle.stats.remote().result(timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - the state is for a failure's message: any answer is a finding
+            replicas[f"error {type(exc).__name__}"] = str(exc)[:200]
+            continue
+        replicas[s.replica] = dict(running=s.running, waiting=s.waiting, waiting_for_adapter=s.waiting_for_adapter,
+                                   resident=s.resident_adapters, forwarded=s.forwarded, peers=s.peer_adapters)
+    return f"deployments {deployments}; replicas {replicas}"
 
 
 def _kill_replica_of(app_name: str) -> None:
