@@ -20,6 +20,7 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings, and stop token ids, per request: each one is checked after every token
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # logit_bias entries, as OpenAI allows
+MAX_ALLOWED_IDS = 4096  # allowed_token_ids: the sampler copies them into each step's row
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -117,6 +118,8 @@ class OpenAISampling(OpenAIModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
+    bad_words: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
@@ -181,6 +184,7 @@ class OpenAISampling(OpenAIModel):
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, seed=seed, stop=stop,
                               include_stop_str_in_output=self.include_stop_str_in_output,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias or {},

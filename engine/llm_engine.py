@@ -191,15 +191,17 @@ class LLMEngine:
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
         token_ids = self._tokenize(prompt, params)
         params = self._fit_max_tokens(params, len(token_ids))
-        outside = self._outside_vocabulary(params.logit_bias)
-        if outside:
-            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = self._outside_vocabulary(ids)
+            if outside:
+                raise ValueError(f"{name} token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if adapter_id is not None:
             self._check_adapter(adapter_id)
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None,
                        adapter_id=adapter_id, arrival_time=arrival)
         if params.response_format is not None:
             seq.grammar = self.grammars.matcher(params.response_format)  # ValueError for an invalid schema
+        seq.bad_words_ids = self._bad_words_ids(params.bad_words)
         return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                            keep_stop=params.include_stop_str_in_output)
 
@@ -256,6 +258,11 @@ class LLMEngine:
             usage = self.adapter_usage.setdefault(seq.adapter_id, AdapterUsage())
             usage.requests += 1
             usage.prompt_tokens += len(seq.prompt_token_ids)
+
+    def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the tokens that spell it at the start of a text and after a space (as vLLM bans it)."""
+        variants = {f"{prefix}{word.strip()}" for word in words for prefix in ("", " ")}
+        return tuple(sorted({tuple(self.tokenizer(text, add_special_tokens=False).input_ids) for text in variants}))
 
     def _outside_vocabulary(self, token_ids) -> list[int]:
         return [t for t in token_ids if not 0 <= t < self.vocab_size]

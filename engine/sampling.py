@@ -129,6 +129,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from every token the output already holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds the token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated; None: any
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words whose tokens the output never spells
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
@@ -179,6 +181,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-blank strings")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer between {SEED_MIN} and {SEED_MAX} (64 bits), got {self.seed!r}")
         if self.response_format is not None:

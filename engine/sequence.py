@@ -45,6 +45,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG, made by the sampler when a seed is given
     penalty_tokens: PenaltyTokens | None = None  # made by the sampler when a penalty first applies
     grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (LLMEngine tokenizes)
 
     @property
     def token_ids(self) -> list[int]:

@@ -263,6 +263,8 @@ def test_logit_bias_forces_and_forbids_tokens(llm):
     assert set(sampled.token_ids) == {forced}
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids token ids outside the vocabulary"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, allowed_token_ids=[3, 10**7]), use_tqdm=False)
 
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached(llm):
@@ -342,10 +344,45 @@ def test_stop_string_cuts_text(llm):
     assert kept.text == full.text[:full.text.index(stop) + len(stop)]
 
 
+def test_allowed_token_ids_follow_transformers_constrained_generate(llm, tiny_llama_path):
+    """Greedy within an allowed set equals transformers' generate with the same set (prefix_allowed_tokens_fn)."""
+    allowed = list(range(1000, 1064))
+    prompts = PROMPTS[:3]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                allowed_token_ids=allowed), use_tqdm=False)
+    want = hf_greedy(tiny_llama_path, prompts, 12, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    assert [o.token_ids for o in outs] == want
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)
+
+
+def _spells(ids: list[int], word: tuple[int, ...]) -> bool:
+    return any(tuple(ids[i:i + len(word)]) == word for i in range(len(ids) - len(word) + 1))
+
+
+def test_bad_words_are_never_spelled(llm):
+    """A word the unconstrained output spells (one token, and two) is not spelled once banned, and the output
+    is the unconstrained one up to where it would have been."""
+    params = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate([PROMPTS[5]], SamplingParams(**params), use_tqdm=False)[0]
+    tokenizer = llm.engine.tokenizer
+    for width in (1, 2):
+        at = next(i for i in range(4, len(full.token_ids)) if tokenizer.decode(full.token_ids[i:i + width]).strip())
+        word = tokenizer.decode(full.token_ids[at:at + width])
+        banned = llm.generate([PROMPTS[5]], SamplingParams(bad_words=[word], **params), use_tqdm=False)[0]
+        spellings = {tuple(tokenizer(f"{prefix}{word.strip()}", add_special_tokens=False).input_ids)
+                     for prefix in ("", " ")}
+        assert any(_spells(full.token_ids, spelled) for spelled in spellings), (word, spellings)
+        assert not any(_spells(banned.token_ids, spelled) for spelled in spellings), (word, banned.token_ids)
+        first = min(i for spelled in spellings for i in range(len(full.token_ids))
+                    if tuple(full.token_ids[i:i + len(spelled)]) == spelled)
+        assert banned.token_ids[:first] == full.token_ids[:first]
+
+
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
                                  dict(repetition_penalty=0), dict(stop=[""]), dict(logprobs=50),
                                  dict(presence_penalty=2.5), dict(frequency_penalty=-3),
                                  dict(logit_bias={5: 101}), dict(logit_bias={-1: 1.0}),
+                                 dict(allowed_token_ids=[]), dict(allowed_token_ids=[-3]), dict(bad_words=[" "]),
                                  dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1), dict(typical_p=0),
                                  dict(typical_p=1.5), dict(truncate_prompt_tokens=0), dict(min_p=-0.1),
                                  dict(min_p=1.5), dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5),

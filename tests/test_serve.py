@@ -457,6 +457,14 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
     with pytest.raises(openai.BadRequestError, match="stop.*at least 1 character"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, stop=[""])
 
+    constrained = {"allowed_token_ids": list(range(500, 540)), "bad_words": ["the", "and"]}
+    asked = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                      extra_body=constrained)
+    assert asked.choices[0].text == llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=8, temperature=0, **constrained), use_tqdm=False)[0].text
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids: List should have at least 1 item"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"allowed_token_ids": []})
+
 
 def test_lorax_return_k_alternatives(server, tiny_llama_path, tokenizer):
     from lorax import Client
