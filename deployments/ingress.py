@@ -380,9 +380,10 @@ class HttpRoutes:
     async def tokenize_text(self, request: PromptTokenize | ChatTokenize | TgiTokenize, http: Request):
         """vLLM's forms (a prompt, or messages through the chat template) and TGI's (`inputs`):
         deployments/tokenizing.py."""
+        model = None if isinstance(request, TgiTokenize) else request.model  # TGI's form names none: the base's
+        await self._check_tokenizer_model(model, _tenant(http))
         if isinstance(request, TgiTokenize):
             return tokenize_tgi(self.tokenizer, request.inputs, request.add_special_tokens)
-        await self._check_tokenizer_model(request.model, _tenant(http))
         text = (request.prompt if isinstance(request, PromptTokenize)
                 else self._chat_prompt(request.messages, None, request.template_options()))
         return tokenize_prompt(self.tokenizer, text, request.add_special_tokens, request.return_token_strs,
