@@ -400,11 +400,10 @@ class HttpRoutes:
     async def _check_tokenizer_model(self, model: str | None, tenant: Tenant) -> None:
         """A tokenizing request's model: none, the base model or an adapter the tenant sees (they all share the
         base model's tokenizer); another is refused, as a generation request naming it would be."""
-        if model is None or model == self.model_name:
-            return _check_scope(tenant, None)
-        _check_scope(tenant, model)
-        if model not in await self._adapters(tenant):
-            raise RequestRefused(f"model {model!r} is not served here: tokenizing takes the base model's name "
+        adapter = None if model == self.model_name else model
+        _check_scope(tenant, adapter)
+        if adapter is not None and adapter not in await self._adapters(tenant):
+            raise RequestRefused(f"model {adapter!r} is not served here: tokenizing takes the base model's name "
                                  f"({self.model_name!r}) or a loaded adapter's (GET /v1/models lists them)", 404)
 
     async def _adapters(self, tenant: Tenant) -> dict[str, AdapterResidence]:

@@ -15,13 +15,14 @@ from pydantic import Field
 from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel, StrictModel
 
-MAX_TOKENIZE_CHARS = 1 << 20  # a body past the gate's size limit never gets here; this bounds the work anyway
+# characters of a text, ids of a list: the gate's body size limit comes first; this bounds the work anyway
+MAX_TOKENIZE_LENGTH = 1 << 20
 
 
 class PromptTokenize(OpenAIModel):
     """vLLM's completion form."""
     model: str | None = None
-    prompt: str = Field(max_length=MAX_TOKENIZE_CHARS)
+    prompt: str = Field(max_length=MAX_TOKENIZE_LENGTH)
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -36,13 +37,13 @@ class ChatTokenize(TemplateControls):
 
 class TgiTokenize(StrictModel):
     """TGI's and LoRAX's form."""
-    inputs: str = Field(max_length=MAX_TOKENIZE_CHARS)
+    inputs: str = Field(max_length=MAX_TOKENIZE_LENGTH)
     add_special_tokens: bool = True
 
 
 class Detokenize(OpenAIModel):
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_TOKENIZE_CHARS)
+    tokens: list[int] = Field(max_length=MAX_TOKENIZE_LENGTH)
 
 
 def tokenize_prompt(tokenizer, text: str, add_special_tokens: bool, return_token_strs: bool,
