@@ -29,12 +29,13 @@ class Refusal:
 
 @dataclass(slots=True)
 class TokenEntry:
-    """One token in the shape clients show it: id, its text as released, its logprob, and its top alternatives
-    (id -> logprob; None unless asked for)."""
+    """One token in the shape clients show it: id, its text as released, its logprob, its top alternatives
+    (id -> logprob, best first; None unless asked for), and, for a scored prompt token, its rank (1: the likeliest)."""
     id: int | None
     text: str
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    rank: int | None = None
 
 
 @dataclass(slots=True)

@@ -217,8 +217,8 @@ class LLMServer(HttpRoutes):
         """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
         if not out.prompt_logprobs:
             return None
-        return [TokenEntry(t, self.token_texts.text(t), logprob, top)
-                for t, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)]
+        return [TokenEntry(t, self.token_texts.text(t), logprob, top, rank) for t, logprob, top, rank
+                in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)]
 
     async def _fetch_adapter(self, adapter: str, timer) -> None:
         if self.adapter_cache is None:

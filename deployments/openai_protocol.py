@@ -123,6 +123,7 @@ class OpenAISampling(OpenAIModel):
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # each prompt token's logprob, rank and k alternatives
     # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
     guided_json: Schema | None = None
     guided_regex: Pattern | None = None
@@ -136,6 +137,12 @@ class OpenAISampling(OpenAIModel):
     def _stream_options_on_streams(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only for streams (stream: true)")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream")
         return self
 
     @model_validator(mode="after")
@@ -174,7 +181,8 @@ class OpenAISampling(OpenAIModel):
         return None
 
     def prompt_logprobs_wanted(self) -> int | None:
-        return None
+        """How many alternatives the engine scores for each prompt token (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
@@ -205,7 +213,10 @@ class CompletionRequest(OpenAISampling):
         return self.logprobs
 
     def prompt_logprobs_wanted(self) -> int | None:
-        return self.logprobs if self.echo else None
+        """echo with logprobs scores the prompt too; with prompt_logprobs as well, the larger k serves both."""
+        echoed = self.logprobs if self.echo else None
+        wanted = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     @model_validator(mode="after")
     def _prompts_given(self):

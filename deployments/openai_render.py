@@ -22,10 +22,12 @@ FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "a
 
 @dataclass
 class FinishedChoice:
-    """A finished choice, from its one event with every token: its text and its logprobs object."""
+    """A finished choice, from its one event with every token: its text, its logprobs object and, when asked for,
+    its prompt's logprobs in vLLM's shape."""
     text: str
     last: TokenEvent
     logprobs: dict | None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def completion_id(prefix: str) -> str:
@@ -63,7 +65,24 @@ class Renderer:
         return None
 
     def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
-        return FinishedChoice(last.final.generated_text, last, self.logprobs(last.entries(), 0))
+        return FinishedChoice(last.final.generated_text, last, self.logprobs(last.entries(), 0),
+                              self.prompt_logprobs(last))
+
+    def prompt_logprobs(self, last: TokenEvent) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` (None when not asked for): per prompt token, None for the first (nothing before
+        it to score it on), else token id -> {logprob, rank, decoded_token} for its k likeliest alternatives (ranks
+        1..k) and the prompt's own token with its rank."""
+        k = self.request.prompt_logprobs
+        if k is None:
+            return None
+        return [None if t.logprob is None else self._scored(t, k) for t in last.final.prompt_token_entries or []]
+
+    def _scored(self, token: TokenEntry, k: int) -> dict:
+        top = itertools.islice((token.top_logprobs or {}).items(), k)
+        scored = {i: (lp, rank) for rank, (i, lp) in enumerate(top, start=1)}
+        scored[token.id] = (token.logprob, token.rank)
+        return {str(i): {"logprob": lp, "rank": rank, "decoded_token": self.texts.text(i)}
+                for i, (lp, rank) in scored.items()}
 
     def body(self, cid: str, finals: list[FinishedChoice], usage: dict) -> dict:
         return {"id": cid, "object": self.object, "created": int(time.time()), "model": self.request.model,
@@ -110,7 +129,8 @@ class CompletionRenderer(Renderer):
         return {"tokens": [text(t.id) for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [None if t.logprob is None else  # the first prompt token, echoed
-                                 {text(i): lp for i, lp in _with_chosen(t).items()} for t in tokens],
+                                 {text(i): lp for i, lp in _with_chosen(t, self.request.logprobs).items()}
+                                 for t in tokens],
                 "text_offset": list(starts) if tokens else []}
 
     def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
@@ -119,11 +139,14 @@ class CompletionRenderer(Renderer):
         prompt_text = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
         prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
         return FinishedChoice(prompt_text + last.final.generated_text, last,
-                              self.logprobs(prompt_tokens + last.entries(), 0))
+                              self.logprobs(prompt_tokens + last.entries(), 0), self.prompt_logprobs(last))
 
     def _choice(self, index: int, final: FinishedChoice) -> dict:
-        return {"index": index, "text": final.text, "logprobs": final.logprobs,
-                "finish_reason": FINISH_REASONS[final.last.final.finish_reason]}
+        choice = {"index": index, "text": final.text, "logprobs": final.logprobs,
+                  "finish_reason": FINISH_REASONS[final.last.final.finish_reason]}
+        if final.prompt_logprobs is not None:  # vLLM's, per choice: a request's prompts differ
+            choice["prompt_logprobs"] = final.prompt_logprobs
+        return choice
 
     def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
         logprobs = self.logprobs(event.entries(), self._offsets.get(index, 0))
@@ -132,9 +155,10 @@ class CompletionRenderer(Renderer):
                                  "finish_reason": _reason(event)}, event)
 
 
-def _with_chosen(token: TokenEntry) -> dict[int, float]:
-    """The alternatives and the chosen token (vLLM's completions include it, even when it is not among them)."""
-    return {**(token.top_logprobs or {}), token.id: token.logprob}
+def _with_chosen(token: TokenEntry, k: int) -> dict[int, float]:
+    """The k best alternatives and the chosen token (vLLM's completions include it, even when it is not among them).
+    An echoed prompt token may have been scored with more (prompt_logprobs asked for more than logprobs)."""
+    return {**dict(itertools.islice((token.top_logprobs or {}).items(), k)), token.id: token.logprob}
 
 
 class ChatRenderer(Renderer):
@@ -157,6 +181,12 @@ class ChatRenderer(Renderer):
         return {"content": [{**self._token(t.id, t.logprob),
                              "top_logprobs": [self._token(i, lp) for i, lp in (t.top_logprobs or {}).items()]}
                             for t in tokens]}
+
+    def body(self, cid: str, finals: list[FinishedChoice], usage: dict) -> dict:
+        body = super().body(cid, finals, usage)
+        if finals[0].prompt_logprobs is not None:  # vLLM's, once a response: its choices share one prompt
+            body["prompt_logprobs"] = finals[0].prompt_logprobs
+        return body
 
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.texts.text(token_id)

@@ -56,6 +56,7 @@ class RequestOutput:
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # this step's, when asked
     prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked; in the finished output
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank (1: the likeliest)
     ttft: float | None = None  # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
     num_preemptions: int = 0
@@ -407,21 +408,31 @@ class LLMEngine:
         finished = seq.is_finished
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
-        prompt_logprobs, prompt_top = _prompt_logprobs(seq, finished)
+        prompt = _prompt_scores(seq, finished)
         # A finished sequence is never appended to again: its lists are handed over, not copied.
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text, detok.take_new_text(finished),
             token_ids=seq.output_token_ids if finished else [], new_token_ids=new_tokens, finished=finished,
             finish_reason=seq.finish_reason, logprobs=seq.logprobs if finished else [],
-            top_logprobs=seq.top_logprobs if finished else [], prompt_logprobs=prompt_logprobs,
-            prompt_top_logprobs=prompt_top, ttft=ttft, latency=latency, num_preemptions=seq.num_preemptions,
-            new_logprobs=new_logprobs, new_top_logprobs=new_top)
+            top_logprobs=seq.top_logprobs if finished else [], prompt_logprobs=prompt.logprobs,
+            prompt_top_logprobs=prompt.top_logprobs, prompt_ranks=prompt.ranks, ttft=ttft, latency=latency,
+            num_preemptions=seq.num_preemptions, new_logprobs=new_logprobs, new_top_logprobs=new_top)
 
 
-def _prompt_logprobs(seq: Sequence, finished: bool) -> tuple[list, list]:
+@dataclass
+class _PromptScores:
+    """A finished request's prompt logprobs, top alternatives and ranks, one entry per prompt token."""
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+
+
+def _prompt_scores(seq: Sequence, finished: bool) -> _PromptScores:
     if not finished or seq.params.prompt_logprobs is None:
-        return [], []
-    return list(seq.prompt_logprobs) or [None], list(seq.prompt_top_logprobs) or [None]  # [None]: a 1-token prompt
+        return _PromptScores()
+    if not seq.prompt_logprobs:  # a 1-token prompt: its one token has nothing before it to be scored on
+        return _PromptScores([None], [None], [None])
+    return _PromptScores(list(seq.prompt_logprobs), list(seq.prompt_top_logprobs), list(seq.prompt_ranks))
 
 
 def _record_prompt_logprobs(scores) -> None:
@@ -431,9 +442,11 @@ def _record_prompt_logprobs(scores) -> None:
     if not seq.prompt_logprobs:
         seq.prompt_logprobs.append(None)
         seq.prompt_top_logprobs.append(None)
+        seq.prompt_ranks.append(None)
     skip = len(seq.prompt_logprobs) - scores.first_index
     seq.prompt_logprobs += scores.logprobs[skip:]
     seq.prompt_top_logprobs += scores.top_logprobs[skip:]
+    seq.prompt_ranks += scores.ranks[skip:]
 
 
 class LLM:

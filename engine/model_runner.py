@@ -26,7 +26,7 @@ from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batc
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_fused_ops
 from engine.models.decoder_stack import build_decoder_stack
-from engine.sampler import token_logprobs
+from engine.sampler import token_logprobs, token_ranks
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -40,6 +40,7 @@ class PromptScores:
     first_index: int
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+    ranks: list[int]  # each token's rank among the vocabulary's, 1 for the most likely
 
 
 @dataclass
@@ -265,6 +266,7 @@ class ModelRunner:
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
         logprobs: list[float] = []
         tops: list[dict[int, float] | None] = []
+        ranks: list[int] = []
         for offset in range(0, len(chunk.targets), SCORED_ROWS_PER_SLICE):
             part = chunk.targets[offset:offset + SCORED_ROWS_PER_SLICE]
             start = chunk.row + offset
@@ -272,7 +274,8 @@ class ModelRunner:
             picked, top = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
             logprobs += picked
             tops += top
-        return PromptScores(chunk.seq, chunk.start + 1, logprobs, tops)
+            ranks += token_ranks(logits, part)
+        return PromptScores(chunk.seq, chunk.start + 1, logprobs, tops, ranks)
 
     def _fits_graph(self, ordered: list[ScheduledSeq]) -> bool:
         return (self.graphs is not None and len(ordered) <= self.graphs.max_batch

@@ -253,6 +253,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: i
     return picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
+def token_ranks(logits: torch.Tensor, targets: torch.Tensor | list[int]) -> list[int]:
+    """Each target's rank in its row, 1 for the most likely token: how many tokens score at least its logit (vLLM's
+    count, so a tie ranks as the later place), compared in the logits' own dtype: no float32 copy of the rows."""
+    targets = torch.as_tensor(targets, device=logits.device)
+    return (logits >= logits.gather(1, targets[:, None])).sum(dim=-1).tolist()
+
+
 def _log_normalizers(logits: torch.Tensor, cpu_ops) -> torch.Tensor:
     """Each row's logsumexp in float32."""
     if cpu_ops is None or logits.device.type != "cpu":

@@ -38,6 +38,7 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; the first has none
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank; the first has none
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -308,6 +308,12 @@ def test_prompt_logprobs_match_the_model(tiny_llama_path, tokenizer, options):
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == ids.shape[1]
         got = torch.tensor(out.prompt_logprobs[1:])
         torch.testing.assert_close(got, want[:-1].gather(1, ids[0, 1:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+        assert out.prompt_ranks[0] is None
+        for rank, scores, target in zip(out.prompt_ranks[1:], want[:-1], ids[0, 1:]):
+            # the rank is its count of tokens scoring at least the target's: within the count's range over
+            # scores 1e-4 apart (the engine's and transformers' logits differ by that much)
+            above, tied = (scores > scores[target] + 1e-4).sum(), (scores >= scores[target] - 1e-4).sum()
+            assert int(above) + 1 <= rank <= int(tied)
         if p.prompt_logprobs:
             top = want[:-1].topk(2, dim=-1).indices.tolist()
             assert [list(t) for t in out.prompt_top_logprobs[1:]] == top

@@ -113,6 +113,8 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -2 ** 63 - 1}, "seed"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported with"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, "prompt_logprobs"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
@@ -350,6 +352,56 @@ def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, logprobs=21)
+
+
+def _assert_vllm_prompt_logprobs(got: list, want, k: int, tokenizer) -> None:
+    """vLLM's prompt_logprobs against the offline engine's: per prompt token after the first, its k likeliest
+    alternatives (ranks 1..k) and the token itself with its rank."""
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for pos, token in enumerate(want.prompt_token_ids[1:], start=1):
+        top = list(want.prompt_top_logprobs[pos] or {})
+        assert len(top) == k
+        assert [int(i) for i in got[pos]] == list(dict.fromkeys(top + [token]))
+        assert got[pos][str(token)]["logprob"] == pytest.approx(want.prompt_logprobs[pos], abs=1e-4)
+        # ranks in the middle of a random model's 32,000 logits sit 1e-4 apart: the server's step may order a
+        # near-tie the other way
+        assert abs(got[pos][str(token)]["rank"] - want.prompt_ranks[pos]) <= 2
+        assert [e["rank"] for i, e in got[pos].items() if int(i) != token] == [
+            top.index(int(i)) + 1 for i in got[pos] if int(i) != token]
+        assert all(e["decoded_token"] == tokenizer.decode([int(i)]) for i, e in got[pos].items())
+
+
+def test_openai_prompt_logprobs_as_vllm_returns_them(server, tiny_llama_path, tokenizer):
+    """vLLM's prompt_logprobs: on completions per choice (each its prompt's), on chat once a response; echo's legacy
+    logprobs keep their own k when prompt_logprobs asks more."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = str(tiny_llama_path)
+    llm = LLM(model, log_stats=False)
+    prompts = [PROMPTS[2], PROMPTS[5]]
+    want = [llm.generate([p], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
+            for p in prompts]
+    done = client.completions.create(model=model, prompt=prompts, max_tokens=2, temperature=0, n=2,
+                                     extra_body={"prompt_logprobs": 3})
+    for choice in done.choices:
+        _assert_vllm_prompt_logprobs(choice.model_extra["prompt_logprobs"], want[choice.index // 2], 3, tokenizer)
+
+    echoed = client.completions.create(model=model, prompt=prompts[0], max_tokens=2, temperature=0, echo=True,
+                                       logprobs=1, extra_body={"prompt_logprobs": 3})
+    _assert_vllm_prompt_logprobs(echoed.choices[0].model_extra["prompt_logprobs"], want[0], 3, tokenizer)
+    echoed_top = echoed.choices[0].logprobs.top_logprobs[1:len(want[0].prompt_token_ids)]
+    assert all(1 <= len(t) <= 2 for t in echoed_top)  # logprobs=1: its one alternative and the prompt's token
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_want = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0),
+                             use_tqdm=False)[0]
+    _assert_vllm_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat_want, 0, tokenizer)
+    plain = client.completions.create(model=model, prompt=prompts[0], max_tokens=2)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
 
 
 def test_openai_n_choices(server, tiny_llama_path, tokenizer):
