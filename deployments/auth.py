@@ -27,6 +27,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from deployments.strict import StrictModel
+from engine.sampling import PRIORITY_MAX, PRIORITY_MIN
 
 BEARER = "bearer "
 
@@ -47,6 +48,7 @@ class KeyScope:
     adapters: tuple[str, ...] = ("*",)  # fnmatch patterns over adapter ids
     base_model: bool = True
     manage_adapters: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter, for names in `adapters`
+    min_priority: int | None = None  # the most urgent vLLM priority its requests may ask for (lower is more urgent)
 
     def allows_adapter(self, adapter_id: str) -> bool:
         return any(fnmatch.fnmatchcase(adapter_id, pattern) for pattern in self.adapters)
@@ -71,6 +73,7 @@ class ApiKeyConfig(StrictModel):
     adapters: list[str] = Field(default_factory=lambda: ["*"], max_length=256)
     base_model: bool = True
     manage_adapters: bool = False
+    min_priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
@@ -83,7 +86,8 @@ class ApiKeyConfig(StrictModel):
 
     def to_key(self) -> ApiKey:
         digest = bytes.fromhex(self.key_sha256) if self.key_sha256 else hash_key(self.key)
-        return ApiKey(self.name, digest, KeyScope(tuple(self.adapters), self.base_model, self.manage_adapters),
+        return ApiKey(self.name, digest, KeyScope(tuple(self.adapters), self.base_model, self.manage_adapters,
+                                                   self.min_priority),
                       KeyLimits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent))
 
 

@@ -41,6 +41,14 @@ class Tenant:
         if not self.key.scope.base_model:
             raise RequestRefused("this API key may not use the base model: name one of its adapters", 403)
 
+    def check_priority(self, priority: int) -> None:
+        """A key with min_priority may not ask to be served ahead of it: tenants that share a server cannot
+        overtake each other past what the operator gave them."""
+        floor = self.key.scope.min_priority
+        if floor is not None and priority < floor:
+            raise RequestRefused(f"this API key may ask priority {floor} or above (lower is more urgent), "
+                                 f"got {priority}", 403)
+
     def check_manage(self, adapter_id: str) -> None:
         if not self.key.scope.manage_adapters:
             raise RequestRefused("this API key may not load or unload adapters", 403)

@@ -439,6 +439,7 @@ class HttpRoutes:
         as in vLLM."""
         adapter = None if request.model == self.model_name else request.model
         _check_scope(tenant, adapter)
+        tenant.check_priority(request.priority)
         sequences = len(prompts) * request.n
         if sequences > self.config.max_waiting_requests:  # could never be queued at once: not worth a retry (429)
             raise RequestRefused(f"{len(prompts)} prompts x n={request.n} is {sequences} sequences; this server queues "

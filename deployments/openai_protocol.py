@@ -12,8 +12,8 @@ from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel
 from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
-                             MAX_SCHEMA_DEPTH, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat,
-                             SamplingParams)
+                             MAX_SCHEMA_DEPTH, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN,
+                             ResponseFormat, SamplingParams)
 
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -124,6 +124,7 @@ class OpenAISampling(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # each prompt token's logprob, rank and k alternatives
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # lower: admitted first, preempted last
     # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
     guided_json: Schema | None = None
     guided_regex: Pattern | None = None

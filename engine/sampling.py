@@ -111,6 +111,7 @@ def _check_choice(choice) -> None:
 # probability is NaN and each draw token 0), and the draw would be the argmax anyway
 GREEDY_BELOW = 1e-5
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a 64-bit integer, as vLLM takes; torch's generator refuses wider seeds
+PRIORITY_MIN, PRIORITY_MAX = -2**31, 2**31 - 1  # a 32-bit integer: room for any tiering, and one JSON number
 # Logits are divided (or multiplied) by the repetition penalty in float32: 1e-300 is 0 there, and every probability
 # would be NaN. Inside this range a logit stays finite.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
@@ -141,6 +142,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (left truncation)
+    priority: int = 0  # vLLM's: a lower value is admitted first and preempted last; equal ones in arrival order
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,6 +192,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer between {SEED_MIN} and {SEED_MAX} (64 bits), got {self.seed!r}")
         if self.response_format is not None:
             self.response_format.validate()
+        if not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer between {PRIORITY_MIN} and {PRIORITY_MAX}, "
+                             f"got {self.priority!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

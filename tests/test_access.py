@@ -46,6 +46,8 @@ def test_bad_key_configs_are_refused_with_the_reason(tmp_path):
         KeyRing([ApiKeyConfig(name="a", key="a" * 20).to_key(), ApiKeyConfig(name="a", key="b" * 20).to_key()])
     with pytest.raises(ValueError, match="exactly one"):
         ApiKeyConfig(name="a")
+    with pytest.raises(ValueError, match="min_priority"):
+        ApiKeyConfig(name="a", key="a" * 20, min_priority=2 ** 40)
     clear = tmp_path / "keys.yaml"
     clear.write_text(json.dumps([{"name": "a", "key": "a" * 20}]))
     with pytest.raises(ValueError, match="in clear"):
@@ -96,7 +98,7 @@ def server(serve_cluster, tiny_llama_path, tmp_path_factory):
                                ("team-a-chat", "team-b-chat"))
     key_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
     key_file.write_text(json.dumps([{"name": "team-a", "key_sha256": hash_key(TEAM_A).hex(),
-                                     "adapters": ["team-a-*"], "base_model": False}]))
+                                     "adapters": ["team-a-*"], "base_model": False, "min_priority": 0}]))
     METRICS.update(url=serve_cluster.metrics_url, temp=serve_cluster.temp)
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(root),
               "max_model_len": 512, "max_tokens_limit": 400,
@@ -159,6 +161,16 @@ def test_a_scoped_key_reaches_only_its_adapters(server, tiny_llama_path):
     assert "team-b-chat" not in {m["id"] for m in models["data"]}
     load = _post(server, "/v1/load_lora_adapter", {"lora_name": "team-a-new", "lora_path": "/nowhere"}, TEAM_A)
     assert load.status_code == 403 and "may not load" in load.text
+
+
+@pytest.mark.slow
+def test_a_key_with_min_priority_cannot_ask_to_go_first(server, tiny_llama_path):
+    ahead = _complete(server, "team-a-chat", TEAM_A, priority=-1)
+    assert ahead.status_code == 403
+    assert ahead.json()["error"]["message"] == ("this API key may ask priority 0 or above (lower is more urgent), "
+                                                "got -1")
+    assert all(_complete(server, "team-a-chat", TEAM_A, priority=p).status_code == 200 for p in (0, 5))
+    assert _complete(server, "team-a-chat", priority=-5).status_code == 200  # the admin key has no floor
 
 
 @pytest.mark.slow

@@ -149,3 +149,33 @@ def test_a_step_that_raises_fails_every_request_at_once(tiny_llama_path):
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_a_more_urgent_request_overtakes_the_waiting_ones(tiny_llama_path):
+    """vLLM's priority: with one sequence running at a time, a request of priority -1 that arrives last is served
+    before the earlier ones of priority 0, which keep their order."""
+    one = AsyncEngine(model=str(tiny_llama_path), log_stats=False, max_num_seqs=1)
+
+    async def main():
+        finished = []
+        running = asyncio.Event()
+
+        async def run(rid, priority, tokens):
+            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, priority=priority)
+            async for out in one.generate(rid, PROMPTS[0], params):
+                running.set()
+                if out.finished:
+                    finished.append(rid)
+
+        tasks = [asyncio.create_task(run("first", 0, 300))]
+        await running.wait()  # the first runs: the others queue behind it, in this order
+        for rid, priority in (("second", 0), ("third", 0), ("urgent", -1)):
+            tasks.append(asyncio.create_task(run(rid, priority, 8)))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*tasks)
+        return finished
+
+    try:
+        assert asyncio.run(main()) == ["first", "urgent", "second", "third"]
+    finally:
+        one.shutdown()

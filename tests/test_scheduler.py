@@ -1,4 +1,4 @@
-"""Block manager and scheduler: admission limits, token budget, preemption of the newest request."""
+"""Block manager and scheduler: admission limits, token budget, preemption of the newest request, priority."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
-def _seq(i, prompt_len):
-    return Sequence(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100))
+def _seq(i, prompt_len, priority=0):
+    return Sequence(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100, priority=priority))
 
 
 def _run_step(scheduler):
@@ -75,3 +75,28 @@ def test_preemption_takes_newest_and_requeues_it_first():
     assert plan.scheduled[0].seq is new and plan.scheduled[0].num_new_tokens == 9  # recompute prompt + output
     scheduler.finish(new, "length")
     assert bm.num_used_blocks == 0
+
+
+def test_priority_orders_admission_ties_in_arrival_order():
+    scheduler = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    for i, priority in enumerate([3, 0, 1, 0, -2]):
+        scheduler.add(_seq(i, 5, priority))
+    assert [s.seq.request_id for s in _run_step(scheduler).scheduled] == ["r4", "r1"]
+    assert [s.request_id for s in scheduler.waiting] == ["r3", "r2", "r0"]
+    scheduler.finish(scheduler.running[0], "length")
+    assert [s.seq.request_id for s in _run_step(scheduler).scheduled] == ["r1", "r3"]  # running first, then r3
+
+
+def test_preemption_takes_the_least_urgent_even_when_older():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    background, urgent = _seq(0, 8, priority=5), _seq(1, 8, priority=0)
+    scheduler.add(background)  # it arrives first
+    scheduler.add(urgent)
+    _run_step(scheduler)  # both prompts fill 2 blocks each
+    plan = _run_step(scheduler)  # each needs a third block: one must go
+    assert plan.num_preempted == 1 and [s.seq for s in plan.scheduled] == [urgent]
+    assert background.status is SequenceStatus.WAITING and background.block_table == []
+    queued = _seq(2, 4, priority=5)
+    scheduler.add(queued)
+    assert list(scheduler.waiting) == [background, queued]  # preempted: ahead of its priority's arrivals

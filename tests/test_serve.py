@@ -114,6 +114,8 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
     ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported with"),
+    ("completions", {"prompt": "hi", "priority": 2 ** 40}, "priority: Input should be less than or equal to"),
+    ("completions", {"prompt": "hi", "priority": 1.5}, "priority"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, "prompt_logprobs"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
@@ -478,7 +480,7 @@ def test_openai_accepts_vllm_extra_sampling_parameters(server, tiny_llama_path):
     greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5),
                           use_tqdm=False)[0]
     done = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0,
-                                     extra_body={"top_k": 1, "repetition_penalty": 1.5})  # top_k 1: greedy
+                                     extra_body={"top_k": 1, "repetition_penalty": 1.5, "priority": -3})  # greedy
     assert done.choices[0].text == greedy.text
     stop_at = greedy.token_ids[2]
     expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5,
