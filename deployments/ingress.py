@@ -10,7 +10,9 @@ Status codes are chosen here, at the edge: the replica says why it refuses (depl
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 
 import ray
@@ -26,7 +28,8 @@ from deployments.errors import RequestRefused, client_message, error_response, l
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
-from deployments.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, usage
+from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
+                                      usage)
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
 from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
@@ -42,6 +45,7 @@ from lora_cache.registry import Registration
 from lora_cache.sources import validate_adapter_id
 
 app = FastAPI(title="lora-serve")
+VERSION = importlib.metadata.version("lora-serve")
 # Serve finds a stopped engine at its next health checks (every 10 s, llm_server.py) and starts another replica
 ENGINE_STOPPED_RETRY_AFTER_S = 10
 
@@ -122,6 +126,18 @@ async def _last(first: TokenEvent, events) -> TokenEvent:
 def _tenant(http: Request) -> Tenant:
     """The tenant the gate admitted this request as (deployments/gate.py)."""
     return http.state.tenant
+
+
+def _client_request_id(request: oai.OpenAISampling, http: Request) -> str | None:
+    """The body's request_id (vLLM's), else the X-Request-Id header. Serve gives every request that header (the
+    client's, or one it makes) and sends it back on the response, so the header cannot tell whether the client set
+    it: the body's field, which only a client sets, comes first (vLLM puts the header first)."""
+    if request.request_id is not None:
+        return request.request_id
+    given = http.headers.get("x-request-id")
+    if given is not None and not re.fullmatch(oai.REQUEST_ID_PATTERN, given):
+        raise RequestRefused("X-Request-Id must be 1-128 printable ASCII characters without spaces", 400)
+    return given
 
 
 def _check_scope(tenant: Tenant, adapter: str | None) -> None:
@@ -244,13 +260,18 @@ class HttpRoutes:
             return error_response(http.url.path, "engine loop is not running", 503, ENGINE_STOPPED_RETRY_AFTER_S)
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version(self) -> dict:
+        """vLLM's: the server's version (the lora-serve package's)."""
+        return {"version": VERSION}
+
     @app.get("/info")
     async def info(self, http: Request) -> dict:
         """The served model and engine limits, one replica's memory accounting and prefix-cache counts, and where
         each adapter resides."""
         c = self.config
         adapters = await self._adapters(_tenant(http))
-        return {"model_id": self.model_name, "version": "0.1.0", "dtype": c.dtype, "quantization": c.quantization,
+        return {"model_id": self.model_name, "version": VERSION, "dtype": c.dtype, "quantization": c.quantization,
                 "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
                 "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
                 "max_waiting_requests": c.max_waiting_requests, **self._replica_info(),
@@ -421,12 +442,12 @@ class HttpRoutes:
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest, http: Request):
         renderer = CompletionRenderer(request, self.token_texts)
-        return await self._openai(request, _tenant(http), request.prompts, renderer)
+        return await self._openai(request, http, request.prompts, renderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
         prompt = self._chat_prompt(request.messages, request.tool_use(), request.template_options())
-        return await self._openai(request, _tenant(http), [prompt], ChatRenderer(request, self.token_texts))
+        return await self._openai(request, http, [prompt], ChatRenderer(request, self.token_texts))
 
     def _chat_prompt(self, messages: list[ChatMessage], tools: ToolUse | None, options: TemplateOptions) -> str:
         try:
@@ -434,9 +455,10 @@ class HttpRoutes:
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
 
-    async def _openai(self, request: oai.OpenAISampling, tenant: Tenant, prompts: list, render: Renderer):
+    async def _openai(self, request: oai.OpenAISampling, http: Request, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (_start_choices); choice j of prompt i has index i * n + j,
         as in vLLM."""
+        tenant, rid = _tenant(http), request_id(_client_request_id(request, http))
         adapter = None if request.model == self.model_name else request.model
         _check_scope(tenant, adapter)
         tenant.check_priority(request.priority)
@@ -452,7 +474,7 @@ class HttpRoutes:
             raise RequestRefused(str(exc), 400) from None
         choices = await self._start_choices(
             [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
-        cid = completion_id(render.id_prefix)
+        cid = completion_id(render.id_prefix, rid)
         if request.stream:
             return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices],
                                                       [c.events for c in choices]), media_type="text/event-stream")

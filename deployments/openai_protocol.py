@@ -15,6 +15,9 @@ from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_C
                              MAX_SCHEMA_DEPTH, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN,
                              ResponseFormat, SamplingParams)
 
+# A request id as an HTTP header carries it: printable ASCII, no spaces, short enough for a log line
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
+RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings, and stop token ids, per request: each one is checked after every token
@@ -125,6 +128,7 @@ class OpenAISampling(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # each prompt token's logprob, rank and k alternatives
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # lower: admitted first, preempted last
+    request_id: RequestId | None = None  # vLLM's: names the response (its id); else the X-Request-Id header does
     # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
     guided_json: Schema | None = None
     guided_regex: Pattern | None = None

@@ -30,8 +30,14 @@ class FinishedChoice:
     prompt_logprobs: list[dict | None] | None = None
 
 
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def request_id(given: str | None) -> str:
+    """A response's request id: the client's (vLLM's X-Request-Id header or `request_id` field), else a fresh one."""
+    return given or uuid.uuid4().hex[:24]
+
+
+def completion_id(prefix: str, request: str) -> str:
+    """The response's `id`, as vLLM forms it from the request id."""
+    return f"{prefix}-{request}"
 
 
 def usage(lasts: list[TokenEvent], n: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import time
@@ -129,6 +130,33 @@ def test_bad_openai_requests_get_400_with_the_reason(server, tiny_llama_path, pa
     ok = requests.post(f"{server}/v1/completions", timeout=60,
                        json={"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_openai_request_ids_name_the_response_as_vllm(server, tiny_llama_path):
+    """The body's request_id (vLLM's) or else the X-Request-Id header becomes the response's id; Serve sends the
+    header back (the client's, or one it made, which then names the response), whole and streamed."""
+    body = {"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 2}
+    url = f"{server}/v1/completions"
+    named = requests.post(url, json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert named.json()["id"] == "cmpl-trace-42" and named.headers["X-Request-Id"] == "trace-42"
+    both = requests.post(url, json={**body, "request_id": "from-body"}, headers={"X-Request-Id": "hdr"}, timeout=60)
+    assert both.json()["id"] == "cmpl-from-body" and both.headers["X-Request-Id"] == "hdr"
+    field = requests.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": str(tiny_llama_path), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "request_id": "from-body"})
+    assert field.json()["id"] == "chatcmpl-from-body"
+    with requests.post(url, json={**body, "stream": True}, headers={"X-Request-Id": "s-1"}, stream=True,
+                       timeout=60) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    assert streamed.headers["X-Request-Id"] == "s-1" and {c["id"] for c in chunks} == {"cmpl-s-1"}
+    fresh = [requests.post(url, json=body, timeout=60) for _ in range(2)]
+    ids = [f.json()["id"] for f in fresh]
+    assert ids[0] != ids[1] and all(f"cmpl-{f.headers['X-Request-Id']}" == i for f, i in zip(fresh, ids))
+    bad = requests.post(url, json=body, headers={"X-Request-Id": "a b"}, timeout=60)
+    assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+    long = requests.post(url, json={**body, "request_id": "x" * 129}, timeout=60)
+    assert long.status_code == 400 and "request_id" in long.json()["error"]["message"]
 
 
 def test_openai_nulls_are_not_given(server, tiny_llama_path):
@@ -789,6 +817,8 @@ def test_info_and_models_show_where_adapters_reside(server):
     models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
     assert models["alpha"]["residence"]["device_replicas"] == alpha["device_replicas"]
     info = requests.get(f"{server}/info", timeout=10).json()
+    version = importlib.metadata.version("lora-serve")  # vLLM's /version, and /info's
+    assert requests.get(f"{server}/version", timeout=10).json() == {"version": version} and info["version"] == version
     memory = info["memory"]
     assert info["quantization"] == "none" and memory["weight_bytes"]["float32"] == memory["total_weight_bytes"] > 0
     assert memory["kv_bytes"] == memory["kv_bytes_per_token"] * memory["kv_token_capacity"] > 0
