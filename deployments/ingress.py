@@ -13,6 +13,7 @@ import dataclasses
 import importlib.metadata
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 
 import ray
@@ -147,12 +148,19 @@ def _check_scope(tenant: Tenant, adapter: str | None) -> None:
         tenant.check_adapter(adapter)
 
 
-def _adapter_card(name: str, base_model: str, where: AdapterResidence) -> dict:
-    """An adapter's entry in /v1/models: OpenAI's model fields, its content id and lora_path, and its residence."""
+def _model_card(name: str, root: str, parent: str | None, max_model_len: int) -> dict:
+    """A /v1/models entry's fields as vLLM gives them: OpenAI's (created as vLLM sets it, at the answer), the
+    weights' root, the base model an adapter applies to, and the context a request may fill."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lora-serve", "root": root,
+            "parent": parent, "max_model_len": max_model_len}
+
+
+def _adapter_card(name: str, base_model: str, where: AdapterResidence, max_model_len: int) -> dict:
+    """An adapter's entry in /v1/models: the model card, its content id and lora_path, and its residence."""
     residence = dataclasses.asdict(where)
-    return {"id": name, "object": "model", "owned_by": "lora-serve", "parent": base_model,
-            "content_id": residence.pop("content_id"), "lora_path": residence.pop("lora_path"),
-            "residence": residence}
+    lora_path = residence.pop("lora_path")
+    return {**_model_card(name, lora_path or name, base_model, max_model_len),
+            "content_id": residence.pop("content_id"), "lora_path": lora_path, "residence": residence}
 
 
 class _Metered:
@@ -366,8 +374,9 @@ class HttpRoutes:
     async def models(self, http: Request) -> dict:
         """The base model and the adapters the cache actor knows: each with the content id of its weights (once
         loaded), its lora_path when it was loaded at run time, and where it resides."""
-        base = {"id": self.model_name, "object": "model", "owned_by": "lora-serve", "parent": None}
-        adapters = [_adapter_card(a, self.model_name, where)
+        context = self._max_model_len()
+        base = _model_card(self.model_name, self.model_name, None, context)
+        adapters = [_adapter_card(a, self.model_name, where, context)
                     for a, where in (await self._adapters(_tenant(http))).items()]
         return {"object": "list", "data": [base] + adapters}
 

@@ -4,6 +4,8 @@ template, against what the generation routes count, and against the offline engi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -94,7 +96,10 @@ def test_openai_client_retrieves_a_model(server, tiny_llama_path):
     from openai import NotFoundError, OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
-    assert client.models.retrieve(str(tiny_llama_path)).id == str(tiny_llama_path)
+    card = client.models.retrieve(str(tiny_llama_path))
+    assert card.id == card.root == str(tiny_llama_path) and abs(card.created - time.time()) < 60
+    tokenized = _post(server, "/tokenize", {"model": str(tiny_llama_path), "prompt": "hi"}).json()
+    assert card.model_extra["max_model_len"] == tokenized["max_model_len"] > 0  # vLLM's card field
     with pytest.raises(NotFoundError, match="not served here"):
         client.models.retrieve("nope")
 

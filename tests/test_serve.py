@@ -941,6 +941,7 @@ def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_lla
     assert body["choices"][0]["text"] == expect["v1"] and body["system_fingerprint"] == v1_id
     models = {m["id"]: m for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
     assert models["gamma"]["content_id"] == v1_id and models["gamma"]["lora_path"] == str(tmp_path / "v1")
+    assert models["gamma"]["root"] == str(tmp_path / "v1") and models["gamma"]["parent"] == str(tiny_llama_path)
 
     running = complete(max_tokens=300, ignore_eos=True, stream=True)
     running_lines = running.iter_lines()
