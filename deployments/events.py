@@ -57,6 +57,7 @@ class TokenEvent:
     logprobs: list[float | None] | None = None
     top_logprobs: list[dict[int, float] | None] | None = None
     final: Final | None = None
+    prompt_tokens: int | None = None  # the request's prompt length, on every event (vLLM's continuous usage)
 
     @property
     def finished(self) -> bool:
@@ -78,4 +79,4 @@ class TokenEvent:
         join = lambda a, b: None if a is None and b is None else (a or [None] * n) + (b or [None] * m)  # noqa: E731
         return TokenEvent(self.token_ids + later.token_ids, self.texts + later.texts,
                           join(self.logprobs, later.logprobs), join(self.top_logprobs, later.top_logprobs),
-                          later.final)
+                          later.final, later.prompt_tokens)

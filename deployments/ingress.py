@@ -141,6 +141,10 @@ def _client_request_id(request: oai.OpenAISampling, http: Request) -> str | None
     return given
 
 
+def _usage_so_far(prompt_tokens: int, generated: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+
+
 def _check_scope(tenant: Tenant, adapter: str | None) -> None:
     if adapter is None:
         tenant.check_base()
@@ -532,11 +536,16 @@ class HttpRoutes:
         lines: asyncio.Queue[str | None] = asyncio.Queue()
         lasts: list[TokenEvent] = list(firsts)
 
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+
         async def pump(index: int, event: TokenEvent | None, events) -> None:
-            first = True
+            first, generated = True, 0
             try:
                 while event is not None:
                     data = render.chunk(cid, index, event, event.text, first)
+                    generated += sum(token is not None for token in event.token_ids)
+                    if data is not None and continuous:  # vLLM's: this choice's tokens so far
+                        data["usage"] = _usage_so_far(event.prompt_tokens, generated)
                     if data is not None:  # None: a chunk held back (a choice that may call tools)
                         lines.put_nowait(f"data: {json.dumps(data)}\n\n")
                     first, lasts[index] = False, event

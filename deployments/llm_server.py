@@ -319,7 +319,7 @@ def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
         if params.logprobs is not None else None
     top = [out.new_top_logprobs[-1] if out.new_top_logprobs else None for out in outs] if params.logprobs else None
     return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
-                      [out.delta_text for out in outs], logprobs, top)
+                      [out.delta_text for out in outs], logprobs, top, prompt_tokens=len(outs[-1].prompt_token_ids))
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:

@@ -53,8 +53,15 @@ class OpenAIResponseFormat(OpenAIModel):
         return ResponseFormat(self.json_schema.json_schema) if self.type == "json_schema" else ResponseFormat()
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(OpenAIModel):
     include_usage: bool = False  # a last chunk, with no choices, carries the usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far too
+
+    @model_validator(mode="after")
+    def _continuous_with_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
 
 
 def _json_schema(value: dict | str) -> dict:

@@ -460,6 +460,17 @@ def test_openai_n_choices(server, tiny_llama_path, tokenizer):
     chunks = list(client.completions.create(model=model, prompt=PROMPTS[4], max_tokens=10, temperature=1.0, seed=7,
                                             n=3, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    continuous = list(client.completions.create(
+        model=model, prompt=PROMPTS[4], max_tokens=10, temperature=1.0, seed=7, n=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # vLLM's: usage on every chunk
+    so_far = [[c.usage.completion_tokens for c in continuous[:-1] if c.choices[0].index == i] for i in range(3)]
+    assert all(counts == sorted(counts) and counts[-1] == len(o.token_ids) for counts, o in zip(so_far, outs))
+    assert {c.usage.prompt_tokens for c in continuous} == {prompt_tokens}
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in continuous[:-1])
+    for options, words in (({"continuous_usage_stats": True}, "needs include_usage"),
+                           ({"include_usage": True, "chunk_size": 4}, "chunk_size")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True, stream_options=options)
 
     greedy = [o.text for o in llm.generate(PROMPTS[4:6], SamplingParams(max_tokens=6, temperature=0),
                                            use_tqdm=False)]
