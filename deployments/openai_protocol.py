@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel
@@ -30,6 +30,8 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # OpenAI's four fields; another is refused by name
+
     name: str = "response"
     description: str | None = None
     json_schema: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")

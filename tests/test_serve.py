@@ -117,6 +117,8 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported with"),
     ("completions", {"prompt": "hi", "priority": 2 ** 40}, "priority: Input should be less than or equal to"),
     ("completions", {"prompt": "hi", "priority": 1.5}, "priority"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object"}, "bogus": 1}}}, "json_schema.bogus: not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, "prompt_logprobs"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
