@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -136,9 +135,10 @@ def _client_request_id(request: oai.OpenAISampling, http: Request) -> str | None
     if request.request_id is not None:
         return request.request_id
     given = http.headers.get("x-request-id")
-    if given is not None and not re.fullmatch(oai.REQUEST_ID_PATTERN, given):
-        raise RequestRefused("X-Request-Id must be 1-128 printable ASCII characters without spaces", 400)
-    return given
+    try:
+        return None if given is None else oai.valid_request_id(given)
+    except ValueError as exc:
+        raise RequestRefused(f"X-Request-Id {exc}", 400) from None
 
 
 def _usage_so_far(prompt_tokens: int, generated: int) -> dict:

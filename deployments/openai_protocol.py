@@ -4,6 +4,7 @@ renders the responses."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -15,9 +16,16 @@ from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_C
                              MAX_SCHEMA_DEPTH, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN,
                              ResponseFormat, SamplingParams)
 
-# A request id as an HTTP header carries it: printable ASCII, no spaces, short enough for a log line
-REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
-RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
+
+
+def valid_request_id(value: str) -> str:
+    """A request id as an HTTP header carries it: printable ASCII, no spaces, short enough for a log line."""
+    if not re.fullmatch(r"[\x21-\x7e]{1,128}", value):
+        raise ValueError("must be 1-128 printable ASCII characters without spaces")
+    return value
+
+
+RequestId = Annotated[str, AfterValidator(valid_request_id)]
 MAX_CHOICES = 16  # n: each choice is one more request (sharing the prompt's cached KV blocks)
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings, and stop token ids, per request: each one is checked after every token
