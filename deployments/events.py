@@ -40,11 +40,11 @@ class TokenEntry:
 
 @dataclass(slots=True)
 class Final:
-    """What the last event of a request adds: why it finished, the whole text, and the counts."""
+    """What the last event of a request adds: why it finished, the whole text, and its generated tokens' count (the
+    prompt's is on every event)."""
     finish_reason: str
     generated_text: str
     generated_tokens: int
-    prompt_tokens: int
     prompt_token_entries: list[TokenEntry] | None = None  # only when prompt logprobs were asked for
     adapter_version: str | None = None  # the content id of the adapter's weights that answered
 
@@ -57,7 +57,7 @@ class TokenEvent:
     logprobs: list[float | None] | None = None
     top_logprobs: list[dict[int, float] | None] | None = None
     final: Final | None = None
-    prompt_tokens: int | None = None  # the request's prompt length, on every event (vLLM's continuous usage)
+    prompt_tokens: int | None = None  # the request's prompt length: the replica sets it on every event
 
     @property
     def finished(self) -> bool:

@@ -29,7 +29,7 @@ from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
-                                      usage)
+                                      usage, usage_counts)
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.token_texts import TokenTexts
 from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
@@ -141,10 +141,6 @@ def _client_request_id(request: oai.OpenAISampling, http: Request) -> str | None
         raise RequestRefused(f"X-Request-Id {exc}", 400) from None
 
 
-def _usage_so_far(prompt_tokens: int, generated: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
-
-
 def _check_scope(tenant: Tenant, adapter: str | None) -> None:
     if adapter is None:
         tenant.check_base()
@@ -184,7 +180,7 @@ class _Metered:
         if isinstance(event, Refusal) and event.kind is RefusalKind.NOT_FOUND:
             return Refusal(self._tenant.not_found_message(self._adapter, event.reason), event.kind)
         if isinstance(event, TokenEvent) and event.finished:
-            self._tenant.charge(event.final.prompt_tokens, event.final.generated_tokens)
+            self._tenant.charge(event.prompt_tokens, event.final.generated_tokens)
         return event
 
     def cancel(self) -> None:
@@ -545,7 +541,7 @@ class HttpRoutes:
                     data = render.chunk(cid, index, event, event.text, first)
                     generated += sum(token is not None for token in event.token_ids)
                     if data is not None and continuous:  # vLLM's: this choice's tokens so far
-                        data["usage"] = _usage_so_far(event.prompt_tokens, generated)
+                        data["usage"] = usage_counts(event.prompt_tokens, generated)
                     if data is not None:  # None: a chunk held back (a choice that may call tools)
                         lines.put_nowait(f"data: {json.dumps(data)}\n\n")
                     first, lasts[index] = False, event
@@ -582,7 +578,7 @@ class HttpRoutes:
                     final = event.final
                     payload["generated_text"] = self._full_text(request, final.generated_text)
                     payload["details"] = {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
-                                          "prompt_tokens": final.prompt_tokens,
+                                          "prompt_tokens": event.prompt_tokens,
                                           "generated_tokens": final.generated_tokens,
                                           "seed": request.parameters.seed,
                                           "adapter_version": final.adapter_version}
@@ -612,6 +608,6 @@ class HttpRoutes:
         if request.parameters.decoder_input_details:
             prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in final.prompt_token_entries]
         return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
-                "generated_tokens": final.generated_tokens, "prompt_tokens": final.prompt_tokens,
+                "generated_tokens": final.generated_tokens, "prompt_tokens": last.prompt_tokens,
                 "seed": request.parameters.seed, "adapter_version": final.adapter_version, "prefill": prefill,
                 "tokens": [self.tgi.show(token) for token in last.entries()]}

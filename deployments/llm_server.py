@@ -204,8 +204,7 @@ class LLMServer(HttpRoutes):
                 last = chunk[-1]
                 if last.finished:
                     self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
-                    event.final = Final(last.finish_reason, last.text, len(last.token_ids),
-                                        len(last.prompt_token_ids), self._prompt_entries(last),
+                    event.final = Final(last.finish_reason, last.text, len(last.token_ids), self._prompt_entries(last),
                                         self.adapter_cache.content_id(adapter) if adapter is not None else None)
                 held = event if held is None else held.extend(event)
                 if last.finished or (stream and pace.due()):

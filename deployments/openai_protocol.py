@@ -17,7 +17,6 @@ from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_C
                              ResponseFormat, SamplingParams)
 
 
-
 def valid_request_id(value: str) -> str:
     """A request id as an HTTP header carries it: printable ASCII, no spaces, short enough for a log line."""
     if not re.fullmatch(r"[\x21-\x7e]{1,128}", value):

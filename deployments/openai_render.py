@@ -43,8 +43,12 @@ def completion_id(prefix: str, request: str) -> str:
 def usage(lasts: list[TokenEvent], n: int) -> dict:
     """Token counts of a request's choices (their last events), n per prompt: each prompt once, every choice's
     completion."""
-    prompt = sum(last.final.prompt_tokens for last in lasts[::n])
-    completion = sum(last.final.generated_tokens for last in lasts)
+    prompt = sum(last.prompt_tokens for last in lasts[::n])
+    return usage_counts(prompt, sum(last.final.generated_tokens for last in lasts))
+
+
+def usage_counts(prompt: int, completion: int) -> dict:
+    """OpenAI's usage object: a response's, or (vLLM's continuous usage) a choice's so far."""
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -84,8 +88,7 @@ class Renderer:
         return [None if t.logprob is None else self._scored(t, k) for t in last.final.prompt_token_entries or []]
 
     def _scored(self, token: TokenEntry, k: int) -> dict:
-        top = itertools.islice((token.top_logprobs or {}).items(), k)
-        scored = {i: (lp, rank) for rank, (i, lp) in enumerate(top, start=1)}
+        scored = {i: (lp, rank) for rank, (i, lp) in enumerate(_top(token, k).items(), start=1)}
         scored[token.id] = (token.logprob, token.rank)
         return {str(i): {"logprob": lp, "rank": rank, "decoded_token": self.texts.text(i)}
                 for i, (lp, rank) in scored.items()}
@@ -164,7 +167,12 @@ class CompletionRenderer(Renderer):
 def _with_chosen(token: TokenEntry, k: int) -> dict[int, float]:
     """The k best alternatives and the chosen token (vLLM's completions include it, even when it is not among them).
     An echoed prompt token may have been scored with more (prompt_logprobs asked for more than logprobs)."""
-    return {**dict(itertools.islice((token.top_logprobs or {}).items(), k)), token.id: token.logprob}
+    return {**_top(token, k), token.id: token.logprob}
+
+
+def _top(token: TokenEntry, k: int) -> dict[int, float]:
+    """The token's k likeliest alternatives, best first (it may have been scored with more)."""
+    return dict(itertools.islice((token.top_logprobs or {}).items(), k))
 
 
 class ChatRenderer(Renderer):
