@@ -16,12 +16,12 @@ it: running requests finish, a slot drains, and it is admitted. Its wait is boun
 Requests carry vLLM's `priority` (SamplingParams; lower first, 0 by default). Both queues stay ordered by it, ties
 in their order of arrival: the waiting queue admits the most urgent first, and the running list is served from
 its front and preempted from its back, so a block shortage recomputes the least urgent, newest request. With every
-priority equal this is first come, first served, and inserting costs O(1) (the new request goes last); a request
-of another priority costs a scan of its queue (at most max_waiting_requests, default 512).
+priority equal this is first come, first served; a request finds its place by binary search.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,7 +73,7 @@ class Scheduler:
         self.total_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        _insert_last_of_its_priority(self.waiting, seq)
+        _insert_by_priority(self.waiting, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,7 +123,7 @@ class Scheduler:
             self.block_manager.take_prefix(seq, prefix)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
-            _insert_last_of_its_priority(self.running, seq)
+            _insert_by_priority(self.running, seq)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(no_slot))
@@ -165,7 +165,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.total_preemptions += 1
-        _insert_first_of_its_priority(self.waiting, seq)  # it arrived before the waiting ones of its priority
+        _insert_by_priority(self.waiting, seq, ahead=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a finished or aborted sequence and return its blocks at once."""
@@ -178,19 +178,12 @@ class Scheduler:
         self._release_slot(seq)
 
 
-def _insert_last_of_its_priority(queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
-    """Behind every sequence of its priority or a more urgent one."""
-    priority = seq.params.priority
-    if not queue or queue[-1].params.priority <= priority:
-        queue.append(seq)
-        return
-    queue.insert(next(i for i, other in enumerate(queue) if other.params.priority > priority), seq)
+def _insert_by_priority(queue: deque[Sequence] | list[Sequence], seq: Sequence, ahead: bool = False) -> None:
+    """Into a queue kept in priority order: behind the sequences of its priority (a new arrival), or `ahead` of
+    them (a preempted one, which arrived before those waiting)."""
+    find = bisect.bisect_left if ahead else bisect.bisect_right
+    queue.insert(find(queue, seq.params.priority, key=_priority), seq)
 
 
-def _insert_first_of_its_priority(queue: deque[Sequence], seq: Sequence) -> None:
-    """Ahead of every sequence of its priority or a less urgent one."""
-    priority = seq.params.priority
-    if not queue or queue[0].params.priority >= priority:
-        queue.appendleft(seq)
-        return
-    queue.insert(next((i for i, other in enumerate(queue) if other.params.priority >= priority), len(queue)), seq)
+def _priority(seq: Sequence) -> int:
+    return seq.params.priority
