@@ -45,7 +45,6 @@ class Final:
     finish_reason: str
     generated_text: str
     generated_tokens: int
-    prompt_token_entries: list[TokenEntry] | None = None  # only when prompt logprobs were asked for
     adapter_version: str | None = None  # the content id of the adapter's weights that answered
 
 
@@ -58,6 +57,9 @@ class TokenEvent:
     top_logprobs: list[dict[int, float] | None] | None = None
     final: Final | None = None
     prompt_tokens: int | None = None  # the request's prompt length: the replica sets it on every event
+    # The prompt's tokens, scored, on the event with the first token (so a stream can echo them first); only when
+    # prompt logprobs were asked for
+    prompt_entries: list[TokenEntry] | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,4 +81,4 @@ class TokenEvent:
         join = lambda a, b: None if a is None and b is None else (a or [None] * n) + (b or [None] * m)  # noqa: E731
         return TokenEvent(self.token_ids + later.token_ids, self.texts + later.texts,
                           join(self.logprobs, later.logprobs), join(self.top_logprobs, later.top_logprobs),
-                          later.final, later.prompt_tokens)
+                          later.final, later.prompt_tokens, self.prompt_entries or later.prompt_entries)

@@ -606,7 +606,7 @@ class HttpRoutes:
         final = last.final
         prefill = []
         if request.parameters.decoder_input_details:
-            prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in final.prompt_token_entries]
+            prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in last.prompt_entries]
         return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
                 "generated_tokens": final.generated_tokens, "prompt_tokens": last.prompt_tokens,
                 "seed": request.parameters.seed, "adapter_version": final.adapter_version, "prefill": prefill,

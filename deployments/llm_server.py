@@ -197,14 +197,18 @@ class LLMServer(HttpRoutes):
             yield Refusal(client_message(exc))
             return
         held: TokenEvent | None = None
+        scored = params.prompt_logprobs is None  # the prompt's scores go out once, with the first token
         with self.pacer.stream() as pace:
             async for chunk in _chain(first, chunks):
                 timer.token()
                 event = _token_event(chunk, params)
+                if not scored:
+                    event.prompt_entries = self._prompt_entries(chunk)
+                    scored = event.prompt_entries is not None
                 last = chunk[-1]
                 if last.finished:
                     self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
-                    event.final = Final(last.finish_reason, last.text, len(last.token_ids), self._prompt_entries(last),
+                    event.final = Final(last.finish_reason, last.text, len(last.token_ids),
                                         self.adapter_cache.content_id(adapter) if adapter is not None else None)
                 held = event if held is None else held.extend(event)
                 if last.finished or (stream and pace.due()):
@@ -212,9 +216,11 @@ class LLMServer(HttpRoutes):
                     yield held
                     held = None
 
-    def _prompt_entries(self, out) -> list[TokenEntry] | None:
-        """The prompt's tokens in the shape of generated ones, once finished, when prompt logprobs were asked."""
-        if not out.prompt_logprobs:
+    def _prompt_entries(self, chunk: list) -> list[TokenEntry] | None:
+        """The prompt's tokens in the shape of generated ones, from the chunk's output that carries them (the engine
+        scores the prompt only when prompt logprobs were asked for, and hands the scores out with the first token)."""
+        out = next((out for out in chunk if out.prompt_logprobs), None)
+        if out is None:
             return None
         return [TokenEntry(t, self.token_texts.text(t), logprob, top, rank) for t, logprob, top, rank
                 in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)]

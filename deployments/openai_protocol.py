@@ -228,7 +228,8 @@ class CompletionRequest(OpenAISampling):
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])  # text, ids, or a batch
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs; a
+                        # stream sends it in each choice's first chunk
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -243,8 +244,6 @@ class CompletionRequest(OpenAISampling):
     def _prompts_given(self):
         if not self.prompts or not all(self.prompts):
             raise ValueError("prompt must not be empty")
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported with stream")
         if len(self.prompts) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompts)}")
         return self
@@ -263,6 +262,7 @@ class ChatRequest(OpenAISampling, TemplateControls):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when that is an assistant's
     # Derived once, when the request is validated: the renderer, the prompt and each choice's grammar all ask
     _tool_use: ToolUse | None = PrivateAttr(None)
 
@@ -298,6 +298,12 @@ class ChatRequest(OpenAISampling, TemplateControls):
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def echoed(self) -> str:
+        """The text echo puts before the answer: the last message's, when the answer is that role's (an assistant's
+        message, continued with continue_final_message or answered by a new turn, as vLLM does); else none."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 class LoadLoRAAdapterRequest(OpenAIModel):
     """vLLM's POST /v1/load_lora_adapter."""

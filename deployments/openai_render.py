@@ -7,6 +7,7 @@ ChatRenderer), which also carries what the route needs to know: the default max_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -85,7 +86,7 @@ class Renderer:
         k = self.request.prompt_logprobs
         if k is None:
             return None
-        return [None if t.logprob is None else self._scored(t, k) for t in last.final.prompt_token_entries or []]
+        return [None if t.logprob is None else self._scored(t, k) for t in last.prompt_entries or []]
 
     def _scored(self, token: TokenEntry, k: int) -> dict:
         scored = {i: (lp, rank) for rank, (i, lp) in enumerate(_top(token, k).items(), start=1)}
@@ -145,10 +146,17 @@ class CompletionRenderer(Renderer):
     def finished(self, last: TokenEvent, prompt: str | list[int]) -> FinishedChoice:
         if not self.request.echo:
             return super().finished(last, prompt)
-        prompt_text = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
-        prompt_tokens = last.final.prompt_token_entries or []  # scored only when logprobs were asked for
-        return FinishedChoice(prompt_text + last.final.generated_text, last,
-                              self.logprobs(prompt_tokens + last.entries(), 0), self.prompt_logprobs(last))
+        return FinishedChoice(self._text(prompt) + last.final.generated_text, last,
+                              self.logprobs(self._echoed(last) + last.entries(), 0), self.prompt_logprobs(last))
+
+    def _text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.texts.decode(prompt)
+
+    @staticmethod
+    def _echoed(event: TokenEvent) -> list[TokenEntry]:
+        """The prompt's tokens that echo puts before the generated ones (scored only when logprobs were asked for;
+        they come with a choice's first event)."""
+        return event.prompt_entries or []
 
     def _choice(self, index: int, final: FinishedChoice) -> dict:
         choice = {"index": index, "text": final.text, "logprobs": final.logprobs,
@@ -158,8 +166,14 @@ class CompletionRenderer(Renderer):
         return choice
 
     def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
-        logprobs = self.logprobs(event.entries(), self._offsets.get(index, 0))
-        self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        """With echo, a choice's first chunk starts with its prompt (choice i * n + j is prompt i's, as vLLM numbers
+        them), and its logprobs with the prompt's tokens."""
+        tokens, offset = event.entries(), self._offsets.get(index, 0)
+        if first and self.request.echo:
+            text = self._text(self.request.prompts[index // self.request.n]) + text
+            tokens = self._echoed(event) + tokens
+        logprobs = self.logprobs(tokens, offset)
+        self._offsets[index] = offset + len(text)
         return self._chunk(cid, {"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": _reason(event)}, event)
 
@@ -207,8 +221,11 @@ class ChatRenderer(Renderer):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _reply(self, text: str, last: TokenEvent) -> Reply:
+        """The finished choice's message; echo's text goes before its content, after the calls were parsed."""
         reason = FINISH_REASONS[last.final.finish_reason]
-        return self.tools.reply(text, reason) if self.tools is not None else plain_reply(text, reason)
+        reply = self.tools.reply(text, reason) if self.tools is not None else plain_reply(text, reason)
+        echoed = self.request.echoed()
+        return dataclasses.replace(reply, content=echoed + (reply.content or "")) if echoed else reply
 
     def _choice(self, index: int, final: FinishedChoice) -> dict:
         reply = self._reply(final.text, final.last)
@@ -217,7 +234,7 @@ class ChatRenderer(Renderer):
 
     def chunk(self, cid: str, index: int, event: TokenEvent, text: str, first: bool) -> dict | None:
         if self._held is None:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"role": "assistant", "content": self.request.echoed() + text} if first else {"content": text}
             return self._chunk(cid, {"index": index, "delta": delta, "logprobs": self.logprobs(event.entries(), 0),
                                      "finish_reason": _reason(event)}, event)
         self._held[index] = self._held.get(index, "") + text

@@ -54,7 +54,7 @@ class RequestOutput:
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # when finished
     new_logprobs: list[float] = field(default_factory=list)  # this step's, when asked
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # this step's, when asked
-    prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked; in the finished output
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked: with the first token, and finished
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank (1: the likeliest)
     ttft: float | None = None  # seconds from arrival to first token
@@ -408,7 +408,9 @@ class LLMEngine:
         finished = seq.is_finished
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
-        prompt = _prompt_scores(seq, finished)
+        # The prompt's scores go out with the first token (a stream can show them before the answer: echo) and
+        # again with the finished output (an unstreamed caller reads only that one)
+        prompt = _prompt_scores(seq, finished or len(new_tokens) == len(seq.output_token_ids) > 0)
         # A finished sequence is never appended to again: its lists are handed over, not copied.
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_token_ids, detok.text, detok.take_new_text(finished),
@@ -421,14 +423,15 @@ class LLMEngine:
 
 @dataclass
 class _PromptScores:
-    """A finished request's prompt logprobs, top alternatives and ranks, one entry per prompt token."""
+    """A request's prompt logprobs, top alternatives and ranks, one entry per prompt token (complete once its first
+    token is out: a preempted request recomputes its prompt but keeps these)."""
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     ranks: list[int | None] = field(default_factory=list)
 
 
-def _prompt_scores(seq: Sequence, finished: bool) -> _PromptScores:
-    if not finished or seq.params.prompt_logprobs is None:
+def _prompt_scores(seq: Sequence, carried: bool) -> _PromptScores:
+    if not carried or seq.params.prompt_logprobs is None:
         return _PromptScores()
     if not seq.prompt_logprobs:  # a 1-token prompt: its one token has nothing before it to be scored on
         return _PromptScores([None], [None], [None])

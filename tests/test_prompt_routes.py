@@ -4,6 +4,7 @@ template, against what the generation routes count, and against the offline engi
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -119,6 +120,19 @@ def test_continue_final_message_continues_the_assistants_prefill(server, tiny_ll
         [text], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert chat.json()["choices"][0]["message"]["content"] == expected.text
     assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+    # vLLM's echo: the answer starts with the assistant's message it continues, whole or streamed
+    body = {"model": str(tiny_llama_path), "messages": turn, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "echo": True, **controls}
+    echoed = _post(server, "/v1/chat/completions", body)
+    assert echoed.json()["choices"][0]["message"]["content"] == "Sure, here is" + expected.text, echoed.text
+    streamed = requests.post(f"{server}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure, here is" + expected.text
+    asked = {**body, "messages": turn[:1], "add_generation_prompt": True, "continue_final_message": False}
+    answers = [_post(server, "/v1/chat/completions", {**asked, "echo": echo}).json()["choices"][0]["message"]
+               for echo in (True, False)]
+    assert answers[0] == answers[1]  # the last message is a user's: nothing to echo
 
 
 def test_without_a_generation_prompt_the_prompt_ends_after_the_last_message(server, tokenizer):

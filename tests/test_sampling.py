@@ -323,6 +323,25 @@ def test_prompt_logprobs_match_the_model(tiny_llama_path, tokenizer, options):
     assert outs[0].token_ids == outs[1].token_ids
 
 
+def test_prompt_logprobs_come_with_the_first_token_and_when_finished(tiny_llama_path):
+    """A stream can show the prompt's scores before the answer (echo does): the engine hands them out with the
+    first token, then again with the finished output (all an unstreamed caller reads), and not in between, even when
+    the prompt is prefilled over several steps."""
+    engine = LLM(str(tiny_llama_path), log_stats=False, max_num_batched_tokens=16).engine
+    engine.add_request("scored", PROMPTS[1] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                                prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    with_tokens = [out for out in outs if out.new_token_ids]
+    assert len(with_tokens) == 4 and with_tokens[-1].finished
+    first, last = with_tokens[0], with_tokens[-1]
+    assert len(first.prompt_logprobs) == len(first.prompt_token_ids) > 16  # prefilled in chunks, scored whole
+    assert (first.prompt_logprobs, first.prompt_top_logprobs, first.prompt_ranks) == (
+        last.prompt_logprobs, last.prompt_top_logprobs, last.prompt_ranks)
+    assert all(out.prompt_logprobs == [] for out in outs if out not in (first, last))
+
+
 def test_max_tokens_eos_and_ignore_eos(llm, tokenizer):
     eos = tokenizer.eos_token_id
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),

@@ -113,7 +113,6 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, body, statu
     ("completions", {"prompt": "\ud800"}, "unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -2 ** 63 - 1}, "seed"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of: not supported"),
-    ("completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported with"),
     ("completions", {"prompt": "hi", "priority": 2 ** 40}, "priority: Input should be less than or equal to"),
     ("completions", {"prompt": "hi", "priority": 1.5}, "priority"),
@@ -379,8 +378,6 @@ def test_openai_logprobs_match_offline_engine(server, tiny_llama_path, tokenizer
     assert [list(t) for t in got.top_logprobs[1:prompt_len]] == [
         list(dict.fromkeys([tokenizer.decode([i]) for i in top] + [tokenizer.decode([t])]))
         for top, t in zip(scored.prompt_top_logprobs[1:], scored.prompt_token_ids[1:])]
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=model, prompt="hi", max_tokens=2, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
@@ -435,6 +432,34 @@ def test_openai_prompt_logprobs_as_vllm_returns_them(server, tiny_llama_path, to
     _assert_vllm_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat_want, 0, tokenizer)
     plain = client.completions.create(model=model, prompt=prompts[0], max_tokens=2)
     assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+def test_a_streamed_echo_sends_what_the_whole_response_holds(server, tiny_llama_path):
+    """echo on a stream (as vLLM): each choice's first chunk starts with its prompt, and with logprobs its chunks'
+    logprobs joined are the whole response's, prompt tokens and text offsets included."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    request = {"model": str(tiny_llama_path), "prompt": [PROMPTS[2], PROMPTS[5]], "n": 2, "max_tokens": 3,
+               "temperature": 0, "echo": True}
+    for logprobs in (None, 2):
+        whole = client.completions.create(**request, logprobs=logprobs)
+        joined = {}
+        for chunk in client.completions.create(**request, logprobs=logprobs, stream=True):
+            for choice in chunk.choices:
+                got = joined.setdefault(choice.index, {"text": "", "logprobs": []})
+                got["text"] += choice.text
+                got["logprobs"].append(choice.logprobs)
+        assert sorted(joined) == [0, 1, 2, 3]
+        for choice in whole.choices:
+            got = joined[choice.index]
+            assert got["text"] == choice.text and choice.text.startswith(request["prompt"][choice.index // 2])
+            if logprobs is None:
+                assert choice.logprobs is None and got["logprobs"] == [None] * len(got["logprobs"])
+                continue
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                streamed = [x for part in got["logprobs"] for x in getattr(part, field)]
+                assert streamed == getattr(choice.logprobs, field), field
 
 
 def test_openai_n_choices(server, tiny_llama_path, tokenizer):
