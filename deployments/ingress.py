@@ -31,6 +31,7 @@ from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
                                       usage, usage_counts)
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
+from deployments.responses_api import ResponseRenderer, ResponsesRequest
 from deployments.token_texts import TokenTexts
 from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
                                     tokenize_prompt, tokenize_tgi)
@@ -216,6 +217,11 @@ def _raise_failure(pumps: list[asyncio.Task]) -> None:
     for task in pumps:
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()
+
+
+def _typed(event: dict) -> str:
+    """A server-sent event that names its type, as the Responses API's stream sends each."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 def _cancel(streams) -> None:
@@ -464,9 +470,33 @@ class HttpRoutes:
         except ValueError as exc:  # a template that cannot render the messages or take tool_choice "auto"
             raise RequestRefused(str(exc), 400) from None
 
+    @app.post("/v1/responses")
+    async def responses(self, request: ResponsesRequest, http: Request):
+        prompt = self._chat_prompt(request.messages(), None, TemplateOptions())
+        render = ResponseRenderer(request)
+        rid, choices = await self._begin(request, http, [prompt], render.default_max_tokens)
+        render.name(rid)
+        if request.stream:
+            return StreamingResponse(self._response_events(render, choices[0]), media_type="text/event-stream")
+        return render.body((await _wholes(choices))[0])
+
     async def _openai(self, request: oai.OpenAISampling, http: Request, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (_start_choices); choice j of prompt i has index i * n + j,
         as in vLLM."""
+        rid, choices = await self._begin(request, http, prompts, render.default_max_tokens)
+        cid = completion_id(render.id_prefix, rid)
+        if request.stream:
+            return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices],
+                                                      [c.events for c in choices]), media_type="text/event-stream")
+        lasts = await _wholes(choices)
+        finals = [render.finished(last, prompt)
+                  for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
+        return render.body(cid, finals, usage(lasts, request.n))
+
+    async def _begin(self, request: oai.OpenAISampling | ResponsesRequest, http: Request, prompts: list,
+                     default_max_tokens: int | None) -> tuple[str, list[_Choice]]:
+        """The request's id and its started choices, once the tenant's scope and priority, the sampling parameters
+        and the adapter's id were checked (a RequestRefused says which failed)."""
         tenant, rid = _tenant(http), request_id(_client_request_id(request, http))
         adapter = None if request.model == self.model_name else request.model
         _check_scope(tenant, adapter)
@@ -476,21 +506,14 @@ class HttpRoutes:
             raise RequestRefused(f"{len(prompts)} prompts x n={request.n} is {sequences} sequences; this server queues "
                                  f"at most {self.config.max_waiting_requests} (max_waiting_requests)")
         try:
-            params = [request.to_sampling_params(render.default_max_tokens, choice) for choice in range(request.n)]
+            params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
             if adapter is not None:
                 validate_adapter_id(adapter)
         except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
             raise RequestRefused(str(exc), 400) from None
         choices = await self._start_choices(
             [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
-        cid = completion_id(render.id_prefix, rid)
-        if request.stream:
-            return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices],
-                                                      [c.events for c in choices]), media_type="text/event-stream")
-        lasts = await _wholes(choices)
-        finals = [render.finished(last, prompt)
-                  for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
-        return render.body(cid, finals, usage(lasts, request.n))
+        return rid, choices
 
     def _starter(self, prompt, params: SamplingParams, adapter: str | None,
                  tenant: Tenant) -> Callable[[bool], _Metered]:
@@ -565,6 +588,24 @@ class HttpRoutes:
                 task.cancel()
             _cancel(streams)
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    async def _response_events(render: ResponseRenderer, choice: _Choice) -> AsyncIterator[str]:
+        """The Responses API's stream: its typed events, each named on an `event:` line too; no [DONE]."""
+        try:
+            for event in render.opening():
+                yield _typed(event)
+            event, last = choice.first, choice.first
+            while event is not None:
+                if (delta := render.delta(event)) is not None:
+                    yield _typed(delta)
+                last, event = event, await anext(choice.events, None)
+            for event in render.closing(last):
+                yield _typed(event)
+        except (PeerLost, EngineDeadError) as exc:
+            yield _typed(render.error(str(exc), _mid_stream_status(exc)))
+        finally:
+            _cancel([choice.events])
 
     async def _sse(self, request: GenerateRequest, first: TokenEvent, events) -> AsyncIterator[str]:
         """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""

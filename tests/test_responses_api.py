@@ -1,0 +1,122 @@
+"""OpenAI's Responses API over HTTP through a real Ray Serve app, with the openai client: the answer equals the
+offline engine's on the prompt the chat template renders, whole and streamed (the typed events in order, their
+deltas joined), a conversation given back as input, text.format's JSON, an adapter as the model, and the refusals
+of what a stateless server cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from engine import LLM, SamplingParams
+from tests.helpers import PROMPTS, serving, write_tiny_adapters
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(serve_cluster, tiny_llama_path, tmp_path_factory):
+    from deployments.app import build_app
+
+    root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("responses-adapters"), ("alpha",))
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 1, "adapters_root": str(root)}
+    with serving(serve_cluster, build_app({"engine": engine})) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):
+    return LLM(str(tiny_llama_path), log_stats=False)
+
+
+def _offline(llm, tokenizer, messages: list[dict], max_tokens: int):
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)[0]
+
+
+def test_a_response_is_the_engines_answer_to_the_chat_prompt(client, llm, tokenizer, tiny_llama_path):
+    response = client.responses.create(model=str(tiny_llama_path), input=PROMPTS[0], instructions="Be brief.",
+                                       max_output_tokens=8, temperature=0)
+    want = _offline(llm, tokenizer, [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": PROMPTS[0]}], 8)
+    assert response.output_text == want.text
+    assert response.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    assert (response.incomplete_details is not None) == (want.finish_reason == "length")
+    assert response.id.startswith("resp_") and response.output[0].id.startswith("msg_")
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert response.instructions == "Be brief." and response.max_output_tokens == 8
+
+
+def test_a_streamed_response_sends_the_apis_events_in_order(client, tiny_llama_path):
+    request = {"model": str(tiny_llama_path), "input": PROMPTS[1], "max_output_tokens": 12, "temperature": 0}
+    whole = client.responses.create(**request)
+    events = list(client.responses.create(**request, stream=True))
+    kinds = [event.type for event in events]
+    done = "response.completed" if whole.status == "completed" else "response.incomplete"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          done]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == events[-4].text == whole.output_text
+    last = events[-1].response
+    assert last.output_text == whole.output_text and last.status == whole.status
+    assert last.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_conversation_given_back_as_input_continues_it(client, llm, tokenizer, tiny_llama_path):
+    """The client keeps the conversation: an earlier response's output items go back in the next input."""
+    model = str(tiny_llama_path)
+    first = client.responses.create(model=model, input=PROMPTS[2], max_output_tokens=6, temperature=0)
+    given = [{"role": "user", "content": PROMPTS[2]}, *[item.model_dump() for item in first.output],
+             {"role": "user", "content": [{"type": "input_text", "text": PROMPTS[3]}]}]
+    second = client.responses.create(model=model, input=given, max_output_tokens=6, temperature=0)
+    want = _offline(llm, tokenizer, [{"role": "user", "content": PROMPTS[2]},
+                                     {"role": "assistant", "content": first.output_text},
+                                     {"role": "user", "content": PROMPTS[3]}], 6)
+    assert second.output_text == want.text
+
+
+def test_text_format_makes_json_for_the_schema(client, tiny_llama_path):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    response = client.responses.create(model=str(tiny_llama_path), input="A colour?", max_output_tokens=32,
+                                       text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    assert json.loads(response.output_text)["colour"] in ("red", "green")
+    assert response.text.format.type == "json_schema"
+
+
+def test_an_adapter_answers_as_the_model(client):
+    response = client.responses.create(model="alpha", input=PROMPTS[4], max_output_tokens=4, temperature=0)
+    assert response.model == "alpha" and response.usage.output_tokens >= 1
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"previous_response_id": "resp_1"}, 400, "previous_response_id: not supported"),
+    ({"store": True}, 400, "store"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools: not supported"),
+    ({"reasoning": {"effort": "low"}}, 400, "reasoning: not supported"),
+    ({"input": ""}, 400, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs a \"schema\""),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"model": "nope"}, 404, "nope"),
+])
+def test_what_a_stateless_server_cannot_do_is_refused_by_name(server, tiny_llama_path, body, status, words):
+    r = requests.post(f"{server}/v1/responses", timeout=60,
+                      json={"model": str(tiny_llama_path), "input": "hi", "max_output_tokens": 2, **body})
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
