@@ -104,8 +104,8 @@ class StructuredOutputs(OpenAIModel):
     json_object: bool | None = None
 
 
-class OpenAISampling(OpenAIModel):
-    # OpenAI's bookkeeping fields: accepted, with no effect on the output
+class OpenAIBookkeeping(OpenAIModel):
+    """OpenAI's bookkeeping fields, which every generation route takes: accepted, with no effect on the output."""
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Literal[False] | None = None  # this server stores nothing
@@ -113,6 +113,8 @@ class OpenAISampling(OpenAIModel):
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)  # the prefix cache needs no key
 
+
+class OpenAISampling(OpenAIBookkeeping):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

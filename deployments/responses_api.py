@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from deployments.chat import ChatMessage
 from deployments.events import TokenEvent
-from deployments.openai_protocol import RequestId
+from deployments.openai_protocol import JSONSchemaSpec, OpenAIBookkeeping, OpenAIResponseFormat, RequestId
 from deployments.strict import OpenAIModel
 from engine.sampling import PRIORITY_MAX, PRIORITY_MIN, ResponseFormat, SamplingParams
 
@@ -50,7 +50,7 @@ class InputMessage(OpenAIModel):
 
 
 class TextFormat(OpenAIModel):
-    """text.format: plain text, any JSON object, or JSON for a schema."""
+    """text.format: plain text, any JSON object, or JSON for a schema (chat's response_format, flattened)."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
@@ -66,23 +66,16 @@ class TextFormat(OpenAIModel):
         return self
 
     def to_engine(self) -> ResponseFormat | None:
-        if self.type == "text":
-            return None
-        return ResponseFormat(self.json_schema) if self.type == "json_schema" else ResponseFormat()
+        """As chat's response_format, whose json_schema object holds what this format has beside its type."""
+        spec = JSONSchemaSpec(schema=self.json_schema) if self.type == "json_schema" else None
+        return OpenAIResponseFormat(type=self.type, json_schema=spec).to_engine()
 
 
 class TextConfig(OpenAIModel):
     format: TextFormat = TextFormat(type="text")
 
 
-class ResponsesRequest(OpenAIModel):
-    # OpenAI's bookkeeping fields: accepted, with no effect on the output
-    user: str | None = Field(None, max_length=256)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    store: Literal[False] | None = None  # this server stores nothing
-    service_tier: Literal["auto", "default"] | None = None
-    safety_identifier: str | None = Field(None, max_length=256)
-    prompt_cache_key: str | None = Field(None, max_length=256)  # the prefix cache needs no key
+class ResponsesRequest(OpenAIBookkeeping):
     truncation: Literal["disabled"] | None = None  # a prompt past the context is refused, never cut
 
     model: str = Field(min_length=1)
