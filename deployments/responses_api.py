@@ -89,6 +89,18 @@ class ResponsesRequest(OpenAIBookkeeping):
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's: lower is admitted first
     request_id: RequestId | None = None  # vLLM's: names the response (its id); else the X-Request-Id header does
 
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_only(cls, data):
+        """An input item that is not a message (a function call's output, a reasoning item) is refused by its type,
+        not by every field it has that a message has not."""
+        items = data.get("input") if isinstance(data, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            kind = item.get("type", "message") if isinstance(item, dict) else "message"
+            if kind != "message":
+                raise ValueError(f"input[{i}]: items of type {kind!r} are not supported by this server (messages are)")
+        return data
+
     @property
     def n(self) -> int:
         """One output message a response (the routes' choices count)."""

@@ -111,6 +111,8 @@ def test_an_adapter_answers_as_the_model(client):
     ({"reasoning": {"effort": "low"}}, 400, "reasoning: not supported"),
     ({"input": ""}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400,
+     "input[0]: items of type 'function_call_output' are not supported"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs a \"schema\""),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"model": "nope"}, 404, "nope"),
