@@ -31,7 +31,8 @@ from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
                                       usage, usage_counts)
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
-from deployments.responses_api import ResponseRenderer, ResponsesRequest
+from deployments.responses_protocol import ResponsesRequest
+from deployments.responses_render import ResponseRenderer
 from deployments.token_texts import TokenTexts
 from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
                                     tokenize_prompt, tokenize_tgi)
@@ -472,7 +473,7 @@ class HttpRoutes:
 
     @app.post("/v1/responses")
     async def responses(self, request: ResponsesRequest, http: Request):
-        prompt = self._chat_prompt(request.messages(), None, TemplateOptions())
+        prompt = self._chat_prompt(request.messages(), request.tool_use(), TemplateOptions())
         render = ResponseRenderer(request)
         rid, choices = await self._begin(request, http, [prompt], render.default_max_tokens)
         render.name(rid)

@@ -1,4 +1,5 @@
-"""Tool calling on chat completions: `tools` and `tool_choice`, and the model's calls parsed into `tool_calls`.
+"""Tool calling on chat completions (and on the Responses API, whose function tools become these): `tools` and
+`tool_choice`, and the model's calls parsed into `tool_calls`.
 
 tool_choice "required" and a named function constrain the output with a JSON schema through the grammar engine
 (engine/grammar.py), so they work with any model, as vLLM's do: "required" makes the model write a JSON array

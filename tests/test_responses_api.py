@@ -1,6 +1,7 @@
 """OpenAI's Responses API over HTTP through a real Ray Serve app, with the openai client: the answer equals the
 offline engine's on the prompt the chat template renders, whole and streamed (the typed events in order, their
-deltas joined), a conversation given back as input, text.format's JSON, an adapter as the model, and the refusals
+deltas joined), a conversation given back as input (messages, function calls and their outputs, rendered as chat
+renders them), function tools through the grammar, text.format's JSON, an adapter as the model, and the refusals
 of what a stateless server cannot do."""
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from engine import LLM, SamplingParams
 from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                         "additionalProperties": False}},
+         {"type": "function", "name": "get_time",
+          "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                         "additionalProperties": False}}]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +106,48 @@ def test_text_format_makes_json_for_the_schema(client, tiny_llama_path):
     assert response.text.format.type == "json_schema"
 
 
+def test_required_and_named_tools_answer_with_calls_whole_and_streamed(client, tiny_llama_path):
+    """tool_choice "required" and a named function make the model call through the grammar (chat's machinery):
+    function_call items, and on a stream each call's events once the text is whole."""
+    request = {"model": str(tiny_llama_path), "input": "Weather in Rome?", "tools": TOOLS, "max_output_tokens": 64,
+               "temperature": 0, "parallel_tool_calls": False}
+    for choice, names in (("required", {"get_weather", "get_time"}), ({"type": "function", "name": "get_time"},
+                                                                      {"get_time"})):
+        whole = client.responses.create(**request, tool_choice=choice)
+        assert whole.status == "completed" and [item.type for item in whole.output] == ["function_call"]
+        call = whole.output[0]
+        assert call.name in names and call.call_id.startswith("call_") and call.id.startswith("fc_")
+        assert set(json.loads(call.arguments)) == {"city" if call.name == "get_weather" else "zone"}
+        events = list(client.responses.create(**request, tool_choice=choice, stream=True))
+        assert [e.type for e in events] == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.output_item.done", "response.completed"]
+        streamed = events[-1].response.output[0]
+        assert (streamed.name, streamed.arguments) == (call.name, call.arguments) == (
+            events[4].name, events[3].delta)
+        assert events[2].item.call_id == streamed.call_id == events[5].item.call_id
+
+
+def test_calls_and_their_outputs_given_back_render_as_chats_do(client, tiny_llama_path):
+    """function_call and function_call_output items are the assistant's tool_calls and tool messages of chat: the
+    same conversation answers the same through both routes."""
+    model, call = str(tiny_llama_path), {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    given = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", **call},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}]
+    response = client.responses.create(model=model, input=given, tools=TOOLS, tool_choice="none",
+                                       max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, max_tokens=6, temperature=0, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS],
+        messages=[given[0], {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                                  "function": call}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_an_adapter_answers_as_the_model(client):
     response = client.responses.create(model="alpha", input=PROMPTS[4], max_output_tokens=4, temperature=0)
     assert response.model == "alpha" and response.usage.output_tokens >= 1
@@ -107,12 +156,17 @@ def test_an_adapter_answers_as_the_model(client):
 @pytest.mark.parametrize("body, status, words", [
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id: not supported"),
     ({"store": True}, 400, "store"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools: not supported"),
     ({"reasoning": {"effort": "low"}}, 400, "reasoning: not supported"),
     ({"input": ""}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "role"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400,
-     "input[0]: items of type 'function_call_output' are not supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input[0]: items of type 'reasoning' are not supported"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    ({"tools": [TOOLS[0]], "tool_choice": {"type": "function", "name": "nope"}}, 400, "names function 'nope'"),
+    ({"tools": [TOOLS[0]], "tool_choice": "auto"}, 400, 'tool_choice "auto" needs a model whose chat template'),
+    ({"tools": [TOOLS[0]], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400,
+     "text.format cannot be given"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, 400,
+     "arguments must be a JSON object"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs a \"schema\""),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"model": "nope"}, 404, "nope"),

@@ -1,0 +1,166 @@
+"""OpenAI's Responses API: the response object and its stream's events (deployments/responses_protocol.py has the
+request).
+
+The answer is a list of output items: a message of `output_text`, and the function calls the model made (with
+tools, chat's parser finds them: deployments/tools.py). Its `status` is `completed`, or `incomplete` (with
+`incomplete_details.reason` `max_output_tokens`) when the token budget or the context cut it.
+
+A stream sends the API's typed events, each with its `sequence_number`: `response.created`,
+`response.in_progress`, the output message and its text part added, a `response.output_text.delta` per engine
+event (a few tokens under load, deployments/pacing.py), the text, part and message done, then
+`response.completed` or `response.incomplete`. When the model may call tools its text is held until it finishes,
+as on chat's streams, since a call is known only once its text is whole: then each item goes out at once (a
+message's text in one delta, a call's arguments in one `response.function_call_arguments.delta`). A failure after
+the stream began is an `error` event, which ends it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deployments.events import TokenEvent
+from deployments.responses_protocol import ResponsesRequest
+from deployments.tools import ToolCall, plain_reply
+
+
+class ResponseRenderer:
+    """One request's response object and, on a stream, its events in order (each numbered)."""
+    default_max_tokens = None  # the answer may fill the context, up to max_tokens_limit
+
+    def __init__(self, request: ResponsesRequest):
+        self.request = request
+        self.created = int(time.time())
+        self._sequence = 0
+        self._id = self._message_id = ""
+        self._held = request.calls_tools()  # the text goes out whole, once its calls are known
+        self._items: list[dict] | None = None  # the finished answer's, made once (each call has its own id)
+
+    def name(self, request_id: str) -> None:
+        """The response's id and its message's, from the request's id (OpenAI's resp_ and msg_ prefixes)."""
+        self._id, self._message_id = f"resp_{request_id}", f"msg_{request_id}"
+
+    def body(self, last: TokenEvent) -> dict:
+        """The finished response: its output items, its status and usage."""
+        return self._response(_status(last), self._output(last), last)
+
+    def opening(self) -> list[dict]:
+        """A stream's first events: the response created and in progress; unless the text is held, its message and
+        text part added."""
+        started = self._response("in_progress", [], None)
+        events = [self._event("response.created", response=started),
+                  self._event("response.in_progress", response=started)]
+        return events if self._held else events + self._message_opened(0)
+
+    def delta(self, event: TokenEvent) -> dict | None:
+        """The text an engine event adds (None while it is held, or when the detokenizer holds all of it back)."""
+        if self._held or not event.text:
+            return None
+        return self._text_delta(0, event.text)
+
+    def closing(self, last: TokenEvent) -> list[dict]:
+        """A stream's last events: each output item done (added first, when the text was held), then the whole
+        response."""
+        items = self._output(last)
+        events = []
+        for index, item in enumerate(items):
+            if item["type"] == "function_call":
+                events += self._call_events(index, item)
+            elif self._held:
+                text = [self._text_delta(index, _text(item))] if _text(item) else []
+                events += self._message_opened(index) + text + self._message_closed(index, item)
+            else:
+                events += self._message_closed(index, item)
+        done = "response.completed" if _status(last) == "completed" else "response.incomplete"
+        return events + [self._event(done, response=self.body(last))]
+
+    def error(self, message: str, status: int) -> dict:
+        """A failure after the stream began: the event that ends it."""
+        return self._event("error", code=str(status), message=message, param=None)
+
+    def _output(self, last: TokenEvent) -> list[dict]:
+        """The answer's items: its message (when it has text, or made no call), then its calls."""
+        if self._items is None:
+            reason = "length" if last.final.finish_reason == "length" else "stop"
+            use = self.request.tool_use()
+            text = last.final.generated_text
+            reply = use.reply(text, reason) if use is not None else plain_reply(text, reason)
+            message = [self._message(_status(last), reply.content or "")] if reply.content or not reply.tool_calls \
+                else []
+            self._items = message + [_call_item(call) for call in reply.tool_calls]
+        return self._items
+
+    def _message_opened(self, index: int) -> list[dict]:
+        return [self._event("response.output_item.added", output_index=index,
+                            item={**self._message("in_progress", ""), "content": []}),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=index,
+                            content_index=0, part=_text_part(""))]
+
+    def _text_delta(self, index: int, text: str) -> dict:
+        return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
+                           content_index=0, delta=text, logprobs=[])
+
+    def _message_closed(self, index: int, item: dict) -> list[dict]:
+        text = _text(item)
+        return [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
+                            content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self._message_id, output_index=index,
+                            content_index=0, part=_text_part(text)),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _call_events(self, index: int, item: dict) -> list[dict]:
+        return [self._event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"]),
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _event(self, kind: str, **fields) -> dict:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+    def _message(self, status: str, text: str) -> dict:
+        return {"id": self._message_id, "type": "message", "role": "assistant", "status": status,
+                "content": [_text_part(text)]}
+
+    def _response(self, status: str, output: list[dict], last: TokenEvent | None) -> dict:
+        request = self.request
+        choice = request.tool_choice
+        return {"id": self._id, "object": "response", "created_at": self.created, "status": status,
+                "model": request.model, "output": output, "usage": _usage(last) if last is not None else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+                "temperature": request.temperature, "top_p": request.top_p,
+                "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
+                "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+                "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or (
+                    "auto" if request.tools else "none"),
+                "parallel_tool_calls": request.parallel_tool_calls is not False, "truncation": "disabled",
+                "store": False, "metadata": request.metadata or {}, "previous_response_id": None,
+                "reasoning": None, "user": request.user}
+
+
+def _status(last: TokenEvent) -> str:
+    """completed, or incomplete when the answer was cut at max_output_tokens or the context's end."""
+    return "incomplete" if last.final.finish_reason == "length" else "completed"
+
+
+def _text(message: dict) -> str:
+    return message["content"][0]["text"]
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _call_item(call: ToolCall) -> dict:
+    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}
+
+
+def _usage(last: TokenEvent) -> dict:
+    """The Responses API's usage (without input_tokens_details: a request's prefix-cache hits are not counted)."""
+    prompt, output = last.prompt_tokens, last.final.generated_tokens
+    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+            "output_tokens_details": {"reasoning_tokens": 0}}
