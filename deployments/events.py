@@ -46,6 +46,7 @@ class Final:
     generated_text: str
     generated_tokens: int
     adapter_version: str | None = None  # the content id of the adapter's weights that answered
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
 
 
 @dataclass(slots=True)

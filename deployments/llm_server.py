@@ -209,7 +209,8 @@ class LLMServer(HttpRoutes):
                 if last.finished:
                     self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
                     event.final = Final(last.finish_reason, last.text, len(last.token_ids),
-                                        self.adapter_cache.content_id(adapter) if adapter is not None else None)
+                                        self.adapter_cache.content_id(adapter) if adapter is not None else None,
+                                        last.num_cached_tokens)
                 held = event if held is None else held.extend(event)
                 if last.finished or (stream and pace.due()):
                     pace.sent(held)

@@ -42,10 +42,11 @@ def completion_id(prefix: str, request: str) -> str:
 
 
 def usage(lasts: list[TokenEvent], n: int) -> dict:
-    """Token counts of a request's choices (their last events), n per prompt: each prompt once, every choice's
-    completion."""
+    """Token counts of a request's choices (their last events), n per prompt: each prompt once (its cached tokens
+    as its first choice read them), every choice's completion."""
     prompt = sum(last.prompt_tokens for last in lasts[::n])
-    return usage_counts(prompt, sum(last.final.generated_tokens for last in lasts))
+    counts = usage_counts(prompt, sum(last.final.generated_tokens for last in lasts))
+    return {**counts, "prompt_tokens_details": {"cached_tokens": sum(last.final.cached_tokens for last in lasts[::n])}}
 
 
 def usage_counts(prompt: int, completion: int) -> dict:

@@ -160,7 +160,7 @@ def _call_item(call: ToolCall) -> dict:
 
 
 def _usage(last: TokenEvent) -> dict:
-    """The Responses API's usage (without input_tokens_details: a request's prefix-cache hits are not counted)."""
+    """The Responses API's usage: the input's tokens read from the prefix cache among them."""
     prompt, output = last.prompt_tokens, last.final.generated_tokens
-    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.final.cached_tokens},
+            "output_tokens": output, "total_tokens": prompt + output, "output_tokens_details": {"reasoning_tokens": 0}}

@@ -124,6 +124,8 @@ class BlockManager:
             seq.block_table.append(block)
         seq.num_hashed_blocks = len(prefix)
         seq.num_computed_tokens = len(prefix) * self.block_size
+        if not seq.num_preemptions:  # a preempted sequence's re-admission does not change what it was billed
+            seq.num_cached_tokens = seq.num_computed_tokens
         if self.enable_prefix_caching:
             self.prefix_stats.queried_tokens += seq.num_tokens
             self.prefix_stats.hit_tokens += seq.num_computed_tokens

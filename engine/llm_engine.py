@@ -60,6 +60,7 @@ class RequestOutput:
     ttft: float | None = None  # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission read from the prefix cache instead of computing
 
 
 @dataclass
@@ -418,7 +419,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason, logprobs=seq.logprobs if finished else [],
             top_logprobs=seq.top_logprobs if finished else [], prompt_logprobs=prompt.logprobs,
             prompt_top_logprobs=prompt.top_logprobs, prompt_ranks=prompt.ranks, ttft=ttft, latency=latency,
-            num_preemptions=seq.num_preemptions, new_logprobs=new_logprobs, new_top_logprobs=new_top)
+            num_preemptions=seq.num_preemptions, new_logprobs=new_logprobs, new_top_logprobs=new_top,
+            num_cached_tokens=seq.num_cached_tokens)
 
 
 @dataclass

@@ -104,6 +104,7 @@ def test_a_prefix_under_two_adapters_is_computed_twice(tiny_llama_path, tokenize
         before = cached.engine.stats().prefix_cache_hit_tokens
         out = cached.generate([prompt], GREEDY, use_tqdm=False, adapters=[adapter])[0]
         hits.append(cached.engine.stats().prefix_cache_hit_tokens - before)
+        assert out.num_cached_tokens == hits[-1]  # what usage reports as the request's cached tokens
         assert out.token_ids == uncached.generate([prompt], GREEDY, use_tqdm=False, adapters=[adapter])[0].token_ids
     assert hits == [0, 0, 32, 0]  # 48 tokens: 2 full blocks reusable, the third holds the last token
 

@@ -63,6 +63,10 @@ def test_a_response_is_the_engines_answer_to_the_chat_prompt(client, llm, tokeni
     assert (usage.input_tokens, usage.output_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert response.instructions == "Be brief." and response.max_output_tokens == 8
+    again = client.responses.create(model=str(tiny_llama_path), input=PROMPTS[0], instructions="Be brief.",
+                                    max_output_tokens=8, temperature=0)
+    assert again.output_text == response.output_text
+    assert 0 < again.usage.input_tokens_details.cached_tokens < usage.input_tokens  # the prompt's cached blocks
 
 
 def test_a_streamed_response_sends_the_apis_events_in_order(client, tiny_llama_path):

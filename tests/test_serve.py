@@ -462,6 +462,22 @@ def test_a_streamed_echo_sends_what_the_whole_response_holds(server, tiny_llama_
                 assert streamed == getattr(choice.logprobs, field), field
 
 
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server, tiny_llama_path):
+    """OpenAI's prompt_tokens_details.cached_tokens: none the first time a prompt is seen, its full cached blocks
+    (16 tokens each) the next time, on completions and chat."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model, prompt = str(tiny_llama_path), "Cache me, " + PROMPTS[14] * 3
+    first, again = (client.completions.create(model=model, prompt=prompt, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    messages = [{"role": "user", "content": prompt + " Chat."}]
+    chats = [client.chat.completions.create(model=model, messages=messages, max_tokens=2) for _ in range(2)]
+    assert chats[0].usage.prompt_tokens_details.cached_tokens < chats[1].usage.prompt_tokens_details.cached_tokens
+
+
 def test_openai_n_choices(server, tiny_llama_path, tokenizer):
     import openai
 
