@@ -104,10 +104,13 @@ def test_a_conversation_given_back_as_input_continues_it(client, llm, tokenizer,
 def test_text_format_makes_json_for_the_schema(client, tiny_llama_path):
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
               "additionalProperties": False}
-    response = client.responses.create(model=str(tiny_llama_path), input="A colour?", max_output_tokens=32,
-                                       text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
-    assert json.loads(response.output_text)["colour"] in ("red", "green")
+    request = {"model": str(tiny_llama_path), "input": "A colour?", "max_output_tokens": 32, "temperature": 0,
+               "text": {"format": {"type": "json_schema", "name": "c", "schema": schema}}}
+    response = client.responses.create(**request)
+    assert json.loads(response.output_text)["colour"] in ("red", "green") and response.status == "completed"
     assert response.text.format.type == "json_schema"
+    with client.responses.stream(**request) as stream:  # the SDK's helper rebuilds it from the events, checking them
+        assert stream.get_final_response().output_text == response.output_text
 
 
 def test_required_and_named_tools_answer_with_calls_whole_and_streamed(client, tiny_llama_path):
@@ -131,6 +134,9 @@ def test_required_and_named_tools_answer_with_calls_whole_and_streamed(client, t
         assert (streamed.name, streamed.arguments) == (call.name, call.arguments) == (
             events[4].name, events[3].delta)
         assert events[2].item.call_id == streamed.call_id == events[5].item.call_id
+        with client.responses.stream(**request, tool_choice=choice) as stream:
+            rebuilt = stream.get_final_response().output[0]
+        assert (rebuilt.type, rebuilt.name, rebuilt.arguments) == ("function_call", call.name, call.arguments)
 
 
 def test_calls_and_their_outputs_given_back_render_as_chats_do(client, tiny_llama_path):
