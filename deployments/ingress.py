@@ -24,12 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
 from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
-from deployments.errors import RequestRefused, client_message, error_response, lorax_error, openai_error
+from deployments.choice_streams import (Choice, Metered, cancel, mid_stream_status, openai_sse, response_events,
+                                         wholes)
+from deployments.errors import RequestRefused, client_message, error_response, lorax_error
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
-                                      usage, usage_counts)
+                                      usage)
 from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
 from deployments.responses_protocol import ResponsesRequest
 from deployments.responses_render import ResponseRenderer
@@ -117,14 +119,6 @@ async def _lifecycle(change):
         raise RequestRefused(client_message(exc), 400) from None
 
 
-async def _last(first: TokenEvent, events) -> TokenEvent:
-    """A choice's events as one (one event already, unless it was streamed to tell when its prompt was cached)."""
-    whole = first
-    async for event in events:
-        whole = whole.extend(event)
-    return whole
-
-
 def _tenant(http: Request) -> Tenant:
     """The tenant the gate admitted this request as (deployments/gate.py)."""
     return http.state.tenant
@@ -163,72 +157,6 @@ def _adapter_card(name: str, base_model: str, where: AdapterResidence, max_model
     lora_path = residence.pop("lora_path")
     return {**_model_card(name, lora_path or name, base_model, max_model_len),
             "content_id": residence.pop("content_id"), "lora_path": lora_path, "residence": residence}
-
-
-class _Metered:
-    """A request's events, its tokens charged to its tenant when the last one arrives; with API keys, a missing
-    adapter is refused in the same words as one outside the key's scope, so that names do not leak."""
-
-    def __init__(self, events, tenant: Tenant, adapter: str | None):
-        self._events = events
-        self._tenant = tenant
-        self._adapter = adapter
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent | Refusal:
-        event = await self._events.__anext__()
-        if isinstance(event, Refusal) and event.kind is RefusalKind.NOT_FOUND:
-            return Refusal(self._tenant.not_found_message(self._adapter, event.reason), event.kind)
-        if isinstance(event, TokenEvent) and event.finished:
-            self._tenant.charge(event.prompt_tokens, event.final.generated_tokens)
-        return event
-
-    def cancel(self) -> None:
-        cancel = getattr(self._events, "cancel", None)  # a refusal made here has nothing to stop
-        if cancel is not None:
-            cancel()
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One started choice of a request: its first event and the stream of the rest."""
-    first: TokenEvent
-    events: _Metered
-
-
-async def _wholes(choices: list[_Choice]) -> list[TokenEvent]:
-    """Each choice's events as one; a failed choice, or a client that left, stops every choice."""
-    try:
-        return await asyncio.gather(*(_last(choice.first, choice.events) for choice in choices))
-    except BaseException:
-        _cancel([choice.events for choice in choices])
-        raise
-
-
-def _mid_stream_status(exc: Exception) -> int:
-    """The status an error event names when a stream fails after its first token: 503 when this replica's engine
-    stopped (a retry lands on a live one), 500 when the peer serving it died."""
-    return 503 if isinstance(exc, EngineDeadError) else 500
-
-
-def _raise_failure(pumps: list[asyncio.Task]) -> None:
-    """The exception of a choice's pump that has failed, if one has."""
-    for task in pumps:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-
-
-def _typed(event: dict) -> str:
-    """A server-sent event that names its type, as the Responses API's stream sends each."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-def _cancel(streams) -> None:
-    """Stop the engine requests behind these responses (a no-op for finished ones)."""
-    for events in streams:
-        events.cancel()
 
 
 class HttpRoutes:
@@ -305,7 +233,7 @@ class HttpRoutes:
         answers (as TGI picks), the others in details.best_of_sequences."""
         tenant, count = _tenant(http), request.parameters.sequences
         starter = lambda stream: self._events(request, tenant, stream)  # noqa: E731
-        lasts = await _wholes(await self._start_choices([[starter] * count], stream=False))
+        lasts = await wholes(await self._start_choices([[starter] * count], stream=False))
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
         if request.parameters.details:
@@ -339,13 +267,13 @@ class HttpRoutes:
     async def _refused(reason: str) -> AsyncIterator[Refusal]:
         yield Refusal(reason)
 
-    def _events(self, request: GenerateRequest, tenant: Tenant, stream: bool = True) -> _Metered:
+    def _events(self, request: GenerateRequest, tenant: Tenant, stream: bool = True) -> Metered:
         """The request's events, charged to its tenant; RequestRefused for an adapter outside the tenant's scope."""
         parameters = request.parameters
         merged = parameters.merged_adapters
         for adapter in merged.ids if merged is not None else [parameters.adapter_id]:
             _check_scope(tenant, adapter)
-        return _Metered(self._request_events(request, stream), tenant, parameters.adapter_id)
+        return Metered(self._request_events(request, stream), tenant, parameters.adapter_id)
 
     def _request_events(self, request: GenerateRequest, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
         """The request's events from the engine, or a refusal made here as its only event."""
@@ -478,8 +406,8 @@ class HttpRoutes:
         rid, choices = await self._begin(request, http, [prompt], render.default_max_tokens)
         render.name(rid)
         if request.stream:
-            return StreamingResponse(self._response_events(render, choices[0]), media_type="text/event-stream")
-        return render.body((await _wholes(choices))[0])
+            return StreamingResponse(response_events(render, choices[0]), media_type="text/event-stream")
+        return render.body((await wholes(choices))[0])
 
     async def _openai(self, request: oai.OpenAISampling, http: Request, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (_start_choices); choice j of prompt i has index i * n + j,
@@ -487,15 +415,15 @@ class HttpRoutes:
         rid, choices = await self._begin(request, http, prompts, render.default_max_tokens)
         cid = completion_id(render.id_prefix, rid)
         if request.stream:
-            return StreamingResponse(self._openai_sse(request, render, cid, [c.first for c in choices],
+            return StreamingResponse(openai_sse(request, render, cid, [c.first for c in choices],
                                                       [c.events for c in choices]), media_type="text/event-stream")
-        lasts = await _wholes(choices)
+        lasts = await wholes(choices)
         finals = [render.finished(last, prompt)
                   for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]
         return render.body(cid, finals, usage(lasts, request.n))
 
     async def _begin(self, request: oai.OpenAISampling | ResponsesRequest, http: Request, prompts: list,
-                     default_max_tokens: int | None) -> tuple[str, list[_Choice]]:
+                     default_max_tokens: int | None) -> tuple[str, list[Choice]]:
         """The request's id and its started choices, once the tenant's scope and priority, the sampling parameters
         and the adapter's id were checked (a RequestRefused says which failed)."""
         tenant, rid = _tenant(http), request_id(_client_request_id(request, http))
@@ -517,11 +445,11 @@ class HttpRoutes:
         return rid, choices
 
     def _starter(self, prompt, params: SamplingParams, adapter: str | None,
-                 tenant: Tenant) -> Callable[[bool], _Metered]:
+                 tenant: Tenant) -> Callable[[bool], Metered]:
         """start(stream) -> the events of one engine request for this prompt and choice."""
-        return lambda stream: _Metered(self._stream(prompt, params, adapter, stream), tenant, adapter)
+        return lambda stream: Metered(self._stream(prompt, params, adapter, stream), tenant, adapter)
 
-    async def _start_choices(self, prompts: list[list[Callable[[bool], _Metered]]], stream: bool) -> list[_Choice]:
+    async def _start_choices(self, prompts: list[list[Callable[[bool], Metered]]], stream: bool) -> list[Choice]:
         """Every choice of every prompt (given as starters, in order), with its first event. Each prompt's first
         choice runs alone (streamed, whatever the request asked) until its first token, when the prompt's KV blocks
         are cached; then the prompt's other choices start at once and find them there. n = 4 choices of 64 tokens
@@ -530,9 +458,9 @@ class HttpRoutes:
         short prompt 1.9-2.1 s this way and 6.3-6.9 s one after another. The prompts' first choices start together
         (8 prompts x 32 tokens unstreamed: 1.8 s, one after another 6.3-6.7 s). A refused or failed choice, or a
         client that left, stops every choice started."""
-        opened: list[_Metered] = []
+        opened: list[Metered] = []
 
-        def start(starter: Callable[[bool], _Metered], as_stream: bool) -> _Metered:
+        def start(starter: Callable[[bool], Metered], as_stream: bool) -> Metered:
             opened.append(starter(as_stream))
             return opened[-1]
 
@@ -542,71 +470,13 @@ class HttpRoutes:
             rest = [[start(choice, stream) for choice in choices[1:]] for choices in prompts]
             rest_firsts = iter(await asyncio.gather(*(self._first_event(e) for group in rest for e in group)))
         except BaseException:
-            _cancel(opened)
+            cancel(opened)
             raise
         choices = []
         for lead, lead_first, group in zip(leads, lead_firsts, rest):
-            choices.append(_Choice(lead_first, lead))
-            choices += [_Choice(next(rest_firsts), events) for events in group]
+            choices.append(Choice(lead_first, lead))
+            choices += [Choice(next(rest_firsts), events) for events in group]
         return choices
-
-    async def _openai_sse(self, request: oai.OpenAISampling, render: Renderer, cid: str, firsts: list[TokenEvent],
-                          streams) -> AsyncIterator[str]:
-        """The choices' chunks as they come, each marked with its choice's index."""
-        lines: asyncio.Queue[str | None] = asyncio.Queue()
-        lasts: list[TokenEvent] = list(firsts)
-
-        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
-
-        async def pump(index: int, event: TokenEvent | None, events) -> None:
-            first, generated = True, 0
-            try:
-                while event is not None:
-                    data = render.chunk(cid, index, event, event.text, first)
-                    generated += sum(token is not None for token in event.token_ids)
-                    if data is not None and continuous:  # vLLM's: this choice's tokens so far
-                        data["usage"] = usage_counts(event.prompt_tokens, generated)
-                    if data is not None:  # None: a chunk held back (a choice that may call tools)
-                        lines.put_nowait(f"data: {json.dumps(data)}\n\n")
-                    first, lasts[index] = False, event
-                    event = await anext(events, None)
-            finally:
-                lines.put_nowait(None)
-
-        pumps = [asyncio.create_task(pump(i, first, events))
-                 for i, (first, events) in enumerate(zip(firsts, streams))]
-        try:
-            for _ in pumps:
-                while (line := await lines.get()) is not None:
-                    yield line
-                _raise_failure(pumps)  # a choice that failed fails the stream at once
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield f"data: {json.dumps(render.usage_chunk(cid, usage(lasts, request.n)))}\n\n"
-        except (PeerLost, EngineDeadError) as exc:  # as vLLM: an error event, then the stream's end
-            yield f"data: {json.dumps(openai_error(str(exc), _mid_stream_status(exc)))}\n\n"
-        finally:
-            for task in pumps:
-                task.cancel()
-            _cancel(streams)
-        yield "data: [DONE]\n\n"
-
-    @staticmethod
-    async def _response_events(render: ResponseRenderer, choice: _Choice) -> AsyncIterator[str]:
-        """The Responses API's stream: its typed events, each named on an `event:` line too; no [DONE]."""
-        try:
-            for event in render.opening():
-                yield _typed(event)
-            event, last = choice.first, choice.first
-            while event is not None:
-                if (delta := render.delta(event)) is not None:
-                    yield _typed(delta)
-                last, event = event, await anext(choice.events, None)
-            for event in render.closing(last):
-                yield _typed(event)
-        except (PeerLost, EngineDeadError) as exc:
-            yield _typed(render.error(str(exc), _mid_stream_status(exc)))
-        finally:
-            _cancel([choice.events])
 
     async def _sse(self, request: GenerateRequest, first: TokenEvent, events) -> AsyncIterator[str]:
         """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""
@@ -631,7 +501,7 @@ class HttpRoutes:
             try:
                 event = await events.__anext__()
             except (PeerLost, EngineDeadError) as exc:  # as TGI: an error event ends the stream
-                yield f"data:{json.dumps(lorax_error(str(exc), _mid_stream_status(exc)))}\n\n"
+                yield f"data:{json.dumps(lorax_error(str(exc), mid_stream_status(exc)))}\n\n"
                 return
 
     @staticmethod

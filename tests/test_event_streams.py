@@ -13,11 +13,14 @@ import openai
 import pytest
 
 from deployments import openai_protocol as oai
+from deployments.choice_streams import Choice, openai_sse, response_events
 from deployments.event_streams import PeerLost
 from deployments.events import TokenEvent
 from deployments.ingress import HttpRoutes
 from deployments.openai_render import CompletionRenderer
 from deployments.protocol import GenerateRequest
+from deployments.responses_protocol import ResponsesRequest
+from deployments.responses_render import ResponseRenderer
 from engine import EngineConfig
 
 
@@ -76,8 +79,8 @@ def test_an_openai_stream_ends_with_an_error_event_and_stops_the_other_choices(r
     dying = _PeerDiesAfter([_event(tokenizer, " world")])
     others = [_PeerDiesAfter([_event(tokenizer, " there")] * 50, every_s=0.01) for _ in range(n - 1)]
     firsts = [_event(tokenizer, "Hello")] * n
-    lines = asyncio.run(_lines(routes._openai_sse(request, CompletionRenderer(request, routes.token_texts),
-                                                  "cmpl-test", firsts, [dying] + others)))
+    lines = asyncio.run(_lines(openai_sse(request, CompletionRenderer(request, routes.token_texts), "cmpl-test",
+                                          firsts, [dying] + others)))
     assert lines[-1] == "data: [DONE]\n\n"
     error = json.loads(lines[-2].removeprefix("data: "))
     assert error == {"error": {"message": "the replica serving this request stopped before it finished; retry "
@@ -99,11 +102,27 @@ def test_an_engine_that_stops_mid_stream_ends_it_with_a_503_event(routes, tokeni
                                          _PeerDiesAfter([], error=stopped))))
     assert json.loads(tgi[-1].removeprefix("data:")) == {"error": "engine loop died: boom", "error_type": "overloaded"}
     request = oai.CompletionRequest(model=routes.model_name, prompt="Hello", stream=True, max_tokens=8)
-    lines = asyncio.run(_lines(routes._openai_sse(request, CompletionRenderer(request, routes.token_texts),
-                                                  "cmpl-test", [_event(tokenizer, "Hello")],
-                                                  [_PeerDiesAfter([], error=stopped)])))
+    lines = asyncio.run(_lines(openai_sse(request, CompletionRenderer(request, routes.token_texts), "cmpl-test",
+                                          [_event(tokenizer, "Hello")], [_PeerDiesAfter([], error=stopped)])))
     assert lines[-1] == "data: [DONE]\n\n"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["type"] == "overloaded_error"
+
+
+def test_a_responses_stream_ends_with_an_error_event(routes, tokenizer):
+    """The Responses API's stream: its opening events, the text so far, then an `error` event that ends it (no
+    completed response, no [DONE]), and the request behind it stopped."""
+    render = ResponseRenderer(ResponsesRequest(model=routes.model_name, input="Hello", stream=True))
+    render.name("test")
+    dying = _PeerDiesAfter([_event(tokenizer, " world")])
+    lines = asyncio.run(_lines(response_events(render, Choice(_event(tokenizer, "Hello"), dying))))
+    events = [json.loads(line.split("\ndata: ", 1)[1]) for line in lines]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                           "response.content_part.added", "response.output_text.delta",
+                                           "response.output_text.delta", "error"]
+    assert all(line.startswith(f"event: {e['type']}\n") for line, e in zip(lines, events))
+    assert [e["sequence_number"] for e in events] == list(range(7))
+    assert events[-1]["code"] == "500" and "stopped before it finished" in events[-1]["message"]
+    assert dying.cancelled
 
 
 def _read_with_openai(lines: list[str]) -> list:
