@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from deployments.chat import ChatMessage, TemplateControls
 from deployments.strict import OpenAIModel
-from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, ToolUse, tool_use
+from deployments.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolUse, may_call, tool_use
 from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
                              MAX_SCHEMA_DEPTH, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN,
                              ResponseFormat, SamplingParams)
@@ -289,9 +289,7 @@ class ChatRequest(OpenAISampling, TemplateControls):
         return self._tool_use
 
     def calls_tools(self) -> bool:
-        """Whether the model may answer with calls (tools given and tool_choice not "none")."""
-        use = self.tool_use()
-        return use is not None and use.mode is not ToolMode.NONE
+        return may_call(self.tool_use())
 
     def engine_response_format(self) -> ResponseFormat | None:
         use = self.tool_use()

@@ -21,7 +21,7 @@ from deployments.chat import ChatMessage, FunctionCall, MessageToolCall
 from deployments.openai_protocol import JSONSchemaSpec, OpenAIBookkeeping, OpenAIResponseFormat, RequestId
 from deployments.strict import OpenAIModel
 from deployments.tools import (MAX_TOOLS, FunctionChoice, FunctionDefinition, FunctionName, NamedToolChoice, Tool,
-                               ToolMode, ToolUse, tool_use)
+                               ToolUse, may_call, tool_use)
 from engine.sampling import PRIORITY_MAX, PRIORITY_MIN, ResponseFormat, SamplingParams
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -178,8 +178,7 @@ class ResponsesRequest(OpenAIBookkeeping):
         return self._tool_use
 
     def calls_tools(self) -> bool:
-        """Whether the model may answer with calls (tools given and tool_choice not "none")."""
-        return self._tool_use is not None and self._tool_use.mode is not ToolMode.NONE
+        return may_call(self._tool_use)
 
     @model_validator(mode="after")
     def _conversation(self):

@@ -181,6 +181,12 @@ class ToolUse:
         return calls
 
 
+def may_call(use: ToolUse | None) -> bool:
+    """Whether a request's model may answer with calls (tools given and tool_choice not "none"); such an answer's
+    text is held on a stream until its calls are known."""
+    return use is not None and use.mode is not ToolMode.NONE
+
+
 def is_json_object(text: str) -> bool:
     """Whether text is JSON of an object (what a function call's arguments must be)."""
     try:
