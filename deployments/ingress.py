@@ -124,7 +124,7 @@ def _tenant(http: Request) -> Tenant:
     return http.state.tenant
 
 
-def _client_request_id(request: oai.OpenAISampling, http: Request) -> str | None:
+def _client_request_id(request: oai.OpenAISampling | ResponsesRequest, http: Request) -> str | None:
     """The body's request_id (vLLM's), else the X-Request-Id header. Serve gives every request that header (the
     client's, or one it makes) and sends it back on the response, so the header cannot tell whether the client set
     it: the body's field, which only a client sets, comes first (vLLM puts the header first)."""
@@ -416,7 +416,7 @@ class HttpRoutes:
         cid = completion_id(render.id_prefix, rid)
         if request.stream:
             return StreamingResponse(openai_sse(request, render, cid, [c.first for c in choices],
-                                                      [c.events for c in choices]), media_type="text/event-stream")
+                                                [c.events for c in choices]), media_type="text/event-stream")
         lasts = await wholes(choices)
         finals = [render.finished(last, prompt)
                   for last, prompt in zip(lasts, (p for p in prompts for _ in range(request.n)))]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from deployments.events import TokenEntry, TokenEvent
 from deployments.openai_protocol import ChatRequest, CompletionRequest, OpenAISampling
 from deployments.token_texts import TokenTexts
-from deployments.tools import Reply, ToolUse, plain_reply
+from deployments.tools import Reply, ToolUse, reply_to
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}
 
@@ -224,7 +224,7 @@ class ChatRenderer(Renderer):
     def _reply(self, text: str, last: TokenEvent) -> Reply:
         """The finished choice's message; echo's text goes before its content, after the calls were parsed."""
         reason = FINISH_REASONS[last.final.finish_reason]
-        reply = self.tools.reply(text, reason) if self.tools is not None else plain_reply(text, reason)
+        reply = reply_to(self.tools, text, reason)
         echoed = self.request.echoed()
         return dataclasses.replace(reply, content=echoed + (reply.content or "")) if echoed else reply
 

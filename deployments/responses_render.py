@@ -19,8 +19,9 @@ from __future__ import annotations
 import time
 
 from deployments.events import TokenEvent
-from deployments.responses_protocol import ResponsesRequest
-from deployments.tools import ToolCall, plain_reply
+from deployments.openai_render import FINISH_REASONS
+from deployments.responses_protocol import FunctionToolChoice, ResponsesRequest
+from deployments.tools import ToolCall, reply_to
 
 
 class ResponseRenderer:
@@ -80,10 +81,8 @@ class ResponseRenderer:
     def _output(self, last: TokenEvent) -> list[dict]:
         """The answer's items: its message (when it has text, or made no call), then its calls."""
         if self._items is None:
-            reason = "length" if last.final.finish_reason == "length" else "stop"
-            use = self.request.tool_use()
-            text = last.final.generated_text
-            reply = use.reply(text, reason) if use is not None else plain_reply(text, reason)
+            reply = reply_to(self.request.tool_use(), last.final.generated_text,
+                             FINISH_REASONS[last.final.finish_reason])
             message = [self._message(_status(last), reply.content or "")] if reply.content or not reply.tool_calls \
                 else []
             self._items = message + [_call_item(call) for call in reply.tool_calls]
@@ -134,7 +133,7 @@ class ResponseRenderer:
                 "temperature": request.temperature, "top_p": request.top_p,
                 "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
                 "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
-                "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or (
+                "tool_choice": choice.model_dump() if isinstance(choice, FunctionToolChoice) else choice or (
                     "auto" if request.tools else "none"),
                 "parallel_tool_calls": request.parallel_tool_calls is not False, "truncation": "disabled",
                 "store": False, "metadata": request.metadata or {}, "previous_response_id": None,

@@ -181,6 +181,12 @@ class ToolUse:
         return calls
 
 
+def reply_to(use: ToolUse | None, text: str, finish_reason: str) -> Reply:
+    """A finished answer's message (finish_reason in OpenAI's words): its calls parsed out when the request has
+    tools, else its text as content."""
+    return use.reply(text, finish_reason) if use is not None else plain_reply(text, finish_reason)
+
+
 def may_call(use: ToolUse | None) -> bool:
     """Whether a request's model may answer with calls (tools given and tool_choice not "none"); such an answer's
     text is held on a stream until its calls are known."""
