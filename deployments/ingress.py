@@ -402,7 +402,7 @@ class HttpRoutes:
     @app.post("/v1/responses")
     async def responses(self, request: ResponsesRequest, http: Request):
         prompt = self._chat_prompt(request.messages(), request.tool_use(), TemplateOptions())
-        render = ResponseRenderer(request)
+        render = ResponseRenderer(request, self.token_texts)
         rid, choices = await self._begin(request, http, [prompt], render.default_max_tokens)
         render.name(rid)
         if request.stream:

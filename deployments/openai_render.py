@@ -179,6 +179,19 @@ class CompletionRenderer(Renderer):
                                  "finish_reason": _reason(event)}, event)
 
 
+def token_logprobs(texts: TokenTexts, tokens: list[TokenEntry]) -> list[dict]:
+    """Chat's logprobs content, which the Responses API's output text takes too: each token's text, bytes and
+    logprob, with its alternatives'."""
+    return [{**_scored_token(texts, t.id, t.logprob),
+             "top_logprobs": [_scored_token(texts, i, lp) for i, lp in (t.top_logprobs or {}).items()]}
+            for t in tokens]
+
+
+def _scored_token(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+    text = texts.text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
 def _with_chosen(token: TokenEntry, k: int) -> dict[int, float]:
     """The k best alternatives and the chosen token (vLLM's completions include it, even when it is not among them).
     An echoed prompt token may have been scored with more (prompt_logprobs asked for more than logprobs)."""
@@ -207,19 +220,13 @@ class ChatRenderer(Renderer):
     def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
         if not self.request.logprobs:
             return None
-        return {"content": [{**self._token(t.id, t.logprob),
-                             "top_logprobs": [self._token(i, lp) for i, lp in (t.top_logprobs or {}).items()]}
-                            for t in tokens]}
+        return {"content": token_logprobs(self.texts, tokens)}
 
     def body(self, cid: str, finals: list[FinishedChoice], usage: dict) -> dict:
         body = super().body(cid, finals, usage)
         if finals[0].prompt_logprobs is not None:  # vLLM's, once a response: its choices share one prompt
             body["prompt_logprobs"] = finals[0].prompt_logprobs
         return body
-
-    def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.texts.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _reply(self, text: str, last: TokenEvent) -> Reply:
         """The finished choice's message; echo's text goes before its content, after the calls were parsed."""

@@ -8,7 +8,9 @@ grammar with any model, "auto" with a template that renders tools and writes Her
 messages and, given back from earlier responses, their output messages, function calls (an assistant message's
 tool_calls) and the calls' outputs (tool messages), so a client keeps a conversation itself. Nothing is stored,
 so what needs a stored response is refused by name (`store: true`, `previous_response_id`, `background`), as are
-reasoning, `include`, other item and tool types and every field not declared here.
+reasoning, other item and tool types and every field not declared here. Of `include`'s values only the output
+text's logprobs are made (`message.output_text.logprobs`, with `top_logprobs` alternatives a token); the others
+name what this server has not (search results, images, encrypted reasoning) and are refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from deployments.tools import (MAX_TOOLS, FunctionChoice, FunctionDefinition, Fu
 from engine.sampling import PRIORITY_MAX, PRIORITY_MIN, ResponseFormat, SamplingParams
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -139,6 +142,8 @@ class ResponsesRequest(OpenAIBookkeeping):
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = Field(None, max_length=8)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives a token, with the output text's logprobs
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's: lower is admitted first
     request_id: RequestId | None = None  # vLLM's: names the response (its id); else the X-Request-Id header does
     # Derived once, when the request is validated
@@ -168,6 +173,23 @@ class ResponsesRequest(OpenAIBookkeeping):
             label = f"function {choice.name!r}" if isinstance(choice, FunctionToolChoice) else repr(choice)
             raise ValueError(f"tool_choice {label} sets the output's grammar: text.format cannot be given with it")
         return self
+
+    @model_validator(mode="after")
+    def _logprobs_of_text(self):
+        for value in self.include or []:
+            if value != LOGPROBS_INCLUDE:
+                raise ValueError(f"include {value!r} is not supported by this server (only {LOGPROBS_INCLUDE!r} is)")
+        if self.logprobs_wanted() is not None and self.calls_tools():
+            raise ValueError("logprobs (include message.output_text.logprobs, top_logprobs) are not supported with "
+                             "tools the model may call: its text is parsed into calls")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        """None: no logprobs, and none computed; k: the output text's tokens' logprobs with k alternatives each,
+        asked for by include's message.output_text.logprobs or a top_logprobs above 0 (never ignored)."""
+        if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     @property
     def n(self) -> int:
@@ -218,4 +240,5 @@ class ResponsesRequest(OpenAIBookkeeping):
     def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The engine's parameters; without max_output_tokens the answer may fill the context, as chat's."""
         return SamplingParams(max_tokens=self.max_output_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, response_format=self.engine_response_format())
+                              top_p=self.top_p, response_format=self.engine_response_format(),
+                              logprobs=self.logprobs_wanted())

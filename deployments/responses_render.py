@@ -8,19 +8,21 @@ tools, chat's parser finds them: deployments/tools.py). Its `status` is `complet
 A stream sends the API's typed events, each with its `sequence_number`: `response.created`,
 `response.in_progress`, the output message and its text part added, a `response.output_text.delta` per engine
 event (a few tokens under load, deployments/pacing.py), the text, part and message done, then
-`response.completed` or `response.incomplete`. When the model may call tools its text is held until it finishes,
-as on chat's streams, since a call is known only once its text is whole: then each item goes out at once (a
-message's text in one delta, a call's arguments in one `response.function_call_arguments.delta`). A failure after
-the stream began is an `error` event, which ends it.
+`response.completed` or `response.incomplete`. With logprobs asked for, each delta carries its tokens' (a token
+whose text the detokenizer still holds goes with the next delta that has text), and the text part all of them.
+When the model may call tools its text is held until it finishes, as on chat's streams, since a call is known only
+once its text is whole: then each item goes out at once (a message's text in one delta, a call's arguments in one
+`response.function_call_arguments.delta`). A failure after the stream began is an `error` event, which ends it.
 """
 
 from __future__ import annotations
 
 import time
 
-from deployments.events import TokenEvent
-from deployments.openai_render import FINISH_REASONS
+from deployments.events import TokenEntry, TokenEvent
+from deployments.openai_render import FINISH_REASONS, token_logprobs
 from deployments.responses_protocol import FunctionToolChoice, ResponsesRequest
+from deployments.token_texts import TokenTexts
 from deployments.tools import ToolCall, reply_to
 
 
@@ -28,8 +30,12 @@ class ResponseRenderer:
     """One request's response object and, on a stream, its events in order (each numbered)."""
     default_max_tokens = None  # the answer may fill the context, up to max_tokens_limit
 
-    def __init__(self, request: ResponsesRequest):
+    def __init__(self, request: ResponsesRequest, texts: TokenTexts):
         self.request = request
+        self._texts = texts
+        self._logprobs = request.logprobs_wanted() is not None
+        self._streamed: list[TokenEntry] = []  # a stream's tokens so far, when their logprobs were asked for
+        self._sent = 0  # ... of which a delta carried the first this many
         self.created = int(time.time())
         self._sequence = 0
         self._id = self._message_id = ""
@@ -54,9 +60,11 @@ class ResponseRenderer:
 
     def delta(self, event: TokenEvent) -> dict | None:
         """The text an engine event adds (None while it is held, or when the detokenizer holds all of it back)."""
-        if self._held or not event.text:
+        if self._held:
             return None
-        return self._text_delta(0, event.text)
+        if self._logprobs:
+            self._streamed += event.entries()
+        return self._text_delta(0, event.text) if event.text else None
 
     def closing(self, last: TokenEvent) -> list[dict]:
         """A stream's last events: each output item done (added first, when the text was held), then the whole
@@ -70,7 +78,8 @@ class ResponseRenderer:
                 text = [self._text_delta(index, _text(item))] if _text(item) else []
                 events += self._message_opened(index) + text + self._message_closed(index, item)
             else:
-                events += self._message_closed(index, item)
+                unsent = [self._text_delta(index, "")] if len(self._streamed) > self._sent else []  # no text added
+                events += unsent + self._message_closed(index, item)
         done = "response.completed" if _status(last) == "completed" else "response.incomplete"
         return events + [self._event(done, response=self.body(last))]
 
@@ -83,8 +92,10 @@ class ResponseRenderer:
         if self._items is None:
             reply = reply_to(self.request.tool_use(), last.final.generated_text,
                              FINISH_REASONS[last.final.finish_reason])
-            message = [self._message(_status(last), reply.content or "")] if reply.content or not reply.tool_calls \
-                else []
+            tokens = self._streamed if self.request.stream else last.entries()  # a stream's last event has its own
+            logprobs = token_logprobs(self._texts, tokens) if self._logprobs else None
+            message = [self._message(_status(last), reply.content or "", logprobs)] \
+                if reply.content or not reply.tool_calls else []
             self._items = message + [_call_item(call) for call in reply.tool_calls]
         return self._items
 
@@ -95,15 +106,17 @@ class ResponseRenderer:
                             content_index=0, part=_text_part(""))]
 
     def _text_delta(self, index: int, text: str) -> dict:
+        """A delta of the message's text, with the logprobs of the tokens not yet sent."""
+        unsent, self._sent = self._streamed[self._sent:], len(self._streamed)
         return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
-                           content_index=0, delta=text, logprobs=[])
+                           content_index=0, delta=text, logprobs=token_logprobs(self._texts, unsent))
 
     def _message_closed(self, index: int, item: dict) -> list[dict]:
-        text = _text(item)
+        part = item["content"][0]
         return [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
-                            content_index=0, text=text, logprobs=[]),
+                            content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
                 self._event("response.content_part.done", item_id=self._message_id, output_index=index,
-                            content_index=0, part=_text_part(text)),
+                            content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _call_events(self, index: int, item: dict) -> list[dict]:
@@ -119,9 +132,9 @@ class ResponseRenderer:
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **fields}
 
-    def _message(self, status: str, text: str) -> dict:
+    def _message(self, status: str, text: str, logprobs: list[dict] | None = None) -> dict:
         return {"id": self._message_id, "type": "message", "role": "assistant", "status": status,
-                "content": [_text_part(text)]}
+                "content": [_text_part(text, logprobs)]}
 
     def _response(self, status: str, output: list[dict], last: TokenEvent | None) -> dict:
         request = self.request
@@ -130,7 +143,7 @@ class ResponseRenderer:
                 "model": request.model, "output": output, "usage": _usage(last) if last is not None else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-                "temperature": request.temperature, "top_p": request.top_p,
+                "temperature": request.temperature, "top_p": request.top_p, "top_logprobs": request.top_logprobs,
                 "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
                 "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
                 "tool_choice": choice.model_dump() if isinstance(choice, FunctionToolChoice) else choice or (
@@ -149,8 +162,10 @@ def _text(message: dict) -> str:
     return message["content"][0]["text"]
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """An output_text part; with its tokens' logprobs when they were asked for."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return part if logprobs is None else {**part, "logprobs": logprobs}
 
 
 def _call_item(call: ToolCall) -> dict:

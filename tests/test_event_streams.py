@@ -111,7 +111,8 @@ def test_an_engine_that_stops_mid_stream_ends_it_with_a_503_event(routes, tokeni
 def test_a_responses_stream_ends_with_an_error_event(routes, tokenizer):
     """The Responses API's stream: its opening events, the text so far, then an `error` event that ends it (no
     completed response, no [DONE]), and the request behind it stopped."""
-    render = ResponseRenderer(ResponsesRequest(model=routes.model_name, input="Hello", stream=True))
+    request = ResponsesRequest(model=routes.model_name, input="Hello", stream=True)
+    render = ResponseRenderer(request, routes.token_texts)
     render.name("test")
     dying = _PeerDiesAfter([_event(tokenizer, " world")])
     lines = asyncio.run(_lines(response_events(render, Choice(_event(tokenizer, "Hello"), dying))))

@@ -1,8 +1,8 @@
 """OpenAI's Responses API over HTTP through a real Ray Serve app, with the openai client: the answer equals the
 offline engine's on the prompt the chat template renders, whole and streamed (the typed events in order, their
 deltas joined), a conversation given back as input (messages, function calls and their outputs, rendered as chat
-renders them), function tools through the grammar, text.format's JSON, an adapter as the model, and the refusals
-of what a stateless server cannot do."""
+renders them), function tools through the grammar, text.format's JSON, the output text's logprobs (chat's, whole
+and streamed), an adapter as the model, and the refusals of what a stateless server cannot do."""
 
 from __future__ import annotations
 
@@ -158,6 +158,43 @@ def test_calls_and_their_outputs_given_back_render_as_chats_do(client, tiny_llam
     assert response.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def _scores(logprobs) -> list[tuple]:
+    """Each token's text and logprob, with its alternatives'."""
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs or []]) for t in logprobs]
+
+
+def _close(got: list[tuple], want: list[tuple]) -> bool:
+    """The same tokens and alternatives, their logprobs equal to float32's rounding (the runs batch differently)."""
+    flat = lambda scores: [(token, lp) for token, lp, top in scores for token, lp in [(token, lp), *top]]  # noqa: E731
+    return [t for t, _ in flat(got)] == [t for t, _ in flat(want)] and \
+        [lp for _, lp in flat(got)] == pytest.approx([lp for _, lp in flat(want)], abs=1e-4)
+
+
+def test_the_output_texts_logprobs_are_chats_whole_and_streamed(client, tiny_llama_path):
+    """include message.output_text.logprobs with top_logprobs 2: the text part's logprobs are chat's for the same
+    conversation, token for token with two alternatives each; a stream's deltas carry them in order, and its
+    output_text.done all of them. top_logprobs alone asks for them too; include alone gives no alternatives."""
+    model, question = str(tiny_llama_path), PROMPTS[2]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                          max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    want = _scores(chat.choices[0].logprobs.content)
+    request = {"model": model, "input": question, "max_output_tokens": 10, "temperature": 0}
+    whole = client.responses.create(**request, include=["message.output_text.logprobs"], top_logprobs=2)
+    part = whole.output[0].content[0]
+    assert _close(_scores(part.logprobs), want) and whole.top_logprobs == 2
+    assert all(len(t.top_logprobs) == 2 for t in part.logprobs) and len(part.logprobs) == whole.usage.output_tokens
+    assert part.logprobs[0].bytes == list(part.logprobs[0].token.encode())
+    events = list(client.responses.create(**request, top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert _close(_scores([t for e in deltas for t in e.logprobs]), want)
+    assert "".join(e.delta for e in deltas) == part.text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert _close(_scores(done.logprobs), want)
+    bare = client.responses.create(**request, include=["message.output_text.logprobs"]).output[0].content[0]
+    assert [t for t, _, top in _scores(bare.logprobs) if not top] == [t for t, _, _ in want]
+    assert client.responses.create(**request).output[0].content[0].logprobs is None  # not asked for, not computed
+
+
 def test_an_adapter_answers_as_the_model(client):
     response = client.responses.create(model="alpha", input=PROMPTS[4], max_output_tokens=4, temperature=0)
     assert response.model == "alpha" and response.usage.output_tokens >= 1
@@ -179,6 +216,9 @@ def test_an_adapter_answers_as_the_model(client):
      "arguments must be a JSON object"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs a \"schema\""),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include 'reasoning.encrypted_content' is not supported"),
+    ({"tools": [TOOLS[0]], "tool_choice": "required", "top_logprobs": 1}, 400, "not supported with tools"),
+    ({"top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": "nope"}, 404, "nope"),
 ])
 def test_what_a_stateless_server_cannot_do_is_refused_by_name(server, tiny_llama_path, body, status, words):
