@@ -11,6 +11,8 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayTaskError
 
+from engine.errors import TokenBudget
+
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 LORAX_TYPES = {400: "validation", 401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "validation",
@@ -50,6 +52,18 @@ class RequestRefused(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+
+
+class BudgetRefused(RequestRefused):
+    """The engine's refusal of a max_tokens, in the engine's words until the route names the parameter as its API
+    does (named)."""
+
+    def __init__(self, budget: TokenBudget):
+        super().__init__(budget.message(), 400)
+        self.budget = budget
+
+    def named(self, name: str) -> RequestRefused:
+        return RequestRefused(self.budget.message(name), 400)
 
 
 def client_message(exc: BaseException) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.errors import TokenBudget
+
 
 class RefusalKind(enum.Enum):
     BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
@@ -25,6 +27,7 @@ class Refusal:
     reason: str
     kind: RefusalKind = RefusalKind.BAD_REQUEST
     retry_after_s: float | None = None
+    budget: TokenBudget | None = None  # a refused max_tokens, which the edge words with its API's name for it
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ Status codes are chosen here, at the edge: the replica says why it refuses (depl
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -26,7 +27,7 @@ from deployments import openai_protocol as oai
 from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
 from deployments.choice_streams import (Choice, Metered, cancel, mid_stream_status, openai_sse, response_events,
                                          wholes)
-from deployments.errors import RequestRefused, client_message, error_response, lorax_error
+from deployments.errors import BudgetRefused, RequestRefused, client_message, error_response, lorax_error
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
@@ -106,7 +107,18 @@ def _refused(refusal: Refusal) -> RequestRefused:
     """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded."""
     if refusal.kind is RefusalKind.OVERLOADED:
         return RequestRefused(refusal.reason, 429, refusal.retry_after_s)
+    if refusal.budget is not None:
+        return BudgetRefused(refusal.budget)
     return RequestRefused(refusal.reason, 404 if refusal.kind is RefusalKind.NOT_FOUND else 400)
+
+
+@contextlib.contextmanager
+def _max_tokens_named(name: str):
+    """An engine's refusal of max_tokens, worded with the route's name for the parameter."""
+    try:
+        yield
+    except BudgetRefused as exc:
+        raise exc.named(name) from None
 
 
 async def _lifecycle(change):
@@ -233,7 +245,8 @@ class HttpRoutes:
         answers (as TGI picks), the others in details.best_of_sequences."""
         tenant, count = _tenant(http), request.parameters.sequences
         starter = lambda stream: self._events(request, tenant, stream)  # noqa: E731
-        lasts = await wholes(await self._start_choices([[starter] * count], stream=False))
+        with _max_tokens_named("max_new_tokens"):
+            lasts = await wholes(await self._start_choices([[starter] * count], stream=False))
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
         if request.parameters.details:
@@ -248,7 +261,8 @@ class HttpRoutes:
         if request.parameters.sequences > 1:
             raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
         events = self._events(request, _tenant(http))
-        first = await self._first_event(events)
+        with _max_tokens_named("max_new_tokens"):
+            first = await self._first_event(events)
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
 
     @staticmethod
@@ -440,8 +454,9 @@ class HttpRoutes:
                 validate_adapter_id(adapter)
         except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
             raise RequestRefused(str(exc), 400) from None
-        choices = await self._start_choices(
-            [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
+        with _max_tokens_named(request.max_tokens_name()):
+            choices = await self._start_choices(
+                [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
         return rid, choices
 
     def _starter(self, prompt, params: SamplingParams, adapter: str | None,

@@ -43,7 +43,7 @@ from deployments.request_router import ROUTING_STATS_KEY, router_config
 from deployments.routing import RouteRequest, RoutingPolicy
 from engine.block_manager import prompt_digests
 from engine.config import EngineConfig
-from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError
+from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, TokenBudgetError
 from engine.model_files import resolve_model
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
@@ -192,6 +192,9 @@ class LLMServer(HttpRoutes):
             return
         except AdapterNotFoundError as exc:
             yield Refusal(client_message(exc), RefusalKind.NOT_FOUND)
+            return
+        except TokenBudgetError as exc:  # its figures go too: the edge names the parameter as its API does
+            yield Refusal(str(exc), budget=exc.budget)
             return
         except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
             yield Refusal(client_message(exc))

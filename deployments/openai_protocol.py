@@ -207,6 +207,11 @@ class OpenAISampling(OpenAIBookkeeping):
         """How many alternatives the engine scores for each prompt token (None: the prompt is not scored)."""
         return self.prompt_logprobs
 
+    def max_tokens_name(self) -> str:
+        """The parameter a refused token budget is named by: the one the client set (max_completion_tokens wins, as
+        in to_sampling_params)."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The parameters of choice `choice` of n; with a seed, choice i draws with seed + i (reproducible,
         and the choices differ). A default_max_tokens of None lets the output fill the context."""

@@ -237,6 +237,10 @@ class ResponsesRequest(OpenAIBookkeeping):
         calls = self._tool_use.response_format() if self._tool_use is not None else None
         return calls or self.text.format.to_engine()
 
+    def max_tokens_name(self) -> str:
+        """The parameter a refused token budget is named by."""
+        return "max_output_tokens"
+
     def to_sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
         """The engine's parameters; without max_output_tokens the answer may fill the context, as chat's."""
         return SamplingParams(max_tokens=self.max_output_tokens or default_max_tokens, temperature=self.temperature,

@@ -1,7 +1,40 @@
 """The engine's refusals, apart from the engine: the serving side catches them and names their retry delay in its
-HTTP answers, and imports this module without torch (deployments/app.py is imported by Serve's build step)."""
+HTTP answers, and imports this module without torch (deployments/app.py is imported by Serve's build step).
+
+A refused max_tokens carries its figures (TokenBudget), so that each API words the refusal with its own name for the
+parameter (max_new_tokens, max_completion_tokens, max_output_tokens): the engine knows it only as max_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 OVERLOADED_RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """A max_tokens the engine refused, with what it allows: the context left after the prompt (max_model_len and
+    prompt_tokens set), or the server's ceiling, max_tokens_limit (both None)."""
+    asked: int
+    allowed: int
+    max_model_len: int | None = None
+    prompt_tokens: int | None = None
+
+    def message(self, name: str = "max_tokens") -> str:
+        """The refusal, naming the parameter as the client's API does."""
+        if self.max_model_len is None:
+            return f"{name} is {self.asked}; this server allows at most {self.allowed} (max_tokens_limit)"
+        return (f"this model's context is {self.max_model_len} tokens (max_model_len): the prompt has "
+                f"{self.prompt_tokens}, so {name} may be at most {self.allowed}, got {self.asked}")
+
+
+class TokenBudgetError(ValueError):
+    """max_tokens past the context or above the server's ceiling."""
+
+    def __init__(self, budget: TokenBudget):
+        super().__init__(budget.message())
+        self.budget = budget
 
 
 class EngineDeadError(RuntimeError):

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import TokenBudget, TokenBudgetError
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
@@ -216,11 +217,9 @@ class LLMEngine:
         if params.max_tokens is None:
             return dataclasses.replace(params, max_tokens=min(room, limit or room))
         if limit is not None and params.max_tokens > limit:
-            raise ValueError(f"max_tokens is {params.max_tokens}; this server allows at most {limit} "
-                             f"(max_tokens_limit)")
+            raise TokenBudgetError(TokenBudget(params.max_tokens, limit))
         if params.max_tokens > room:
-            raise ValueError(f"this model's context is {self.max_model_len} tokens (max_model_len): the prompt has "
-                             f"{prompt_tokens}, so max_tokens may be at most {room}, got {params.max_tokens}")
+            raise TokenBudgetError(TokenBudget(params.max_tokens, room, self.max_model_len, prompt_tokens))
         return params
 
     @property

@@ -212,11 +212,20 @@ def test_a_keys_concurrent_streams_are_capped(server, tiny_llama_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path, body, words", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 401}, "at most 400 (max_tokens_limit)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 401}, "max_tokens is 401; this server allows at most 400 "
+                                                             "(max_tokens_limit)"),
     ("/v1/completions", {"prompt": list(range(1, 301)), "max_tokens": 250}, "the prompt has 300, so max_tokens may "
                                                                             "be at most 212, got 250"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}, "at most 400"),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 450}}, "at most 400"),
+    # each API names the parameter as its client sent it
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500},
+     "max_tokens is 500; this server allows at most 400"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500},
+     "max_completion_tokens is 500; this server allows at most 400"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 401}, "max_output_tokens is 401; this server allows"),
+    ("/v1/responses", {"input": "hi " * 300, "max_output_tokens": 390}, "so max_output_tokens may be at most"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 450}}, "max_new_tokens is 450; this server "
+                                                                           "allows at most 400"),
+    ("/generate_stream", {"inputs": "hi", "parameters": {"max_new_tokens": 450}}, "max_new_tokens is 450"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "at most 16"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, "at most 300"),
     ("/generate", {"inputs": "hi", "parameters": {"stop": ["x"] * 17}}, "at most 16"),
