@@ -1,8 +1,9 @@
 """HTTP error answers in the shape each API's clients parse.
 
 OpenAI clients (paths under /v1/) read {"error": {"message", "type", "param", "code"}} and raise by status
-(openai.AuthenticationError for 401, RateLimitError for 429, ...); LoRAX / TGI clients read {"error",
-"error_type"}. Answers that ask the client to come back later (429, 503) carry Retry-After; a 401 carries
+(openai.AuthenticationError for 401, RateLimitError for 429, ...); `param` names the body's field at fault when
+one is (a field that failed validation, a token budget past the context), as OpenAI's API names it. LoRAX / TGI
+clients read {"error", "error_type"}. Answers that ask the client to come back later (429, 503) carry Retry-After; a 401 carries
 WWW-Authenticate, as RFC 6750 asks of a bearer-token server.
 """
 
@@ -19,13 +20,13 @@ LORAX_TYPES = {400: "validation", 401: "unauthorized", 403: "forbidden", 404: "n
                422: "validation", 429: "overloaded", 503: "overloaded"}
 
 
-def error_body(path: str, message: str, status: int) -> dict:
-    return openai_error(message, status) if path.startswith("/v1/") else lorax_error(message, status)
+def error_body(path: str, message: str, status: int, param: str | None = None) -> dict:
+    return openai_error(message, status, param) if path.startswith("/v1/") else lorax_error(message, status)
 
 
-def openai_error(message: str, status: int) -> dict:
+def openai_error(message: str, status: int, param: str | None = None) -> dict:
     kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def lorax_error(message: str, status: int) -> dict:
@@ -39,8 +40,9 @@ def error_headers(status: int, retry_after_s: float | None) -> dict[str, str]:
     return headers
 
 
-def error_response(path: str, message: str, status: int = 400, retry_after_s: float | None = None) -> JSONResponse:
-    return JSONResponse(error_body(path, message, status), status_code=status,
+def error_response(path: str, message: str, status: int = 400, retry_after_s: float | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(path, message, status, param), status_code=status,
                         headers=error_headers(status, retry_after_s))
 
 
@@ -48,10 +50,12 @@ class RequestRefused(Exception):
     """A request answered with an HTTP error: 400 for a bad request, 401 without a valid API key, 403 or 404
     outside the key's scope, 413 for a body too large, 429 or 503 (with Retry-After) when over a limit."""
 
-    def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None):
+    def __init__(self, message: str, status: int = 400, retry_after_s: float | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.param = param  # the body's field at fault, when one is
 
 
 class BudgetRefused(RequestRefused):
@@ -63,7 +67,7 @@ class BudgetRefused(RequestRefused):
         self.budget = budget
 
     def named(self, name: str) -> RequestRefused:
-        return RequestRefused(self.budget.message(name), 400)
+        return RequestRefused(self.budget.message(name), 400, param=name)
 
 
 def client_message(exc: BaseException) -> str:

@@ -60,7 +60,7 @@ app.add_middleware(GateMiddleware)
 
 @app.exception_handler(RequestRefused)
 async def _refused_response(request: Request, exc: RequestRefused) -> JSONResponse:
-    return error_response(request.url.path, str(exc), exc.status, exc.retry_after_s)
+    return error_response(request.url.path, str(exc), exc.status, exc.retry_after_s, exc.param)
 
 
 @app.exception_handler(EngineDeadError)
@@ -84,15 +84,28 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
     """A body that is not JSON or does not fit the route's model: 400 under /v1/ (as OpenAI answers), 422 on the
     LoRAX routes (as LoRAX and TGI answer; lorax-client raises its ValidationError with the message). The message
-    names each field and why, not its input, and escapes what UTF-8 cannot encode (a lone surrogate)."""
+    names each field and why, not its input, and escapes what UTF-8 cannot encode (a lone surrogate); OpenAI's
+    `param` names the first field."""
     status = 400 if request.url.path.startswith("/v1/") else 422
-    message = "; ".join(_reason(e) for e in exc.errors())
-    return error_response(request.url.path, message.encode("utf-8", "backslashreplace").decode(), status)
+    errors = exc.errors()
+    message = "; ".join(_reason(e) for e in errors).encode("utf-8", "backslashreplace").decode()
+    return error_response(request.url.path, message, status, param=_field(errors[0]) if errors else None)
+
+
+def _location(error: dict) -> str:
+    """Where one of pydantic's errors is: a field's path in the body ("" for the body as a whole), or for a body
+    that is not JSON the character at fault."""
+    return ".".join(str(part) for part in error["loc"][1:])  # the first part is "body"
+
+
+def _field(error: dict) -> str | None:
+    """The field one of pydantic's errors is about, as OpenAI's `param` names it (None: the body as a whole)."""
+    return None if error["type"] == "json_invalid" else _location(error) or None
 
 
 def _reason(error: dict) -> str:
     """One of pydantic's errors as a client reads it: the field's path in the body, then why."""
-    where = ".".join(str(part) for part in error["loc"][1:])  # the first part is "body"
+    where = _location(error)
     if error["type"] == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])} (at character {where})"
     if error["type"] == "extra_forbidden":

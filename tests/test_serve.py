@@ -188,6 +188,30 @@ def test_malformed_json_is_refused_in_each_apis_shape(server):
     assert openai.status_code == 400 and "not valid JSON" in openai.json()["error"]["message"], openai.text
 
 
+def test_openai_errors_name_the_field_at_fault_in_param(server, tiny_llama_path):
+    """OpenAI's `param`: the path of the field that failed validation, or the token budget the engine refused, as the
+    client named it; none for a body that is not JSON or a check across fields."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=str(tiny_llama_path), messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=10 ** 6)
+    assert refused.value.param == "max_completion_tokens" and "max_completion_tokens" in refused.value.message
+
+    def param(path: str, body: dict | str):
+        sent = {"data": body} if isinstance(body, str) else {"json": {"model": str(tiny_llama_path), **body}}
+        r = requests.post(f"{server}/v1/{path}", timeout=60, headers={"content-type": "application/json"}, **sent)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["param"]
+
+    assert param("completions", {"prompt": "hi", "n": 0}) == "n"
+    assert param("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}).startswith("messages.0")
+    assert param("responses", {"input": "hi", "max_output_tokens": 10 ** 6}) == "max_output_tokens"
+    assert param("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}) is None
+    assert param("completions", "{not json") is None
+
+
 def test_a_model_validators_reason_reads_as_a_sentence(server, tiny_llama_path):
     """A reason from a check across fields has no field path before it, and not pydantic's "Value error, "."""
     r = requests.post(f"{server}/v1/chat/completions", timeout=60, json={
