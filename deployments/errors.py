@@ -3,8 +3,8 @@
 OpenAI clients (paths under /v1/) read {"error": {"message", "type", "param", "code"}} and raise by status
 (openai.AuthenticationError for 401, RateLimitError for 429, ...); `param` names the body's field at fault when
 one is (a field that failed validation, a token budget past the context), as OpenAI's API names it. LoRAX / TGI
-clients read {"error", "error_type"}. Answers that ask the client to come back later (429, 503) carry Retry-After; a 401 carries
-WWW-Authenticate, as RFC 6750 asks of a bearer-token server.
+clients read {"error", "error_type"}. Answers that ask the client to come back later (429, 503) carry
+Retry-After; a 401 carries WWW-Authenticate, as RFC 6750 asks of a bearer-token server.
 """
 
 from __future__ import annotations
