@@ -54,6 +54,13 @@ class Choice:
     events: Metered
 
 
+@dataclasses.dataclass
+class Started:
+    """A request begun: its id (which names the response) and its choices, each with its first event."""
+    request_id: str
+    choices: list[Choice]
+
+
 async def wholes(choices: list[Choice]) -> list[TokenEvent]:
     """Each choice's events as one; a failed choice, or a client that left, stops every choice."""
     try:

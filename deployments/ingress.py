@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
 from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
-from deployments.choice_streams import (Choice, Metered, cancel, mid_stream_status, openai_sse, response_events,
-                                         wholes)
+from deployments.choice_streams import (Choice, Metered, Started, cancel, mid_stream_status, openai_sse,
+                                         response_events, wholes)
 from deployments.errors import BudgetRefused, RequestRefused, client_message, error_response, lorax_error
 from deployments.event_streams import PeerLost
 from deployments.events import Refusal, RefusalKind, TokenEvent
@@ -430,17 +430,17 @@ class HttpRoutes:
     async def responses(self, request: ResponsesRequest, http: Request):
         prompt = self._chat_prompt(request.messages(), request.tool_use(), TemplateOptions())
         render = ResponseRenderer(request, self.token_texts)
-        rid, choices = await self._begin(request, http, [prompt], render.default_max_tokens)
-        render.name(rid)
+        started = await self._begin(request, http, [prompt], render.default_max_tokens)
+        render.name(started.request_id)
         if request.stream:
-            return StreamingResponse(response_events(render, choices[0]), media_type="text/event-stream")
-        return render.body((await wholes(choices))[0])
+            return StreamingResponse(response_events(render, started.choices[0]), media_type="text/event-stream")
+        return render.body((await wholes(started.choices))[0])
 
     async def _openai(self, request: oai.OpenAISampling, http: Request, prompts: list, render: Renderer):
         """n choices per prompt, each one engine request (_start_choices); choice j of prompt i has index i * n + j,
         as in vLLM."""
-        rid, choices = await self._begin(request, http, prompts, render.default_max_tokens)
-        cid = completion_id(render.id_prefix, rid)
+        started = await self._begin(request, http, prompts, render.default_max_tokens)
+        cid, choices = completion_id(render.id_prefix, started.request_id), started.choices
         if request.stream:
             return StreamingResponse(openai_sse(request, render, cid, [c.first for c in choices],
                                                 [c.events for c in choices]), media_type="text/event-stream")
@@ -450,7 +450,7 @@ class HttpRoutes:
         return render.body(cid, finals, usage(lasts, request.n))
 
     async def _begin(self, request: oai.OpenAISampling | ResponsesRequest, http: Request, prompts: list,
-                     default_max_tokens: int | None) -> tuple[str, list[Choice]]:
+                     default_max_tokens: int | None) -> Started:
         """The request's id and its started choices, once the tenant's scope and priority, the sampling parameters
         and the adapter's id were checked (a RequestRefused says which failed)."""
         tenant, rid = _tenant(http), request_id(_client_request_id(request, http))
@@ -470,7 +470,7 @@ class HttpRoutes:
         with _max_tokens_named(request.max_tokens_name()):
             choices = await self._start_choices(
                 [[self._starter(prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
-        return rid, choices
+        return Started(rid, choices)
 
     def _starter(self, prompt, params: SamplingParams, adapter: str | None,
                  tenant: Tenant) -> Callable[[bool], Metered]:

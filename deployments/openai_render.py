@@ -179,7 +179,7 @@ class CompletionRenderer(Renderer):
                                  "finish_reason": _reason(event)}, event)
 
 
-def token_logprobs(texts: TokenTexts, tokens: list[TokenEntry]) -> list[dict]:
+def logprob_content(texts: TokenTexts, tokens: list[TokenEntry]) -> list[dict]:
     """Chat's logprobs content, which the Responses API's output text takes too: each token's text, bytes and
     logprob, with its alternatives'."""
     return [{**_scored_token(texts, t.id, t.logprob),
@@ -220,7 +220,7 @@ class ChatRenderer(Renderer):
     def logprobs(self, tokens: list[TokenEntry], offset: int) -> dict | None:
         if not self.request.logprobs:
             return None
-        return {"content": token_logprobs(self.texts, tokens)}
+        return {"content": logprob_content(self.texts, tokens)}
 
     def body(self, cid: str, finals: list[FinishedChoice], usage: dict) -> dict:
         body = super().body(cid, finals, usage)

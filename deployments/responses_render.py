@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from deployments.events import TokenEntry, TokenEvent
-from deployments.openai_render import FINISH_REASONS, token_logprobs
+from deployments.openai_render import FINISH_REASONS, logprob_content
 from deployments.responses_protocol import FunctionToolChoice, ResponsesRequest
 from deployments.token_texts import TokenTexts
 from deployments.tools import ToolCall, reply_to
@@ -93,7 +93,7 @@ class ResponseRenderer:
             reply = reply_to(self.request.tool_use(), last.final.generated_text,
                              FINISH_REASONS[last.final.finish_reason])
             tokens = self._streamed if self.request.stream else last.entries()  # a stream's last event has its own
-            logprobs = token_logprobs(self._texts, tokens) if self._logprobs else None
+            logprobs = logprob_content(self._texts, tokens) if self._logprobs else None
             message = [self._message(_status(last), reply.content or "", logprobs)] \
                 if reply.content or not reply.tool_calls else []
             self._items = message + [_call_item(call) for call in reply.tool_calls]
@@ -109,7 +109,7 @@ class ResponseRenderer:
         """A delta of the message's text, with the logprobs of the tokens not yet sent."""
         unsent, self._sent = self._streamed[self._sent:], len(self._streamed)
         return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
-                           content_index=0, delta=text, logprobs=token_logprobs(self._texts, unsent))
+                           content_index=0, delta=text, logprobs=logprob_content(self._texts, unsent))
 
     def _message_closed(self, index: int, item: dict) -> list[dict]:
         part = item["content"][0]

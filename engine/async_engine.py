@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
-from engine.llm_engine import AdapterStats, EngineStats, LLMEngine, Prompt, RequestOutput
+from engine.llm_engine import AdapterStats, EngineStats, LLMEngine, Prompt, RequestOutput, TrackedRequest
 from engine.memory import MemoryReport
 from engine.sampling import SamplingParams
 
@@ -49,7 +49,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list = []
+        self._pending_adds: list[TrackedRequest] = []
         self._preparing = 0  # requests past the queue check whose prompt is still being tokenized
         self._pending_aborts: list[tuple[str, asyncio.Future | None]] = []
         self._wakeup = threading.Event()
@@ -101,9 +101,9 @@ class AsyncEngine:
         params = params or SamplingParams()
         try:
             if _prepares_quickly(prompt, params, adapter):
-                seq, detok = self.engine.prepare_request(request_id, prompt, params, adapter)
+                prepared = self.engine.prepare_request(request_id, prompt, params, adapter)
             else:
-                seq, detok = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params, adapter)
+                prepared = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params, adapter)
         finally:
             with self._lock:
                 self._preparing -= 1
@@ -114,7 +114,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._pending_adds.append((seq, detok))
+            self._pending_adds.append(prepared)
         self._wakeup.set()
         finished = False
         try:
@@ -175,8 +175,8 @@ class AsyncEngine:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
-        for seq, detok in adds:
-            self.engine.add_prepared(seq, detok)
+        for prepared in adds:
+            self.engine.add_prepared(prepared)
         for request_id, done in aborts:
             self.engine.abort(request_id)
             with self._lock:

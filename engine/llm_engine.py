@@ -118,7 +118,8 @@ class AdapterStats:
 
 @dataclass
 class TrackedRequest:
-    """A request the engine holds until it finishes: its sequence and the detokenizer of its text."""
+    """A request the engine holds until it finishes: its sequence and the detokenizer of its text (prepare_request
+    makes one, validated, and add_prepared hands it to the scheduler)."""
     seq: Sequence
     detokenizer: IncrementalDetokenizer
 
@@ -183,12 +184,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     adapter_id: str | None = None) -> Sequence:
-        seq, detok = self.prepare_request(request_id, prompt, params, adapter_id)
-        self.add_prepared(seq, detok)
-        return seq
+        request = self.prepare_request(request_id, prompt, params, adapter_id)
+        self.add_prepared(request)
+        return request.seq
 
     def prepare_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                        adapter_id: str | None = None) -> tuple[Sequence, IncrementalDetokenizer]:
+                        adapter_id: str | None = None) -> TrackedRequest:
         """Validate, tokenize and fetch the adapter into the CPU tier, without touching the running batch
         (safe to call from another thread, so a cold adapter load never stalls a step)."""
         arrival = time.perf_counter()  # before a cold adapter read, so TTFT includes it
@@ -205,8 +206,9 @@ class LLMEngine:
         if params.response_format is not None:
             seq.grammar = self.grammars.matcher(params.response_format)  # ValueError for an invalid schema
         seq.bad_words_ids = self._bad_words_ids(params.bad_words)
-        return seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                           keep_stop=params.include_stop_str_in_output)
+        return TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                                          params.skip_special_tokens,
+                                                          keep_stop=params.include_stop_str_in_output))
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """The request's params with max_tokens resolved: None fills the context (up to max_tokens_limit); a
@@ -250,10 +252,11 @@ class LLMEngine:
             raise ValueError(f"adapter {adapter_id!r} has rank {adapter.rank}, above this engine's max_lora_rank "
                              f"{self.config.max_lora_rank}")
 
-    def add_prepared(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+    def add_prepared(self, request: TrackedRequest) -> None:
+        seq = request.seq
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        self.requests[seq.request_id] = TrackedRequest(seq, detok)
+        self.requests[seq.request_id] = request
         self.scheduler.add(seq)
         if seq.adapter_id is not None:
             usage = self.adapter_usage.setdefault(seq.adapter_id, AdapterUsage())
@@ -482,8 +485,8 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         prepared = [self.engine.prepare_request(i, prompt, p, a)
                     for i, prompt, p, a in zip(ids, prompts, params, adapters)]
-        for seq, detok in prepared:  # validated all first: a bad prompt leaves nothing behind
-            self.engine.add_prepared(seq, detok)
+        for request in prepared:  # validated all first: a bad prompt leaves nothing behind
+            self.engine.add_prepared(request)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2) as bar:
             while self.engine.has_unfinished():

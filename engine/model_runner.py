@@ -271,9 +271,9 @@ class ModelRunner:
             part = chunk.targets[offset:offset + SCORED_ROWS_PER_SLICE]
             start = chunk.row + offset
             logits = self.model.compute_logits(hidden[start:start + len(part)])
-            picked, top = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
-            logprobs += picked
-            tops += top
+            scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
+            logprobs += scores.logprobs
+            tops += scores.top
             ranks += token_ranks(logits, part)
         return PromptScores(chunk.seq, chunk.start + 1, logprobs, tops, ranks)
 

@@ -34,6 +34,14 @@ BANNED_LOGIT = -1e30
 
 
 @dataclass
+class TokenScores:
+    """Tokens' raw log-probabilities, one per row, and each row's likeliest alternatives (id -> logprob, best
+    first; None where none were asked for)."""
+    logprobs: list[float | None]
+    top: list[dict[int, float] | None]
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # None where the request asked for no logprobs
@@ -53,7 +61,7 @@ class Sampler:
         are read from the logits as they are, either way."""
         if masks is None and all(_plain_greedy(seq) for seq in seqs):
             tokens = self._argmax(logits)
-            return SamplerOutput(tokens.tolist(), *self._logprobs(logits, tokens, seqs))
+            return _output(tokens, self._logprobs(logits, tokens, seqs))
         model_logits = logits
         logits = self._float(logits)
         if masks is not None:
@@ -66,7 +74,7 @@ class Sampler:
             sampled = logits if len(sampled_rows) == len(seqs) else logits[rows]  # a 12 MB copy at 64 rows
             probs = self._filtered_probs(sampled, [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
-        return SamplerOutput(tokens.tolist(), *self._logprobs(model_logits, tokens, seqs))
+        return _output(tokens, self._logprobs(model_logits, tokens, seqs))
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop: for 64 rows of
@@ -92,25 +100,23 @@ class Sampler:
         self.cpu_ops.widen_(out, logits)
         return out
 
-    def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor,
-                  seqs: list[Sequence]) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> TokenScores:
         """Only for rows that asked (params.logprobs not None): the raw distribution's."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        chosen: list[float | None] = [None] * len(seqs)
-        top: list[dict[int, float] | None] = [None] * len(seqs)
+        scores = TokenScores([None] * len(seqs), [None] * len(seqs))
         if not rows:
-            return chosen, top
+            return scores
         k = max(seqs[i].params.logprobs for i in rows)
         if len(rows) < len(seqs):
             index = torch.tensor(rows, device=raw_logits.device)
             raw_logits, tokens = raw_logits[index], tokens[index]
-        picked, tops = token_logprobs(raw_logits, tokens, k, self.cpu_ops)
+        asked = token_logprobs(raw_logits, tokens, k, self.cpu_ops)
         for j, i in enumerate(rows):
-            chosen[i] = picked[j]
+            scores.logprobs[i] = asked.logprobs[j]
             want = seqs[i].params.logprobs
             if want:
-                top[i] = dict(itertools.islice(tops[j].items(), want))  # a row's top k' of the batch's top k
-        return chosen, top
+                scores.top[i] = dict(itertools.islice(asked.top[j].items(), want))  # its top k' of the batch's k
+        return scores
 
     @staticmethod
     def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks) -> torch.Tensor:
@@ -237,8 +243,11 @@ def _process_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int,
-                   cpu_ops=None) -> tuple[list[float], list[dict[int, float] | None]]:
+def _output(tokens: torch.Tensor, scores: TokenScores) -> SamplerOutput:
+    return SamplerOutput(tokens.tolist(), scores.logprobs, scores.top)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int, cpu_ops=None) -> TokenScores:
     """Raw log-probabilities of `targets` under `logits` [n, vocab] (any float dtype, computed in float32), and each
     row's k most likely tokens, best first (None when k is 0): sampled tokens and prompt scoring alike. A logprob is
     the logit minus its row's logsumexp, so no [n, vocab] log_softmax is written; on CPU the C++ operators
@@ -247,10 +256,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: i
     targets = torch.as_tensor(targets, device=logits.device)
     picked = (logits.gather(1, targets[:, None]).squeeze(1).float() - normalizers).tolist()
     if not k:
-        return picked, [None] * len(picked)
+        return TokenScores(picked, [None] * len(picked))
     values, ids = logits.topk(k, dim=-1)
     values = values.float() - normalizers[:, None]
-    return picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return TokenScores(picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
 
 
 def token_ranks(logits: torch.Tensor, targets: torch.Tensor | list[int]) -> list[int]:
