@@ -36,6 +36,9 @@ class TokenBudgetError(ValueError):
         super().__init__(budget.message())
         self.budget = budget
 
+    def __reduce__(self):  # pickled (across a Ray hop) with its figures, not its message
+        return type(self), (self.budget,)
+
 
 class EngineDeadError(RuntimeError):
     pass
@@ -46,4 +49,8 @@ class EngineOverloadedError(RuntimeError):
 
     def __init__(self, waiting: int, retry_after_s: float):
         super().__init__(f"the engine is overloaded: {waiting} requests are already waiting; retry later")
+        self.waiting = waiting
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # pickled (across a Ray hop) with what made it
+        return type(self), (self.waiting, self.retry_after_s)

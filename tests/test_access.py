@@ -7,6 +7,7 @@ file of hashed keys), spoken to over HTTP with requests and the openai client.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ import requests
 from deployments.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
 from deployments.rate_limits import KeyLimiter, RateLimited, TokenBucket
 from engine import LLM, SamplingParams
+from engine.errors import EngineOverloadedError, TokenBudget, TokenBudgetError
 from tests.helpers import serving, write_tiny_adapters
 
 ADMIN, TEAM_A, SLOW, FRUGAL, SINGLE = ("admin-key-0123456789abcdef", "team-a-key-0123456789abcdef",
@@ -78,14 +80,25 @@ def test_token_buckets_refill_with_time_and_carry_debt():
 def test_max_tokens_past_the_context_is_refused_with_the_figures(tiny_llama_path):
     llm = LLM(str(tiny_llama_path), max_model_len=64, max_tokens_limit=40, log_stats=False)
     prompt = list(range(1, 31))  # 30 tokens: 34 left in the context
-    with pytest.raises(ValueError, match="at most 34, got 35"):
+    with pytest.raises(TokenBudgetError, match="at most 34, got 35") as refused:
         llm.generate([prompt], SamplingParams(max_tokens=35), use_tqdm=False)
+    assert refused.value.budget == TokenBudget(asked=35, allowed=34, max_model_len=64, prompt_tokens=30)
+    assert refused.value.budget.message("max_new_tokens").endswith("so max_new_tokens may be at most 34, got 35")
     with pytest.raises(ValueError, match="at most 40 .max_tokens_limit"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=41), use_tqdm=False)
     fill = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
     outs = llm.generate([prompt, [1, 2]], fill, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [34, 40]  # the context's room, then the ceiling
     assert not llm.engine.has_unfinished()
+
+
+def test_the_engines_refusals_pickle_with_what_made_them():
+    """As across a Ray hop: the same type, message and figures."""
+    for error in (TokenBudgetError(TokenBudget(41, 40)), EngineOverloadedError(7, 2.0)):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+    assert pickle.loads(pickle.dumps(TokenBudgetError(TokenBudget(41, 40)))).budget == TokenBudget(41, 40)
+    assert pickle.loads(pickle.dumps(EngineOverloadedError(7, 2.0))).retry_after_s == 2.0
 
 
 # ---- over HTTP ----
