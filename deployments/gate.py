@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from deployments.auth import OPEN, ApiKey, KeyRing, Unauthorized
+from deployments.auth import OPEN, ApiKey, KeyRing, KeyScope, Unauthorized
 from deployments.errors import RequestRefused, error_response
 from deployments.metrics import TenantMetrics
 from deployments.rate_limits import KeyLimiter, RateLimited
@@ -27,36 +27,37 @@ MAX_REQUEST_BYTES = 8 << 20  # 64 prompts of a full 8k context as token ids fit 
 
 @dataclass
 class Tenant:
-    """The key an admitted request presented, its limiter, and what it may reach."""
-    key: ApiKey
+    """An admitted request's key (its name and what it may reach), its limiter and the metrics it counts in."""
+    name: str  # the key's name: its metrics label
+    scope: KeyScope
     limiter: KeyLimiter
     metrics: TenantMetrics
     hide_missing: bool  # with keys, every unknown adapter gets the same answer, in or out of scope
 
     def check_adapter(self, adapter_id: str) -> None:
-        if not self.key.scope.allows_adapter(adapter_id):
+        if not self.scope.allows_adapter(adapter_id):
             raise RequestRefused(not_found(adapter_id), 404)
 
     def check_base(self) -> None:
-        if not self.key.scope.base_model:
+        if not self.scope.base_model:
             raise RequestRefused("this API key may not use the base model: name one of its adapters", 403)
 
     def check_priority(self, priority: int) -> None:
         """A key with min_priority may not ask to be served ahead of it: tenants that share a server cannot
         overtake each other past what the operator gave them."""
-        floor = self.key.scope.min_priority
+        floor = self.scope.min_priority
         if floor is not None and priority < floor:
             raise RequestRefused(f"this API key may ask priority {floor} or above (lower is more urgent), "
                                  f"got {priority}", 403)
 
     def check_manage(self, adapter_id: str) -> None:
-        if not self.key.scope.manage_adapters:
+        if not self.scope.manage_adapters:
             raise RequestRefused("this API key may not load or unload adapters", 403)
-        if not self.key.scope.allows_adapter(adapter_id):
+        if not self.scope.allows_adapter(adapter_id):
             raise RequestRefused(f"this API key may not load or unload adapter {adapter_id!r}", 403)
 
     def visible(self, adapter_ids) -> list[str]:
-        return [a for a in adapter_ids if self.key.scope.allows_adapter(a)]
+        return [a for a in adapter_ids if self.scope.allows_adapter(a)]
 
     def not_found_message(self, adapter_id: str | None, message: str) -> str:
         return not_found(adapter_id) if self.hide_missing and adapter_id is not None else message
@@ -66,7 +67,7 @@ class Tenant:
 
     def charge(self, prompt_tokens: int, generated_tokens: int) -> None:
         self.limiter.charge(prompt_tokens + generated_tokens)
-        self.metrics.tokens(self.key.name, prompt_tokens, generated_tokens)
+        self.metrics.tokens(self.name, prompt_tokens, generated_tokens)
 
 
 def not_found(adapter_id: str) -> str:
@@ -106,7 +107,7 @@ class Gate:
             self.metrics.request(key.name, "rate_limited")
             raise RequestRefused(str(exc), 429, exc.retry_after_s) from None
         self.metrics.request(key.name, "admitted")
-        return Tenant(key, limiter, self.metrics, self.ring.enabled)
+        return Tenant(key.name, key.scope, limiter, self.metrics, self.ring.enabled)
 
 
 class GateMiddleware:
