@@ -21,6 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import TokenBudget, TokenBudgetError
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.memory import MemoryReport
+from engine.models import context_limit
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -134,8 +135,7 @@ class LLMEngine:
         path = resolve_model(config.model, config.model_cache_dir, need_weights=config.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model_len = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
-        model_len = min(config.max_model_len or model_len, model_len)
+        model_len = context_limit(hf_config, config.max_model_len)  # ValueError past the model's own
         self.runner = ModelRunner(config, path, hf_config, model_len)
         layout = self.runner.layout
         self.max_model_len = min(model_len, layout.token_capacity)

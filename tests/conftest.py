@@ -33,8 +33,8 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -108,6 +108,18 @@ def tiny_qwen2_path(tmp_path_factory, tokenizer):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     return _save_tiny(Qwen2ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_path(tmp_path_factory, tokenizer):
+    """Mistral's architecture (Llama's layers) with attention that slides over 64 tokens, as Mistral 7B v0.1's over
+    4,096."""
+    torch.manual_seed(3)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=64, initializer_range=0.2, tie_word_embeddings=False,
+                           eos_token_id=tokenizer.eos_token_id)
+    return _save_tiny(MistralForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-mistral"))
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention
+from engine.models import attention_window, context_limit
 from tests.helpers import PROMPTS, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -42,7 +43,7 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
     assert llm.engine.scheduler.total_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_gpt2_path"])
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_mistral_path", "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -51,6 +52,41 @@ def test_tiny_models_match_hf_queued_and_preempted(request, name):
     preempting = LLM(str(path), max_num_seqs=16, num_kv_blocks=20, block_size=4, log_stats=False)
     _check(preempting, reference, params=params)
     assert preempting.engine.scheduler.total_preemptions > 0
+
+
+def test_a_sliding_window_is_the_context(tiny_mistral_path, tiny_llama_path, tokenizer):
+    """Mistral's attention here slides over 64 tokens; the engine's is full, which equals it within the window. So
+    the context is the window: a sequence runs to its end token for token as HF's model scores it, a longer prompt
+    is refused, and so is a max_model_len past it, naming the window; past a model's positions too."""
+    llm = LLM(str(tiny_mistral_path), log_stats=False)
+    assert llm.engine.max_model_len == 64
+    prompt = tokenizer(PROMPTS[0]).input_ids
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(prompt) + len(out.token_ids) == 64 and out.finish_reason == "length"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_mistral_path)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids  # teacher-forced, all 64 positions
+    with pytest.raises(ValueError, match="the limit is 63"):
+        llm.generate([list(range(1, 65))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len 65 is past this model's context of 64 tokens .its attention "
+                                         "slides over 64 tokens"):
+        LLM(str(tiny_mistral_path), max_model_len=65, log_stats=False)
+    assert LLM(str(tiny_mistral_path), max_model_len=32, log_stats=False).engine.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len 513 is past this model's context of 512 tokens "
+                                         ".max_position_embeddings"):
+        LLM(str(tiny_llama_path), max_model_len=513, log_stats=False)
+
+
+def test_which_configs_slide():
+    """Mistral 7B v0.1's window bounds its context; Qwen2's only with use_sliding_window; Llama's never."""
+    assert context_limit(MistralConfig(max_position_embeddings=32768, sliding_window=4096), None) == 4096
+    assert attention_window(MistralConfig(sliding_window=None)) is None  # Mistral 7B v0.2 and later
+    assert attention_window(Qwen2Config(sliding_window=4096)) is None
+    assert attention_window(Qwen2Config(use_sliding_window=True, sliding_window=1024)) == 1024
+    assert attention_window(LlamaConfig()) is None
+    assert context_limit(LlamaConfig(max_position_embeddings=2048), 1024) == 1024
 
 
 def test_tiny_bf16_runs_and_mostly_agrees(tiny_llama_path):

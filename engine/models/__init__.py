@@ -43,6 +43,31 @@ def model_class(hf_config) -> type[nn.Module]:
     raise ValueError(f"unsupported architecture {hf_config.architectures}; supported: {', '.join(ARCHITECTURES)}")
 
 
+def context_limit(hf_config, asked: int | None) -> int:
+    """The longest context served for this model: `asked` (max_model_len), else the model's position limit and, for
+    a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with use_sliding_window),
+    that window. The engine's attention is full over the context, which equals the window's only while the context
+    fits in the window, as vLLM serves such a model with its sliding window disabled. A max_model_len past the limit
+    is refused with both figures, never cut to it."""
+    positions = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+    window = attention_window(hf_config)
+    limit = min(positions, window) if window else positions
+    if asked is not None and asked > limit:
+        why = (f"its attention slides over {window} tokens, which this engine computes as full attention: exact "
+               f"only within the window" if window and window < positions else "max_position_embeddings")
+        raise ValueError(f"max_model_len {asked} is past this model's context of {limit} tokens ({why})")
+    return asked or limit
+
+
+def attention_window(hf_config) -> int | None:
+    """The sliding window of a model's attention layers (None: every layer attends to the whole context)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:  # transformers' per-layer kinds, where the config has them
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(hf_config, "use_sliding_window", True) else None
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
