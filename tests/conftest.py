@@ -34,7 +34,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
 from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -108,6 +108,22 @@ def tiny_qwen2_path(tmp_path_factory, tokenizer):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     return _save_tiny(Qwen2ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory, tokenizer):
+    """Qwen3's layers: each query and key head normalized before the rotary embedding, head_dim apart from
+    hidden / heads."""
+    torch.manual_seed(4)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # norm scales away from 1, so that a missing or misplaced norm shows
+        for name, param in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                param.uniform_(0.5, 1.5)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="session")

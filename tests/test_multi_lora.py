@@ -50,6 +50,7 @@ def _greedy(model, tok, prompt):
 
 
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", LLAMA_ADAPTERS),
+                                                 ("tiny_qwen3_path", LLAMA_ADAPTERS),  # head_dim != hidden / heads
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])
 @pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters: slots are evicted and requests wait for one
 def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base_fixture, specs, max_loras):

@@ -18,12 +18,14 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel}
 
 
 def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:

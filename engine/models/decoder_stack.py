@@ -71,8 +71,8 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
                         lora_state: LoRAStepState) -> DecoderStack | None:
     """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
     wrappers and any move of the weights); None where the modules' path must stay."""
-    if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
-        return None
+    if cpu_ops is None or not isinstance(model, LlamaForCausalLM) or model.layers[0].self_attn.qk_norm:
+        return None  # the stack has no per-head q/k norms (Qwen3): its layers run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None

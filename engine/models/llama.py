@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, SmolLM2) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norms, SmolLM2) over the paged KV
+cache.
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
 the fused weights at load time.
@@ -57,6 +58,11 @@ class LlamaAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = uninitialized.linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=o_bias)
+        # Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before the rotary embedding
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused_ops = None  # the fused operators (set by use_fused_ops): rotary in one call
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,10 +70,18 @@ class LlamaAttention(nn.Module):
         q_size, kv_size, _ = self.split_sizes
         qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = self._head_norms(qk)
         qk = apply_rotary(qk, cos, sin) if self.fused_ops is None else self.fused_ops.rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta))
+
+
+    def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's norms of each query head and each key head, over the head's dimensions."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
 
 
 class LlamaMLP(nn.Module):
