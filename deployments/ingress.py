@@ -258,7 +258,7 @@ class HttpRoutes:
         answers (as TGI picks), the others in details.best_of_sequences."""
         tenant, count = _tenant(http), request.parameters.sequences
         starter = lambda stream: self._events(request, tenant, stream)  # noqa: E731
-        with _max_tokens_named("max_new_tokens"):
+        with _max_tokens_named(request.max_tokens_name()):
             lasts = await wholes(await self._start_choices([[starter] * count], stream=False))
         best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
         body = {"generated_text": self._full_text(request, best.final.generated_text)}
@@ -274,7 +274,7 @@ class HttpRoutes:
         if request.parameters.sequences > 1:
             raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
         events = self._events(request, _tenant(http))
-        with _max_tokens_named("max_new_tokens"):
+        with _max_tokens_named(request.max_tokens_name()):
             first = await self._first_event(events)
         return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
 

@@ -120,6 +120,10 @@ class GenerateRequest(StrictModel):
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
 
+    def max_tokens_name(self) -> str:
+        """The parameter a refused token budget is named by."""
+        return "max_new_tokens"
+
 
 TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
 
