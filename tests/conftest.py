@@ -33,8 +33,9 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -136,6 +137,35 @@ def tiny_mistral_path(tmp_path_factory, tokenizer):
                            sliding_window=64, initializer_range=0.2, tie_word_embeddings=False,
                            eos_token_id=tokenizer.eos_token_id)
     return _save_tiny(MistralForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-mistral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_path(tmp_path_factory, tokenizer):
+    """Phi-3's layers: q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj)."""
+    torch.manual_seed(5)
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        original_max_position_embeddings=512, sliding_window=None, initializer_range=0.2,
+                        tie_word_embeddings=False, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+                        bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny(Phi3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-phi3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_path(tmp_path_factory, tokenizer):
+    """Gemma's layers: norms that scale by 1 + weight, embeddings times sqrt(hidden), a GELU-gated MLP, head_dim
+    apart from hidden / heads."""
+    torch.manual_seed(6)
+    config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         initializer_range=0.2, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    model = GemmaForCausalLM(config)
+    with torch.no_grad():  # norm weights away from 0 (a scale of 1), so that a norm computed as Llama's shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-gemma"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config)
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention
@@ -44,7 +45,7 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path",
-                                  "tiny_gpt2_path"])
+                                  "tiny_phi3_path", "tiny_gemma_path", "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -90,9 +91,57 @@ def test_which_configs_slide():
     assert context_limit(LlamaConfig(max_position_embeddings=2048), 1024) == 1024
 
 
-def test_tiny_bf16_runs_and_mostly_agrees(tiny_llama_path):
-    reference = hf_greedy(tiny_llama_path, PROMPTS[:4], 8)
-    outputs = LLM(str(tiny_llama_path), dtype="bfloat16", log_stats=False).generate(
+def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
+    """A longrope rotary embedding (Phi-3's 128k models) uses its short factors, and an attention factor, while a
+    sequence fits in the original context; past it transformers switches the whole sequence to the long factors,
+    which the engine's rotary table, computed once, cannot. So the original context is the context: a sequence
+    runs to its end as HF's model scores it, and a max_model_len past it is refused, naming why."""
+    torch.manual_seed(7)
+    half = 8  # head_dim 16
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=64, sliding_window=None, initializer_range=0.2,
+                        pad_token_id=0, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                         "short_factor": [1.0 + i / half for i in range(half)],
+                                         "long_factor": [4.0] * half, "original_max_position_embeddings": 64})
+    Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), log_stats=False)
+    assert llm.engine.max_model_len == 64
+    prompt = tokenizer(PROMPTS[0]).input_ids
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(prompt) + len(out.token_ids) == 64
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids  # teacher-forced, all 64 positions
+    with pytest.raises(ValueError, match="max_model_len 65 is past this model's context of 64 tokens .its longrope "
+                                         "rotary embedding switches to its long factors past 64 tokens"):
+        LLM(str(tmp_path), max_model_len=65, log_stats=False)
+
+
+def test_partial_rotary_is_refused_by_name(tmp_path, tokenizer):
+    """Rotary embeddings over part of each head (Phi-4-mini's partial_rotary_factor) are refused, not computed over
+    the whole head."""
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                        partial_rotary_factor=0.75)
+    Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75: rotary embeddings over part of each head are "
+                                         "not supported"):
+        LLM(str(tmp_path), log_stats=False)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path"])
+def test_tiny_bf16_runs_and_mostly_agrees(request, name):
+    """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all (Gemma's norms
+    scale by 1 + weight rounded to bf16, where transformers adds the 1 in float32)."""
+    path = request.getfixturevalue(name)
+    reference = hf_greedy(path, PROMPTS[:4], 8)
+    outputs = LLM(str(path), dtype="bfloat16", log_stats=False).generate(
         PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     first_tokens_equal = sum(o.token_ids[0] == r[0] for o, r in zip(outputs, reference))
     assert first_tokens_equal >= 3

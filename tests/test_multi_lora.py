@@ -16,6 +16,12 @@ LLAMA_ADAPTERS = {  # name -> (rank, target modules)
     "all-r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "qv-r8": (8, ["q_proj", "v_proj"]),
 }
+PHI3_ADAPTERS = {  # Phi-3's linears are fused in its checkpoints, and its adapters target them so
+    "attn-r4": (4, ["qkv_proj", "o_proj"]),
+    "mlp-r8": (8, ["gate_up_proj", "down_proj"]),
+    "all-r16": (16, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "qkv-r8": (8, ["qkv_proj"]),
+}
 GPT2_ADAPTERS = {
     "attn-r4": (4, ["c_attn"]),
     "proj-r8": (8, ["c_proj"]),
@@ -51,6 +57,8 @@ def _greedy(model, tok, prompt):
 
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", LLAMA_ADAPTERS),
                                                  ("tiny_qwen3_path", LLAMA_ADAPTERS),  # head_dim != hidden / heads
+                                                 ("tiny_phi3_path", PHI3_ADAPTERS),
+                                                 ("tiny_gemma_path", LLAMA_ADAPTERS),
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])
 @pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters: slots are evicted and requests wait for one
 def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base_fixture, specs, max_loras):

@@ -19,13 +19,15 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "GemmaForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-    "gpt2": GPT2LMHeadModel}
+    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
 def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:
@@ -46,19 +48,34 @@ def model_class(hf_config) -> type[nn.Module]:
 
 
 def context_limit(hf_config, asked: int | None) -> int:
-    """The longest context served for this model: `asked` (max_model_len), else the model's position limit and, for
-    a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with use_sliding_window),
-    that window. The engine's attention is full over the context, which equals the window's only while the context
-    fits in the window, as vLLM serves such a model with its sliding window disabled. A max_model_len past the limit
-    is refused with both figures, never cut to it."""
-    positions = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
-    window = attention_window(hf_config)
-    limit = min(positions, window) if window else positions
+    """The longest context served for this model: `asked` (max_model_len), else the tightest of the model's bounds:
+    - its position limit;
+    - for a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with
+      use_sliding_window), that window: the engine's attention is full over the context, which equals the window's
+      only while the context fits in it, as vLLM serves such a model with its sliding window disabled;
+    - for a longrope rotary embedding (Phi-3's 128k models), the original context: past it transformers switches
+      the whole sequence to the long factors, while the engine's rotary table is computed once, with the short ones.
+    A max_model_len past the limit is refused with the figures and the reason, never cut to it."""
+    limit, why = min(_context_bounds(hf_config), key=lambda bound: bound[0])
     if asked is not None and asked > limit:
-        why = (f"its attention slides over {window} tokens, which this engine computes as full attention: exact "
-               f"only within the window" if window and window < positions else "max_position_embeddings")
         raise ValueError(f"max_model_len {asked} is past this model's context of {limit} tokens ({why})")
     return asked or limit
+
+
+def _context_bounds(hf_config) -> list[tuple[int, str]]:
+    """(tokens, why) of each bound on the context; the position limit first, so that it wins a tie."""
+    positions = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+    bounds = [(positions, "max_position_embeddings")]
+    window = attention_window(hf_config)
+    if window:
+        bounds.append((window, f"its attention slides over {window} tokens, which this engine computes as full "
+                               f"attention: exact only within the window"))
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        original = params.get("original_max_position_embeddings") or positions
+        bounds.append((original, f"its longrope rotary embedding switches to its long factors past {original} "
+                                 f"tokens, which this engine does not: exact only within them"))
+    return bounds
 
 
 def attention_window(hf_config) -> int | None:

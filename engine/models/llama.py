@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norms, SmolLM2) over the paged KV
-cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2, Qwen3, Phi-3, Gemma) over the paged KV cache; how each
+architecture departs from Llama's layers is data read from its config (engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
 the fused weights at load time.
@@ -16,12 +16,7 @@ from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.activations import activation
-
-
-# The fused linears and the PEFT modules each holds, in output-column order
-LORA_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                "mlp.down_proj": ("mlp.down_proj",)}
+from engine.models.llama_variants import LlamaVariant, variant_of
 
 
 class RMSNorm(nn.Module):
@@ -49,17 +44,17 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, variant: LlamaVariant):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = uninitialized.linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = uninitialized.linear(config.hidden_size, q_size + 2 * kv_size, bias=variant.qkv_bias)
+        self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=variant.o_bias)
         # Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before the rotary embedding
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = variant.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -104,10 +99,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, variant: LlamaVariant):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, variant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -127,13 +122,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        is_qwen2 = config.model_type == "qwen2"
-        qkv_bias = is_qwen2 or getattr(config, "attention_bias", False)
-        o_bias = not is_qwen2 and getattr(config, "attention_bias", False)
         self.config = config
+        self.variant = variant_of(config)
         self.embed_tokens = uninitialized.embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
-                                    for _ in range(config.num_hidden_layers))
+        # Gemma's embedding scale, rounded to the model dtype as transformers rounds it (sqrt(2048) is 45.25 in bf16)
+        scale = self.variant.embed_scale
+        self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale, dtype=torch.float32).to(
+            torch.get_default_dtype()), persistent=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.variant) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = uninitialized.linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -156,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # a new tensor: the residual stream the layers add into in place
+        if self.embed_scale is not None:
+            h.mul_(self.embed_scale)
         delta = None
         cos, sin = self.rotary.lookup(positions)
         if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):
@@ -169,20 +167,13 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def lora_shapes(c) -> dict[str, tuple[int, int]]:
-        """PEFT module key -> (in_features, out_features) of each LoRA-capable linear, from the config alone:
-        adapters are validated where no model is loaded (the cache actor)."""
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        q_size = heads * head_dim
-        kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
-        hidden, inter = c.hidden_size, c.intermediate_size
-        return {"self_attn.q_proj": (hidden, q_size), "self_attn.k_proj": (hidden, kv_size),
-                "self_attn.v_proj": (hidden, kv_size), "self_attn.o_proj": (q_size, hidden),
-                "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+        """PEFT module key -> (in_features, out_features) of each LoRA-capable linear, from the config alone."""
+        return variant_of(c).lora_shapes(c)
 
     def lora_targets(self) -> list[dict[str, LoRATarget]]:
         """Per layer: linear path -> its LoRA target (the PEFT modules fused into it)."""
-        return [fused_targets(self.lora_shapes(self.config), LORA_FUSIONS)] * len(self.layers)
+        targets = fused_targets(self.variant.lora_shapes(self.config), self.variant.lora_fusions)
+        return [targets] * len(self.layers)
 
     def shard_offset(self, param_name: str, shard: int) -> int:
         """First row of shard `shard` inside a fused weight or bias."""
@@ -191,6 +182,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [self.config.intermediate_size] * 2
         return sum(sizes[:shard])
+
+    def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Gemma's norm weights w as the 1 + w they scale by, added in float32 as transformers adds it."""
+        if self.variant.norm_offset and name.endswith("norm.weight"):
+            return tensor.float() + self.variant.norm_offset
+        return tensor
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
         """Map an HF tensor name to (our parameter name, shard index within a fused weight or None)."""

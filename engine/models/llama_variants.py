@@ -1,0 +1,75 @@
+"""How each Llama-family architecture departs from Llama's decoder layers, read once from its config.
+
+One decoder serves them all (engine/models/llama.py); what differs is data, not code paths spread over the model:
+- Llama, Mistral, SmolLM2: the reference.
+- Qwen2: biases on q, k and v.
+- Qwen3: each query and key head RMS-normalized before the rotary embedding.
+- Phi-3: q/k/v and gate/up stored fused in its checkpoints (the layout the engine computes in), and its adapters
+  target them fused (PEFT modules `qkv_proj` and `gate_up_proj`), so a LoRA linear there has one sub-module.
+- Gemma: norms that scale by 1 + weight (the 1 is added as the weights load, so every norm path, the C++ decoder
+  stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
+  rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
+
+A config that asks for math these layers do not compute is refused by name, never approximated: rotary embeddings
+over part of each head (`partial_rotary_factor`, as Phi-4-mini's). Gemma 2 and 3 (logit soft-capping, extra norms,
+alternating windows) are not Llama-family variants and are not registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The engine's fused linears and the PEFT modules each holds, in output-column order
+SPLIT_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down_proj": ("mlp.down_proj",)}
+FUSED_FUSIONS = {path: (path,) for path in SPLIT_FUSIONS}  # Phi-3: its adapters target the fused linears
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # Qwen3
+    norm_offset: float  # Gemma's norms scale by 1 + weight: 1.0, added to each norm weight as it loads
+    embed_scale: float | None  # Gemma: embeddings times this (sqrt(hidden_size)), rounded to the model dtype
+    fused_checkpoint: bool  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
+
+    @property
+    def lora_fusions(self) -> dict[str, tuple[str, ...]]:
+        return FUSED_FUSIONS if self.fused_checkpoint else SPLIT_FUSIONS
+
+    def lora_shapes(self, c) -> dict[str, tuple[int, int]]:
+        """PEFT module key -> (in_features, out_features) of each LoRA-capable linear, from the config alone:
+        adapters are validated where no model is loaded (the cache actor)."""
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        q_size = heads * head_dim
+        kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+        hidden, inter = c.hidden_size, c.intermediate_size
+        if self.fused_checkpoint:
+            return {"self_attn.qkv_proj": (hidden, q_size + 2 * kv_size), "self_attn.o_proj": (q_size, hidden),
+                    "mlp.gate_up_proj": (hidden, 2 * inter), "mlp.down_proj": (inter, hidden)}
+        return {"self_attn.q_proj": (hidden, q_size), "self_attn.k_proj": (hidden, kv_size),
+                "self_attn.v_proj": (hidden, kv_size), "self_attn.o_proj": (q_size, hidden),
+                "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+
+
+def variant_of(config) -> LlamaVariant:
+    """The variant a config describes; a ValueError naming what these layers do not compute."""
+    _refuse_partial_rotary(config)
+    kind = config.model_type
+    bias = bool(getattr(config, "attention_bias", False))
+    gemma = kind == "gemma"
+    return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias, qk_norm=kind == "qwen3",
+                        norm_offset=1.0 if gemma else 0.0,
+                        embed_scale=config.hidden_size ** 0.5 if gemma else None,
+                        fused_checkpoint=kind == "phi3")
+
+
+def _refuse_partial_rotary(config) -> None:
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {factor}: rotary embeddings over part of each head are not "
+                         f"supported (every head dimension is rotated here)")
