@@ -152,6 +152,19 @@ def tiny_phi3_path(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_phi4_path(tmp_path_factory, tokenizer):
+    """Phi-4-mini's layers: Phi-3's, with a rotary embedding that turns only the first part of each head
+    (partial_rotary_factor) and tied embeddings."""
+    torch.manual_seed(8)
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        original_max_position_embeddings=512, partial_rotary_factor=0.5, sliding_window=None,
+                        initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny(Phi3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-phi4"))
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma_path(tmp_path_factory, tokenizer):
     """Gemma's layers: norms that scale by 1 + weight, embeddings times sqrt(hidden), a GELU-gated MLP, head_dim
     apart from hidden / heads."""

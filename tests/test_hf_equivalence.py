@@ -45,7 +45,7 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path",
-                                  "tiny_phi3_path", "tiny_gemma_path", "tiny_gpt2_path"])
+                                  "tiny_phi3_path", "tiny_phi4_path", "tiny_gemma_path", "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -120,19 +120,6 @@ def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="max_model_len 65 is past this model's context of 64 tokens .its longrope "
                                          "rotary embedding switches to its long factors past 64 tokens"):
         LLM(str(tmp_path), max_model_len=65, log_stats=False)
-
-
-def test_partial_rotary_is_refused_by_name(tmp_path, tokenizer):
-    """Rotary embeddings over part of each head (Phi-4-mini's partial_rotary_factor) are refused, not computed over
-    the whole head."""
-    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                        partial_rotary_factor=0.75)
-    Phi3ForCausalLM(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75: rotary embeddings over part of each head are "
-                                         "not supported"):
-        LLM(str(tmp_path), log_stats=False)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path"])

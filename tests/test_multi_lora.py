@@ -58,6 +58,7 @@ def _greedy(model, tok, prompt):
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", LLAMA_ADAPTERS),
                                                  ("tiny_qwen3_path", LLAMA_ADAPTERS),  # head_dim != hidden / heads
                                                  ("tiny_phi3_path", PHI3_ADAPTERS),
+                                                 ("tiny_phi4_path", PHI3_ADAPTERS),  # partial rotary, tied
                                                  ("tiny_gemma_path", LLAMA_ADAPTERS),
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])
 @pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters: slots are evicted and requests wait for one

@@ -7,13 +7,23 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
+def rotary_dim(config, head_dim: int) -> int:
+    """The dimensions of each head that the rotary embedding turns, its first ones: all of them, or the share that
+    `partial_rotary_factor` names (Phi-4-mini's 0.75), as transformers counts them."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return head_dim if factor is None else int(head_dim * factor)
+
+
 def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling, as transformers computes them for this config's rope type."""
+    """inv_freq and attention scaling, as transformers computes them for this config's rope type (over the rotary
+    dimensions only, where they are part of each head)."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        dim = rotary_dim(config, head_dim)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
@@ -37,7 +47,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]."""
+    """x: [tokens, heads, head_dim]; a cos/sin narrower than the heads turns their first dimensions and passes the
+    rest through, as transformers does for a partial rotary embedding."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

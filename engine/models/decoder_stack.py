@@ -71,8 +71,11 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
                         lora_state: LoRAStepState) -> DecoderStack | None:
     """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
     wrappers and any move of the weights); None where the modules' path must stay."""
-    if cpu_ops is None or not isinstance(model, LlamaForCausalLM) or model.layers[0].self_attn.qk_norm:
-        return None  # the stack has no per-head q/k norms (Qwen3): its layers run as modules
+    if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
+        return None
+    attn = model.layers[0].self_attn
+    if attn.qk_norm or attn.partial_rotary:
+        return None  # the stack has no per-head q/k norms (Qwen3) and turns whole heads: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
@@ -83,7 +86,6 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     loras = [linear for layer in model.layers for linear in _linears(layer) if isinstance(linear, LoRALinear)]
     if loras and (len(loras) != len(linears) or any(len(lora.b_slots) > MAX_SUBS for lora in loras)):
         return None
-    attn = model.layers[0].self_attn
     return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
                         attn.num_kv_heads, kernels.pop(), model.norm.eps, lora_state, loras,
                         loras[0].max_rank if loras else 0)

@@ -14,7 +14,7 @@ from torch import nn
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, rotary_dim
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
 
@@ -55,6 +55,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=variant.o_bias)
         # Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before the rotary embedding
         self.qk_norm = variant.qk_norm
+        # Phi-4-mini turns only the first 3/4 of each head: the fused rotary operators turn whole heads, so such a
+        # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
+        self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -67,7 +70,8 @@ class LlamaAttention(nn.Module):
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = self._head_norms(qk)
-        qk = apply_rotary(qk, cos, sin) if self.fused_ops is None else self.fused_ops.rotary(qk, cos, sin)
+        fused = self.fused_ops is not None and not self.partial_rotary
+        qk = self.fused_ops.rotary(qk, cos, sin) if fused else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta))

@@ -10,9 +10,9 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
   stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
   rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
 
-A config that asks for math these layers do not compute is refused by name, never approximated: rotary embeddings
-over part of each head (`partial_rotary_factor`, as Phi-4-mini's). Gemma 2 and 3 (logit soft-capping, extra norms,
-alternating windows) are not Llama-family variants and are not registered.
+Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's) are the rotary table's concern
+(engine/layers/rotary.py). Gemma 2 and 3 (logit soft-capping, extra norms, alternating windows) are not Llama-family
+variants and are not registered.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ class LlamaVariant:
 
 
 def variant_of(config) -> LlamaVariant:
-    """The variant a config describes; a ValueError naming what these layers do not compute."""
-    _refuse_partial_rotary(config)
+    """The variant a config describes."""
     kind = config.model_type
     bias = bool(getattr(config, "attention_bias", False))
     gemma = kind == "gemma"
@@ -65,11 +64,3 @@ def variant_of(config) -> LlamaVariant:
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3")
-
-
-def _refuse_partial_rotary(config) -> None:
-    params = getattr(config, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {factor}: rotary embeddings over part of each head are not "
-                         f"supported (every head dimension is rotated here)")
