@@ -11,7 +11,10 @@ from deployments.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.strict import StrictModel
 from deployments.token_texts import TokenTexts
 from engine.sampling import REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
+from engine.watermark import Watermark
 from lora_cache.merge_spec import MergeSpec
+
+LORAX_WATERMARK = Watermark(greenlist_ratio=0.5, bias=2.0)  # LoRAX's (and TGI's) default gamma and delta
 
 
 class JSONResponseFormat(BaseModel):
@@ -59,7 +62,7 @@ class GenerateParameters(StrictModel):
     api_token: str | None = None
     merged_adapters: MergedAdapters | None = None  # instead of adapter_id
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sequences drawn; the likeliest answers
-    watermark: bool = False
+    watermark: bool = False  # the green-list watermark with LoRAX's gamma 0.5 and delta 2.0 (engine/watermark.py)
     return_k_alternatives: int | None = Field(None, ge=0, le=20)  # each token's k most likely alternatives
     response_format: JSONResponseFormat | None = None
 
@@ -67,8 +70,6 @@ class GenerateParameters(StrictModel):
     def _refuse_unsupported(self):
         if self.merged_adapters is not None and self.adapter_id is not None:
             raise ValueError("give adapter_id or merged_adapters, not both")
-        if self.watermark:
-            raise ValueError("not supported yet: watermark")
         if self.api_token:  # a request's token would fetch an adapter that every later request then shares
             raise ValueError("api_token is not supported: the server reads adapters with its own credentials "
                              "($HF_TOKEN, or the S3 client's)")
@@ -112,6 +113,7 @@ class GenerateParameters(StrictModel):
             prompt_logprobs=0 if self.decoder_input_details else None,
             response_format=self.response_format.to_engine() if self.response_format else None,
             truncate_prompt_tokens=self.truncate,
+            watermark=LORAX_WATERMARK if self.watermark else None,
         )
 
 

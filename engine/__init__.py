@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineOverloadedError": "engine.errors", "EngineStats": "engine.llm_engine", "LLM": "engine.llm_engine",
     "LLMEngine": "engine.llm_engine", "ModelNotFoundError": "engine.model_files",
     "RequestOutput": "engine.llm_engine", "ResponseFormat": "engine.sampling", "SamplingParams": "engine.sampling",
+    "Watermark": "engine.watermark",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -208,6 +208,13 @@ def _penalise_output(row: torch.Tensor, seq: Sequence) -> None:
     _penalty_tokens(row, seq).penalise_output(row, params.presence_penalty, params.frequency_penalty)
 
 
+def _add_watermark(row: torch.Tensor, seq: Sequence) -> None:
+    """The watermark's green tokens after the sequence's last token raised, last of the edits, as transformers
+    applies its watermark after its other processors."""
+    watermark = seq.params.watermark
+    watermark.add_bias(row, seq.last_token_id)
+
+
 # Per-request logit processors, in the order they apply: (does the request use it, edit its row in place).
 ROW_PROCESSORS = (
     (lambda seq: len(seq.output_token_ids) < seq.params.min_tokens, _ban_early_stops),
@@ -217,6 +224,7 @@ ROW_PROCESSORS = (
     (lambda seq: seq.params.repetition_penalty != 1.0, _penalise_repetition),
     (lambda seq: bool(seq.output_token_ids) and bool(seq.params.presence_penalty or seq.params.frequency_penalty),
      _penalise_output),
+    (lambda seq: seq.params.watermark is not None, _add_watermark),
 )
 
 

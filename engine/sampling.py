@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from engine.watermark import Watermark
+
 # A JSON schema's size as compact JSON (UTF-8): real schemas (OpenAI's tools, pydantic models) take a few KiB
 MAX_SCHEMA_BYTES = 64 * 1024
 # dicts and lists inside each other in a schema (an object property is 2 levels: "properties", then its schema);
@@ -143,6 +145,7 @@ class SamplingParams:
     response_format: ResponseFormat | None = None  # structured output (engine/grammar.py)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (left truncation)
     priority: int = 0  # vLLM's: a lower value is admitted first and preempted last; equal ones in arrival order
+    watermark: Watermark | None = None  # green-list watermark on every generated token (engine/watermark.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -195,6 +198,8 @@ class SamplingParams:
         if not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             raise ValueError(f"priority must be an integer between {PRIORITY_MIN} and {PRIORITY_MAX}, "
                              f"got {self.priority!r}")
+        if self.watermark is not None and not isinstance(self.watermark, Watermark):
+            raise ValueError(f"watermark must be a Watermark, got {type(self.watermark).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

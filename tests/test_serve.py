@@ -77,7 +77,6 @@ def test_generate_stream_sends_tokens_then_final_text(server):
     ({"inputs": "hi", "parameters": {"max_new_tokens": "many"}}, 422, "max_new_tokens"),
     ({"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p"),
     ({"inputs": "hi", "parameters": {"bogus": 1}}, 422, "bogus"),
-    ({"inputs": "hi", "parameters": {"watermark": True}}, 422, "not supported yet: watermark"),
     ({"inputs": "hi", "parameters": {"api_token": "hf_x"}}, 422, "api_token is not supported"),
     ({"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True, "seed": 3}}, 422, "seed must not be set"),
     ({"inputs": "hi", "parameters": {"best_of": 2}}, 422, "best_of > 1 needs sampling"),
@@ -226,8 +225,8 @@ def test_lorax_client_raises_its_errors_with_the_servers_reasons(server):
     from lorax.errors import NotFoundError, ValidationError
 
     client = Client(server)
-    with pytest.raises(ValidationError, match="not supported yet: watermark"):
-        client.generate("hi", max_new_tokens=2, watermark=True)
+    with pytest.raises(ValidationError, match="api_token is not supported"):
+        client.generate("hi", max_new_tokens=2, api_token="hf_x")
     with pytest.raises(ValidationError, match="max_model_len"):
         client.generate("hi", max_new_tokens=10 ** 6)
     with pytest.raises(NotFoundError, match="'nope'"):
@@ -743,6 +742,25 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
         return finished
 
     assert asyncio.run(three_streams())[-1] == "long"
+
+
+def test_lorax_watermark_is_the_engines(server, tiny_llama_path):
+    """watermark: true marks the text with LoRAX's green-list watermark (gamma 0.5, delta 2.0): greedy, the answer
+    is the offline engine's with that watermark, streamed too, which differs from the unmarked answer."""
+    from lorax import Client
+
+    from engine import Watermark
+
+    llm = LLM(str(tiny_llama_path), log_stats=False)
+    marked, plain = (llm.generate([PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, watermark=watermark),
+                                  use_tqdm=False)[0] for watermark in (Watermark(0.5, 2.0), None))
+    assert marked.token_ids != plain.token_ids
+    client = Client(server)
+    response = client.generate(PROMPTS[3], max_new_tokens=24, watermark=True, details=True)
+    assert [t.id for t in response.details.tokens] == marked.token_ids
+    streamed = [r.token.id for r in client.generate_stream(PROMPTS[3], max_new_tokens=24, watermark=True)]
+    assert streamed == marked.token_ids
+    assert client.generate(PROMPTS[3], max_new_tokens=24).generated_text == plain.text
 
 
 def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, adapters_root):
