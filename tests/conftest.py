@@ -35,7 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -162,6 +162,19 @@ def tiny_phi4_path(tmp_path_factory, tokenizer):
                         initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     return _save_tiny(Phi3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-phi4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3_path(tmp_path_factory, tokenizer):
+    """SmolLM3's layers: Llama's, with every second one here attending without the rotary embedding (its
+    no_rope_layers; every fourth in SmolLM3-3B)."""
+    torch.manual_seed(9)
+    config = SmolLM3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           no_rope_layer_interval=2, initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    assert config.no_rope_layers == [1, 0]
+    return _save_tiny(SmolLM3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-smollm3"))
 
 
 @pytest.fixture(scope="session")

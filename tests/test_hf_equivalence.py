@@ -45,7 +45,8 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path",
-                                  "tiny_phi3_path", "tiny_phi4_path", "tiny_gemma_path", "tiny_gpt2_path"])
+                                  "tiny_phi3_path", "tiny_phi4_path", "tiny_gemma_path", "tiny_smollm3_path",
+                                  "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2, Qwen3, Phi-3, Gemma) over the paged KV cache; how each
+"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma) over the paged KV cache; how each
 architecture departs from Llama's layers is data read from its config (engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant):
+    def __init__(self, config, variant: LlamaVariant, use_rope: bool = True):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
         # Phi-4-mini turns only the first 3/4 of each head: the fused rotary operators turn whole heads, so such a
         # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
+        self.use_rope = use_rope  # SmolLM3's layers without positions leave q and k as projected
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -70,12 +71,20 @@ class LlamaAttention(nn.Module):
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = self._head_norms(qk)
-        fused = self.fused_ops is not None and not self.partial_rotary
-        qk = self.fused_ops.rotary(qk, cos, sin) if fused else apply_rotary(qk, cos, sin)
+        qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta))
 
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding on every query and key head: in one fused call where it turns whole heads; a layer
+        without it gets its heads as one contiguous tensor, as the rotary's output is."""
+        if not self.use_rope:
+            return qk.contiguous()
+        if self.fused_ops is not None and not self.partial_rotary:
+            return self.fused_ops.rotary(qk, cos, sin)
+        return apply_rotary(qk, cos, sin)
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
         """Qwen3's norms of each query head and each key head, over the head's dimensions."""
@@ -103,10 +112,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant):
+    def __init__(self, config, variant: LlamaVariant, use_rope: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, variant)
+        self.self_attn = LlamaAttention(config, variant, use_rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -133,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         scale = self.variant.embed_scale
         self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale, dtype=torch.float32).to(
             torch.get_default_dtype()), persistent=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.variant) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.variant, self.variant.rotates(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = uninitialized.linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -6,6 +6,7 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
 - Qwen3: each query and key head RMS-normalized before the rotary embedding.
 - Phi-3: q/k/v and gate/up stored fused in its checkpoints (the layout the engine computes in), and its adapters
   target them fused (PEFT modules `qkv_proj` and `gate_up_proj`), so a LoRA linear there has one sub-module.
+- SmolLM3: no rotary embedding in some layers (`no_rope_layers`: every fourth layer attends without positions).
 - Gemma: norms that scale by 1 + weight (the 1 is added as the weights load, so every norm path, the C++ decoder
   stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
   rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
@@ -34,6 +35,11 @@ class LlamaVariant:
     norm_offset: float  # Gemma's norms scale by 1 + weight: 1.0, added to each norm weight as it loads
     embed_scale: float | None  # Gemma: embeddings times this (sqrt(hidden_size)), rounded to the model dtype
     fused_checkpoint: bool  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: whether each layer turns q and k; None: every layer
+
+    def rotates(self, layer: int) -> bool:
+        """Whether the layer applies the rotary embedding to its queries and keys."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @property
     def lora_fusions(self) -> dict[str, tuple[str, ...]]:
@@ -63,4 +69,10 @@ def variant_of(config) -> LlamaVariant:
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias, qk_norm=kind == "qwen3",
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
-                        fused_checkpoint=kind == "phi3")
+                        fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config))
+
+
+def _rope_layers(config) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers`: 1 where a layer uses the rotary embedding, 0 where it does not."""
+    flags = getattr(config, "no_rope_layers", None)
+    return None if flags is None else tuple(bool(flag) for flag in flags)
