@@ -37,7 +37,8 @@ def _scores(outputs) -> list[tuple]:
     return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path"])  # qwen2: q/k/v with biases
+# qwen2: q/k/v with biases; phi3: fused checkpoints; smollm3: a layer without the rotary embedding
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_phi3_path", "tiny_smollm3_path"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     path = str(request.getfixturevalue(name))
@@ -93,9 +94,9 @@ def test_operator_refuses_a_malformed_stack():
     caches = [torch.zeros(2, 1, 16, 16)] * 2
     weights = [h] * 11
 
-    def call(weights, caches, loras):
+    def call(weights, caches, loras, rope_layers=()):
         ops.decoder_stack(h, weights, caches, rope, rope, index, index.view(1, 1), index, index, index, 4, 2, 0,
-                          1e-6, loras, index, 4)
+                          1e-6, loras, index, 4, torch.tensor(rope_layers, dtype=torch.long))
 
     with pytest.raises(RuntimeError, match="weights must be 10 tensors per layer"):
         call([h], caches, [])
@@ -103,3 +104,5 @@ def test_operator_refuses_a_malformed_stack():
         call(weights, caches[:1], [])
     with pytest.raises(RuntimeError, match="loras must be none or 16 tensors per layer"):
         call(weights, caches, [h])
+    with pytest.raises(RuntimeError, match="rope_layers must be empty or one int64 flag per layer: 1, not 2"):
+        call(weights, caches, [], rope_layers=[1, 0])

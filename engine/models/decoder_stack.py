@@ -49,6 +49,8 @@ class DecoderStack:
     lora_state: LoRAStepState
     loras: list[LoRALinear]  # per layer its qkv, o, gate_up and down LoRA linears; none without LoRA
     max_rank: int
+    rope_layers: torch.Tensor  # int64, per layer 1 where it applies the rotary embedding (SmolLM3's: not every
+    # layer does); empty where every layer does
 
     def takes(self, meta: AttentionMetadata, h: torch.Tensor) -> bool:
         """Whether this step's layers can run in the stack, with the results of the modules' path."""
@@ -64,7 +66,8 @@ class DecoderStack:
         return self.ops.decoder_stack(h, self.weights, self.caches, cos, sin, meta.slot_mapping, q.block_tables,
                                       q.context_lens, q.query_starts, q.query_lens, self.heads, self.kv_heads,
                                       int(self.kernel.name == "amx"), self.eps, loras,
-                                      NO_TENSOR if token_slots is None else token_slots, self.max_rank)
+                                      NO_TENSOR if token_slots is None else token_slots, self.max_rank,
+                                      self.rope_layers)
 
 
 def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ops,
@@ -74,9 +77,8 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
         return None
     attn = model.layers[0].self_attn
-    if attn.qk_norm or attn.partial_rotary or not all(layer.self_attn.use_rope for layer in model.layers):
-        return None  # the stack has no per-head q/k norms (Qwen3) and turns whole heads in every layer: these run
-        # as modules
+    if attn.qk_norm or attn.partial_rotary:
+        return None  # the stack has no per-head q/k norms (Qwen3) and turns whole heads: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
@@ -87,9 +89,10 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     loras = [linear for layer in model.layers for linear in _linears(layer) if isinstance(linear, LoRALinear)]
     if loras and (len(loras) != len(linears) or any(len(lora.b_slots) > MAX_SUBS for lora in loras)):
         return None
+    rope = [int(layer.self_attn.use_rope) for layer in model.layers]
     return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
                         attn.num_kv_heads, kernels.pop(), model.norm.eps, lora_state, loras,
-                        loras[0].max_rank if loras else 0)
+                        loras[0].max_rank if loras else 0, NO_TENSOR if all(rope) else torch.tensor(rope))
 
 
 def _lora_slots(lora: LoRALinear) -> list[torch.Tensor]:

@@ -40,6 +40,11 @@ struct Shapes {
   int64_t tokens, heads, kv_heads, head_dim;
 };
 
+// Whether a layer turns its queries and keys (SmolLM3 leaves some layers without positions; empty: every layer).
+bool rotates(const at::Tensor& rope_layers, int64_t layer) {
+  return rope_layers.numel() == 0 || rope_layers.data_ptr<int64_t>()[layer] != 0;
+}
+
 // The attention metadata of the in-place kernel (engine/layers/attention.py, InPlaceQueries).
 struct Metadata {
   const at::Tensor& slot_mapping;
@@ -67,15 +72,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 }
 
 // Attention of one layer, as LlamaAttention.forward and paged_attention run it: fused projection, rotary on the
-// queries and keys together, the new keys and values into the cache, the in-place kernel, the output projection.
+// queries and keys together (or, in a layer without it, the heads made contiguous as the rotary's output is), the
+// new keys and values into the cache, the in-place kernel, the output projection.
 at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cache, at::Tensor& v_cache,
-                     const at::Tensor& cos, const at::Tensor& sin, const Metadata& meta, const Shapes& s, bool amx,
-                     const Adapters& adapters) {
+                     const at::Tensor& cos, const at::Tensor& sin, bool rope, const Metadata& meta, const Shapes& s,
+                     bool amx, const Adapters& adapters) {
   const at::Tensor qkv = linear(x, w[kQkv], w[kQkvBias], amx, adapters, kQkvLinear);
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({s.tokens, s.heads + s.kv_heads, s.head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({s.tokens, s.kv_heads, s.head_dim});
-  const at::Tensor rotated = rotary(qk, cos, sin);
+  const at::Tensor rotated = rope ? rotary(qk, cos, sin) : qk.contiguous();
   const at::Tensor q = rotated.narrow(1, 0, s.heads), k = rotated.narrow(1, s.heads, s.kv_heads);
   write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping);
   at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
@@ -96,7 +102,7 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
                          int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
-                         const at::Tensor& token_slots, int64_t rank) {
+                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers) {
   using namespace lora_serve::decoder_stack_detail;
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers > 0 && caches.size() % 2 == 0, "caches must be a key and a value cache per layer");
@@ -104,6 +110,9 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
               " tensors per layer and the final norm's: ", layers * kPerLayer + 1, ", not ", weights.size());
   TORCH_CHECK(loras.empty() || static_cast<int64_t>(loras.size()) == layers * kLoraPerLayer, "loras must be none or ",
               kLoraPerLayer, " tensors per layer: ", layers * kLoraPerLayer, ", not ", loras.size());
+  TORCH_CHECK(rope_layers.numel() == 0 || (rope_layers.dim() == 1 && rope_layers.size(0) == layers &&
+                                          rope_layers.scalar_type() == at::kLong && rope_layers.is_contiguous()),
+              "rope_layers must be empty or one int64 flag per layer: ", layers, ", not ", rope_layers.numel());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [tokens, hidden]");
   const Shapes shapes{h.size(0), heads, kv_heads, cos.size(-1)};
   const Metadata meta{slot_mapping, block_tables, context_lens, query_starts, query_lens};
@@ -113,7 +122,8 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
     at::Tensor k_cache = caches[2 * layer], v_cache = caches[2 * layer + 1];
     const at::Tensor x = layer == 0 ? rms_norm(h, w[kInputNorm], eps) : add_rms_norm(delta, h, w[kInputNorm], eps);
     const Adapters adapters{token_slots, loras.empty() ? nullptr : loras.data() + layer * kLoraPerLayer, rank};
-    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, meta, shapes, amx != 0, adapters);
+    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, rotates(rope_layers, layer), meta, shapes,
+                                      amx != 0, adapters);
     delta = mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0, adapters);
   }
   return add_rms_norm(delta, h, weights.back(), eps);
