@@ -33,7 +33,8 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, GraniteConfig,
+                          GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
@@ -175,6 +176,19 @@ def tiny_smollm3_path(tmp_path_factory, tokenizer):
                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     assert config.no_rope_layers == [1, 0]
     return _save_tiny(SmolLM3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-smollm3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_path(tmp_path_factory, tokenizer):
+    """Granite's layers: Llama's, with its four scalars away from 1 (embeddings, residual additions, attention scale,
+    logits), so that a missing or misplaced one shows."""
+    torch.manual_seed(10)
+    config = GraniteConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.125,
+                           logits_scaling=2.5, initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny(GraniteForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-granite"))
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,7 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path",
                                   "tiny_phi3_path", "tiny_phi4_path", "tiny_gemma_path", "tiny_smollm3_path",
-                                  "tiny_gpt2_path"])
+                                  "tiny_granite_path", "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -92,6 +92,17 @@ def test_which_configs_slide():
     assert context_limit(LlamaConfig(max_position_embeddings=2048), 1024) == 1024
 
 
+def test_granite_logits_are_scaled_as_hf_scales_them(tiny_granite_path, tokenizer):
+    """Granite divides its logits by logits_scaling: greedy choices cannot show it, the logprobs do."""
+    out = LLM(str(tiny_granite_path), log_stats=False).generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_granite_path, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf(tokenizer(PROMPTS[0], return_tensors="pt").input_ids).logits[0, -1].log_softmax(-1)
+    assert out.logprobs[0] == pytest.approx(expected[out.token_ids[0]].item(), abs=1e-4)
+    assert list(out.top_logprobs[0]) == expected.topk(5).indices.tolist()
+
+
 def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
     """A longrope rotary embedding (Phi-3's 128k models) uses its short factors, and an attention factor, while a
     sequence fits in the original context; past it transformers switches the whole sequence to the long factors,
@@ -123,7 +134,7 @@ def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
         LLM(str(tmp_path), max_model_len=65, log_stats=False)
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path"])
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path", "tiny_granite_path"])
 def test_tiny_bf16_runs_and_mostly_agrees(request, name):
     """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all (Gemma's norms
     scale by 1 + weight rounded to bf16, where transformers adds the 1 in float32)."""

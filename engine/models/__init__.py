@@ -22,13 +22,15 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "granite": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel}
 
 
 def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma) over the paged KV cache; how each
-architecture departs from Llama's layers is data read from its config (engine/models/llama_variants.py).
+"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma, Granite) over the paged KV cache;
+how each architecture departs from Llama's layers is data read from its config (engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
 the fused weights at load time.
@@ -59,6 +59,10 @@ class LlamaAttention(nn.Module):
         # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         self.use_rope = use_rope  # SmolLM3's layers without positions leave q and k as projected
+        # Granite's attention scale in place of 1/sqrt(head_dim): the queries times it and sqrt(head_dim), so that
+        # every attention path, which divides by sqrt(head_dim), scores with it
+        multiplier = variant.attention_multiplier
+        self.query_scale = None if multiplier is None else multiplier * self.head_dim ** 0.5
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -73,6 +77,8 @@ class LlamaAttention(nn.Module):
             qk = self._head_norms(qk)
         qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta))
 
@@ -118,14 +124,19 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, variant, use_rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.residual_multiplier = variant.residual_multiplier  # Granite: each output times it before the add
 
     def forward(self, h, delta, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """h: the residual stream, updated in place; delta: the previous layer's MLP output, not yet added to it
         (None in the first layer). Returns this layer's MLP output, for the next norm to add: each residual
         addition then runs inside a norm (RMSNorm.add_and_norm), as vLLM's fused add-norm does."""
         x = self.input_layernorm(h) if delta is None else self.input_layernorm.add_and_norm(delta, h)
-        attn = self.self_attn(x, cos, sin, cache, meta)
-        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, h))
+        attn = self._scaled(self.self_attn(x, cos, sin, cache, meta))
+        return self._scaled(self.mlp(self.post_attention_layernorm.add_and_norm(attn, h)))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: times Granite's residual multiplier."""
+        return out if self.residual_multiplier is None else out * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # a new tensor: the residual stream the layers add into in place
         if self.embed_scale is not None:
             h.mul_(self.embed_scale)
+        if self.variant.embed_multiplier is not None:  # Granite's, a Python scalar as transformers multiplies by it
+            h.mul_(self.variant.embed_multiplier)
         delta = None
         cos, sin = self.rotary.lookup(positions)
         if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):
@@ -177,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_and_norm(delta, h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.variant.logits_scaling is None else logits / self.variant.logits_scaling
 
     @staticmethod
     def lora_shapes(c) -> dict[str, tuple[int, int]]:

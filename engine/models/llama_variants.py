@@ -7,6 +7,10 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
 - Phi-3: q/k/v and gate/up stored fused in its checkpoints (the layout the engine computes in), and its adapters
   target them fused (PEFT modules `qkv_proj` and `gate_up_proj`), so a LoRA linear there has one sub-module.
 - SmolLM3: no rotary embedding in some layers (`no_rope_layers`: every fourth layer attends without positions).
+- Granite: four scalars: the embeddings times `embedding_multiplier`, each layer's attention and MLP outputs times
+  `residual_multiplier` before they join the residual stream, attention scores times `attention_multiplier` in
+  place of 1/sqrt(head_dim) (the queries are scaled by it times sqrt(head_dim), so every attention path, the C++
+  kernels' included, computes it), and the logits divided by `logits_scaling`.
 - Gemma: norms that scale by 1 + weight (the 1 is added as the weights load, so every norm path, the C++ decoder
   stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
   rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
@@ -36,6 +40,10 @@ class LlamaVariant:
     embed_scale: float | None  # Gemma: embeddings times this (sqrt(hidden_size)), rounded to the model dtype
     fused_checkpoint: bool  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: whether each layer turns q and k; None: every layer
+    embed_multiplier: float | None = None  # Granite's embedding_multiplier (a Python scalar, as transformers uses it)
+    residual_multiplier: float | None = None  # Granite: attention and MLP outputs times this before the residual add
+    attention_multiplier: float | None = None  # Granite: the attention scale, in place of 1/sqrt(head_dim)
+    logits_scaling: float | None = None  # Granite: the logits divided by this
 
     def rotates(self, layer: int) -> bool:
         """Whether the layer applies the rotary embedding to its queries and keys."""
@@ -69,7 +77,16 @@ def variant_of(config) -> LlamaVariant:
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias, qk_norm=kind == "qwen3",
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
-                        fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config))
+                        fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
+                        **_granite_scalars(config))
+
+
+def _granite_scalars(config) -> dict[str, float]:
+    """Granite's multipliers, by the variant's field names; none for another architecture."""
+    if config.model_type != "granite":
+        return {}
+    return {"embed_multiplier": config.embedding_multiplier, "residual_multiplier": config.residual_multiplier,
+            "attention_multiplier": config.attention_multiplier, "logits_scaling": config.logits_scaling}
 
 
 def _rope_layers(config) -> tuple[bool, ...] | None:
