@@ -87,6 +87,15 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
+def _tiny_decoder(tokenizer, **architecture) -> dict:
+    """The shape every tiny Llama-family model here shares (2 layers, 64 wide, 4 query and 2 KV heads), with the
+    config arguments of its own architecture. A large init range makes the random model's logits peaked, so greedy
+    choices are not near-ties."""
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                eos_token_id=tokenizer.eos_token_id, **architecture)
+
+
 def _save_tiny(model, tokenizer, path):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -96,19 +105,14 @@ def _save_tiny(model, tokenizer, path):
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
-    # A large init range makes the random model's logits peaked, so greedy choices are not near-ties.
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(**_tiny_decoder(tokenizer, tie_word_embeddings=False))
     return _save_tiny(LlamaForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, tokenizer):
     torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(**_tiny_decoder(tokenizer, tie_word_embeddings=True))
     return _save_tiny(Qwen2ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-qwen2"))
 
 
@@ -117,9 +121,7 @@ def tiny_qwen3_path(tmp_path_factory, tokenizer):
     """Qwen3's layers: each query and key head normalized before the rotary embedding, head_dim apart from
     hidden / heads."""
     torch.manual_seed(4)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen3Config(**_tiny_decoder(tokenizer, head_dim=32, tie_word_embeddings=True))
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # norm scales away from 1, so that a missing or misplaced norm shows
         for name, param in model.named_parameters():
@@ -133,10 +135,7 @@ def tiny_mistral_path(tmp_path_factory, tokenizer):
     """Mistral's architecture (Llama's layers) with attention that slides over 64 tokens, as Mistral 7B v0.1's over
     4,096."""
     torch.manual_seed(3)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=64, initializer_range=0.2, tie_word_embeddings=False,
-                           eos_token_id=tokenizer.eos_token_id)
+    config = MistralConfig(**_tiny_decoder(tokenizer, sliding_window=64, tie_word_embeddings=False))
     return _save_tiny(MistralForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-mistral"))
 
 
@@ -144,11 +143,9 @@ def tiny_mistral_path(tmp_path_factory, tokenizer):
 def tiny_phi3_path(tmp_path_factory, tokenizer):
     """Phi-3's layers: q/k/v and gate/up stored fused in the checkpoint (qkv_proj, gate_up_proj)."""
     torch.manual_seed(5)
-    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        original_max_position_embeddings=512, sliding_window=None, initializer_range=0.2,
-                        tie_word_embeddings=False, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
-                        bos_token_id=tokenizer.bos_token_id)
+    config = Phi3Config(**_tiny_decoder(tokenizer, original_max_position_embeddings=512, sliding_window=None,
+                                        tie_word_embeddings=False, pad_token_id=0,
+                                        bos_token_id=tokenizer.bos_token_id))
     return _save_tiny(Phi3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-phi3"))
 
 
@@ -157,11 +154,9 @@ def tiny_phi4_path(tmp_path_factory, tokenizer):
     """Phi-4-mini's layers: Phi-3's, with a rotary embedding that turns only the first part of each head
     (partial_rotary_factor) and tied embeddings."""
     torch.manual_seed(8)
-    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        original_max_position_embeddings=512, partial_rotary_factor=0.5, sliding_window=None,
-                        initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
-                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = Phi3Config(**_tiny_decoder(tokenizer, original_max_position_embeddings=512, partial_rotary_factor=0.5,
+                                        sliding_window=None, tie_word_embeddings=True, pad_token_id=0,
+                                        bos_token_id=tokenizer.bos_token_id))
     return _save_tiny(Phi3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-phi4"))
 
 
@@ -170,10 +165,8 @@ def tiny_smollm3_path(tmp_path_factory, tokenizer):
     """SmolLM3's layers: Llama's, with every second one here attending without the rotary embedding (its
     no_rope_layers; every fourth in SmolLM3-3B)."""
     torch.manual_seed(9)
-    config = SmolLM3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           no_rope_layer_interval=2, initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
-                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = SmolLM3Config(**_tiny_decoder(tokenizer, no_rope_layer_interval=2, tie_word_embeddings=True,
+                                           pad_token_id=0, bos_token_id=tokenizer.bos_token_id))
     assert config.no_rope_layers == [1, 0]
     return _save_tiny(SmolLM3ForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-smollm3"))
 
@@ -183,11 +176,9 @@ def tiny_granite_path(tmp_path_factory, tokenizer):
     """Granite's layers: Llama's, with its four scalars away from 1 (embeddings, residual additions, attention scale,
     logits), so that a missing or misplaced one shows."""
     torch.manual_seed(10)
-    config = GraniteConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.125,
-                           logits_scaling=2.5, initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
-                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = GraniteConfig(**_tiny_decoder(tokenizer, embedding_multiplier=6.0, residual_multiplier=0.3,
+                                           attention_multiplier=0.125, logits_scaling=2.5, tie_word_embeddings=True,
+                                           pad_token_id=0, bos_token_id=tokenizer.bos_token_id))
     return _save_tiny(GraniteForCausalLM(config), tokenizer, tmp_path_factory.mktemp("tiny-granite"))
 
 
@@ -196,10 +187,7 @@ def tiny_gemma_path(tmp_path_factory, tokenizer):
     """Gemma's layers: norms that scale by 1 + weight, embeddings times sqrt(hidden), a GELU-gated MLP, head_dim
     apart from hidden / heads."""
     torch.manual_seed(6)
-    config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         initializer_range=0.2, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
+    config = GemmaConfig(**_tiny_decoder(tokenizer, head_dim=32, pad_token_id=0, bos_token_id=tokenizer.bos_token_id))
     model = GemmaForCausalLM(config)
     with torch.no_grad():  # norm weights away from 0 (a scale of 1), so that a norm computed as Llama's shows
         for name, param in model.named_parameters():
