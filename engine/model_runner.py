@@ -8,6 +8,7 @@ ask for prompt logprobs, for their prompt tokens (a slice of rows at a time).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,7 @@ class ModelRunner:
         self.kv_write = fused.write_kv_cache if fused is not None else None
         self.paged_decode = self._reads_cache_in_place()
         self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
+        self.in_place_chunk = self._in_place_chunk()
         self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
                               and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim,
                                                                      self.block_size))
@@ -157,6 +159,27 @@ class ModelRunner:
         from engine.kernels import cuda_ops
 
         return cuda_ops
+
+    def _in_place_chunk(self) -> int:
+        """Prompt chunks shorter than this attend in the C++ kernel with the decodes: IN_PLACE_CHUNK, or every
+        chunk for a model whose attention scores are soft-capped (Gemma 2), which only that kernel computes. Where
+        the kernel cannot serve, such a model is refused, saying why."""
+        cap = self.model.attention_softcap
+        if cap is None:
+            return IN_PLACE_CHUNK
+        if not self.in_place:
+            raise ValueError(f"this model soft-caps its attention scores (attn_logit_softcapping {cap}), which only "
+                             f"the C++ CPU attention kernel computes, and it cannot serve here: {self._no_kernel()}")
+        return sys.maxsize
+
+    def _no_kernel(self) -> str:
+        """Why the C++ attention kernel does not read this cache in place."""
+        if self.device.type != "cpu":
+            return f"the device is {self.device.type}"
+        if self.cpu_ops is None:
+            return "the C++ operators are off (cpu_kernels) or did not build"
+        return (f"its blocks must hold a multiple of {self.cpu_ops.vector_width()} tokens and its heads a multiple "
+                f"of 4 dimensions (block_size {self.block_size}, head_dim {self.layout.head_dim})")
 
     def _reads_cache_in_place(self) -> bool:
         """Whether decode attention reads the cache in place (CUDA: Triton; CPU: the C++ kernel, where it builds
@@ -322,7 +345,7 @@ class ModelRunner:
                 decode.append(s)
             else:
                 scoring += self._prompt_scoring(seq, row, start, end)
-            if self.in_place and (is_decode or s.num_new_tokens < IN_PLACE_CHUNK):
+            if self.in_place and (is_decode or s.num_new_tokens < self.in_place_chunk):
                 in_place.append(InPlaceChunk(seq.block_table, end, row, s.num_new_tokens))
             elif not is_decode:
                 prefills.append(self._prefill_segment(seq, row, start, end))

@@ -33,10 +33,10 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, GraniteConfig,
-                          GraniteForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config,
+                          GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -194,6 +194,24 @@ def tiny_gemma_path(tmp_path_factory, tokenizer):
             if name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
     return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-gemma"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_path(tmp_path_factory, tokenizer):
+    """Gemma 2's layers: Gemma's, with sandwich norms, an attention scale of its own (query_pre_attn_scalar apart
+    from head_dim), attention scores and logits soft-capped by tanh, and alternating sliding-window layers (the
+    window is the context). The attention cap is low, so that without it every prompt's tokens change; the output
+    norms scale by 4-7, so that the layers outweigh the embedding and the text does not repeat one token."""
+    torch.manual_seed(11)
+    config = Gemma2Config(**_tiny_decoder(tokenizer, head_dim=32, query_pre_attn_scalar=16,
+                                          attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=256,
+                                          pad_token_id=0, bos_token_id=tokenizer.bos_token_id))
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():  # norm weights away from 0 (a scale of 1), so that each norm shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(3.0, 6.0) if ".post_" in name else param.uniform_(-0.5, 0.5)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-gemma2"))
 
 
 @pytest.fixture(scope="session")

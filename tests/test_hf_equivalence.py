@@ -8,7 +8,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           Phi3ForCausalLM, Qwen2Config)
 
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_attention, cpu_ops
+from engine.layers.attention import IN_PLACE_CHUNK
 from engine.models import attention_window, context_limit
 from tests.helpers import PROMPTS, hf_greedy
 
@@ -134,7 +135,39 @@ def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
         LLM(str(tmp_path), max_model_len=65, log_stats=False)
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path", "tiny_granite_path"])
+@pytest.mark.skipif(cpu_ops.load() is None, reason="Gemma 2's soft-capped attention needs the C++ operators")
+def test_gemma2_matches_hf_queued_preempted_and_in_long_chunks(tiny_gemma2_path, tokenizer):
+    """Gemma 2 soft-caps its attention scores, which only the C++ kernel computes, so every token attends there,
+    long prompt chunks too: greedy equals HF token for token, queued, preempted, and for a prompt prefilled in
+    chunks of 80 tokens. Its logits are soft-capped too, which only the logprobs show. Where the kernel
+    cannot read the cache (blocks of 4 tokens), the model is refused, saying why."""
+    path = str(tiny_gemma2_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    reference = hf_greedy(path, PROMPTS, params.max_tokens)
+    _check(LLM(path, max_num_seqs=3, log_stats=False), reference, params=params)
+    preempting = LLM(path, max_num_seqs=16, num_kv_blocks=6, log_stats=False)
+    _check(preempting, reference, params=params)
+    assert preempting.engine.scheduler.total_preemptions > 0
+
+    long_prompt = " ".join(PROMPTS + PROMPTS[:4])  # chunks of 80: fresh, after cached, then the rest
+    assert 80 + IN_PLACE_CHUNK < len(tokenizer(long_prompt).input_ids) < 256 - 16  # the window is the context
+    chunked = LLM(path, max_num_batched_tokens=80, log_stats=False)
+    _check(chunked, hf_greedy(path, [long_prompt], 16), [long_prompt], SamplingParams(max_tokens=16, temperature=0))
+
+    out = chunked.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf(tokenizer(PROMPTS[0], return_tensors="pt").input_ids).logits[0, -1].log_softmax(-1)
+    assert out.logprobs[0] == pytest.approx(expected[out.token_ids[0]].item(), abs=1e-4)
+    assert list(out.top_logprobs[0]) == expected.topk(5).indices.tolist()
+
+    with pytest.raises(ValueError, match=r"soft-caps its attention scores \(attn_logit_softcapping 4.0\), which only "
+                                         r"the C\+\+ CPU attention kernel computes.*block_size 4"):
+        LLM(path, block_size=4, log_stats=False)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path", "tiny_gemma2_path",
+                                  "tiny_granite_path"])
 def test_tiny_bf16_runs_and_mostly_agrees(request, name):
     """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all (Gemma's norms
     scale by 1 + weight rounded to bf16, where transformers adds the 1 in float32)."""

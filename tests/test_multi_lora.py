@@ -60,6 +60,7 @@ def _greedy(model, tok, prompt):
                                                  ("tiny_phi3_path", PHI3_ADAPTERS),
                                                  ("tiny_phi4_path", PHI3_ADAPTERS),  # partial rotary, tied
                                                  ("tiny_gemma_path", LLAMA_ADAPTERS),
+                                                 ("tiny_gemma2_path", LLAMA_ADAPTERS),  # soft-capped, sandwich norms
                                                  ("tiny_smollm3_path", LLAMA_ADAPTERS),  # layers without rotary
                                                  ("tiny_granite_path", LLAMA_ADAPTERS),  # Granite's multipliers
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])

@@ -7,6 +7,8 @@ The C++ CPU kernel: compiled and checked in every dtype it takes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _reference(q, k_cache, v_cache, tables, lens):
-    """Caches [kv_heads, blocks, block_size, D]: each sequence's blocks gathered token by token."""
+def _reference(q, k_cache, v_cache, tables, lens, softcap=None):
+    """Caches [kv_heads, blocks, block_size, D]: each sequence's blocks gathered token by token; scores soft-capped
+    as transformers' Gemma 2 caps them, where softcap is given."""
     out = []
     heads, kv_heads, block = q.shape[1], k_cache.shape[0], k_cache.shape[2]
     for i, length in enumerate(lens.tolist()):
@@ -30,6 +33,8 @@ def _reference(q, k_cache, v_cache, tables, lens):
         keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
         values = values.double().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].double(), keys) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
     return torch.stack(out)
 
@@ -100,15 +105,36 @@ def test_cpu_kernel_decodes_on_both_sides_of_the_two_pass_limit(dtype):
         assert error < TOLERANCE[dtype], f"context {lens[i]}: relative error {error:.2e}"
 
 
-def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts):
+def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap=None):
     """Each sequence's queries one at a time, as decodes of their own causal prefix."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, (start, length, context) in enumerate(zip(starts.tolist(), lens.tolist(), contexts.tolist())):
         for j in range(length):
             row = start + j
             out[row] = _reference(q[row:row + 1], k_cache, v_cache, tables[i:i + 1],
-                                  torch.tensor([context - length + j + 1]))[0]
+                                  torch.tensor([context - length + j + 1]), softcap)[0]
     return out
+
+
+@dataclass
+class ScatteredCache:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor  # [sequences, blocks]: each row's blocks, scattered over the cache
+
+    def as_arguments(self) -> list[torch.Tensor]:
+        return [self.k_cache, self.v_cache, self.tables]
+
+
+def _scattered_cache(gen, kv_heads, dim, block, contexts, dtype) -> ScatteredCache:
+    """Random keys and values, each sequence's blocks (room for its context and one more) in random places, and two
+    blocks of no sequence."""
+    width = int((contexts.max() + block - 1) // block) + 1
+    num_blocks = len(contexts) * width + 2
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(contexts) * width].view(len(contexts), width)
+    return ScatteredCache(k_cache, v_cache, tables)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,11 +148,7 @@ def test_cpu_kernel_attends_prompt_chunks_causally(dtype, heads, kv_heads, dim, 
     lens = torch.tensor([1, 5, 1, 40, 17, 3])  # queries per sequence
     contexts = torch.tensor([9, 5, 3 * block + 2, 40, 17 + 2 * block, 70])  # cached before them: context - len
     starts = torch.cumsum(lens, 0) - lens + 2  # rows 0 and 1 belong to no sequence
-    width = int((contexts.max() + block - 1) // block) + 1
-    num_blocks = len(lens) * width + 2
-    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    k_cache, v_cache, tables = _scattered_cache(gen, kv_heads, dim, block, contexts, dtype).as_arguments()
     rows = int(starts[-1] + lens[-1])
     q = torch.randn(rows, heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
     out = torch.full((rows, heads, dim), 7.0, dtype=dtype)
@@ -149,11 +171,7 @@ def test_cpu_kernel_reads_float32_queries_over_a_half_cache(cache_dtype, heads, 
     lens = torch.tensor([1, 1, 20, 1, 3] + [1] * 8)  # queries per sequence
     contexts = torch.tensor([1, 2 * block + 3, 20 + block, 300, 70] + [130] * 8)
     starts = torch.cumsum(lens, 0) - lens
-    width = int((contexts.max() + block - 1) // block) + 1
-    num_blocks = len(lens) * width + 2
-    k_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(kv_heads, num_blocks, block, dim, generator=gen).to(cache_dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    k_cache, v_cache, tables = _scattered_cache(gen, kv_heads, dim, block, contexts, cache_dtype).as_arguments()
     q = torch.randn(int(lens.sum()), heads + kv_heads, dim, generator=gen)[:, :heads]
     out = torch.empty(q.shape)
     cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out)
@@ -163,3 +181,30 @@ def test_cpu_kernel_reads_float32_queries_over_a_half_cache(cache_dtype, heads, 
     with pytest.raises(RuntimeError, match="unless q is float32"):
         cpu_attention.paged_attention(q.to(cache_dtype), k_cache.float(), v_cache.float(), tables, contexts, starts,
                                       lens, out.to(cache_dtype))
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", CPU_SHAPES)
+def test_cpu_kernel_soft_caps_scores(q_dtype, cache_dtype, heads, kv_heads, dim, block):
+    """Gemma 2's soft-capped scores (cap * tanh(score / cap) before the softmax) on every scoring path of the kernel:
+    float32 decodes scored in place, bf16 scored as stored, keys widened and transposed (fp16, and head dims bf16's
+    dot products do not take), two-pass decodes and prompt tiles folded block by block, chunks after cached tokens;
+    large queries, so that the uncapped scores would attend elsewhere; a negative cap is refused."""
+    from engine.kernels import cpu_attention
+
+    gen = torch.Generator().manual_seed(11 * heads + dim)
+    lens = torch.tensor([1, 1, 40, 17, 3, 1])  # queries per sequence
+    contexts = torch.tensor([1, 2 * block + 3, 40, 17 + 2 * block, 70, 300])
+    starts = torch.cumsum(lens, 0) - lens
+    k_cache, v_cache, tables = _scattered_cache(gen, kv_heads, dim, block, contexts, cache_dtype).as_arguments()
+    q = (4 * torch.randn(int(lens.sum()), heads, dim, generator=gen)).to(q_dtype)
+    out = torch.empty(q.shape, dtype=q_dtype)
+    cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out, softcap=2.0)
+    want = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap=2.0)
+    uncapped = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts)
+    error = (out.double() - want).norm() / want.norm()
+    assert error < TOLERANCE[q_dtype], f"relative error {error:.2e}"
+    assert (uncapped - want).norm() / want.norm() > 20 * TOLERANCE[q_dtype]  # the cap shows
+    with pytest.raises(RuntimeError, match="softcap must be positive"):
+        cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out, softcap=-1.0)

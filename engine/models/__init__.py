@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -29,8 +30,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "granite": LlamaForCausalLM,
-    "gpt2": GPT2LMHeadModel}
+    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gemma2": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
+    "granite": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
 def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:

@@ -77,9 +77,11 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
         return None
     attn = model.layers[0].self_attn
-    if attn.qk_norm or attn.partial_rotary or model.variant.attention_multiplier or model.variant.residual_multiplier:
-        return None  # the stack has no per-head q/k norms (Qwen3), turns whole heads and has no Granite multipliers:
-        # these run as modules
+    variant = model.variant
+    if (attn.qk_norm or attn.partial_rotary or variant.attention_scale or variant.residual_multiplier
+            or variant.sandwich_norms or variant.attention_softcap):
+        return None  # the stack has no per-head q/k norms (Qwen3), turns whole heads, and has neither Granite's
+        # multipliers nor Gemma 2's extra norms and soft-capping: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma, Granite) over the paged KV cache;
-how each architecture departs from Llama's layers is data read from its config (engine/models/llama_variants.py).
+"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Granite) over the paged KV
+cache; how each architecture departs from Llama's layers is data read from its config
+(engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
 the fused weights at load time.
@@ -59,10 +60,11 @@ class LlamaAttention(nn.Module):
         # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         self.use_rope = use_rope  # SmolLM3's layers without positions leave q and k as projected
-        # Granite's attention scale in place of 1/sqrt(head_dim): the queries times it and sqrt(head_dim), so that
-        # every attention path, which divides by sqrt(head_dim), scores with it
-        multiplier = variant.attention_multiplier
-        self.query_scale = None if multiplier is None else multiplier * self.head_dim ** 0.5
+        # Granite's and Gemma 2's attention scale in place of 1/sqrt(head_dim): the queries times it and
+        # sqrt(head_dim), so that every attention path, which divides by sqrt(head_dim), scores with it
+        scale = variant.attention_scale
+        self.query_scale = None if scale is None else scale * self.head_dim ** 0.5
+        self.softcap = variant.attention_softcap  # Gemma 2: scores soft-capped before the softmax
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -80,8 +82,7 @@ class LlamaAttention(nn.Module):
         if self.query_scale is not None:
             q = q * self.query_scale
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, cache, meta))
-
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.softcap))
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The rotary embedding on every query and key head: in one fused call where it turns whole heads; a layer
@@ -105,8 +106,9 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = uninitialized.linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = uninitialized.linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = activation(config.hidden_act)
-        self.silu = config.hidden_act == "silu"
+        name = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma 2 names it so
+        self.act = activation(name)
+        self.silu = name == "silu"
         self.fused_ops = None  # the fused operators (set by use_fused_ops): silu(gate) * up in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +122,19 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, variant: LlamaVariant, use_rope: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
         self.self_attn = LlamaAttention(config, variant, use_rope)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(size, eps)
         self.mlp = LlamaMLP(config)
         self.residual_multiplier = variant.residual_multiplier  # Granite: each output times it before the add
+        # Gemma 2's sandwich, under its checkpoint's names: post_attention_layernorm normalizes the attention
+        # output, pre_feedforward_layernorm the MLP's input (Llama's post_attention_layernorm), and
+        # post_feedforward_layernorm the MLP's output
+        self.sandwich = variant.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps)
+            self.post_feedforward_layernorm = RMSNorm(size, eps)
 
     def forward(self, h, delta, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """h: the residual stream, updated in place; delta: the previous layer's MLP output, not yet added to it
@@ -132,6 +142,9 @@ class LlamaDecoderLayer(nn.Module):
         addition then runs inside a norm (RMSNorm.add_and_norm), as vLLM's fused add-norm does."""
         x = self.input_layernorm(h) if delta is None else self.input_layernorm.add_and_norm(delta, h)
         attn = self._scaled(self.self_attn(x, cos, sin, cache, meta))
+        if self.sandwich:
+            x = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), h)
+            return self.post_feedforward_layernorm(self.mlp(x))
         return self._scaled(self.mlp(self.post_attention_layernorm.add_and_norm(attn, h)))
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
@@ -189,9 +202,18 @@ class LlamaForCausalLM(nn.Module):
             delta = layer(h, delta, cos, sin, cache, meta)
         return self.norm.add_and_norm(delta, h)
 
+    @property
+    def attention_softcap(self) -> float | None:
+        """Gemma 2's attention logit soft-capping, which only the C++ CPU attention kernel computes; None for
+        the others."""
+        return self.variant.attention_softcap
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return logits if self.variant.logits_scaling is None else logits / self.variant.logits_scaling
+        if self.variant.logits_scaling is not None:  # Granite
+            logits = logits / self.variant.logits_scaling
+        cap = self.variant.final_softcap  # Gemma 2
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def lora_shapes(c) -> dict[str, tuple[int, int]]:

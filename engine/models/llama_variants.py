@@ -14,10 +14,18 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
 - Gemma: norms that scale by 1 + weight (the 1 is added as the weights load, so every norm path, the C++ decoder
   stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
   rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
+- Gemma 2: Gemma's, with
+  - sandwich norms: each layer's attention and MLP outputs normalized before they join the residual stream;
+  - attention scores scaled by `query_pre_attn_scalar` ** -0.5 (Granite's mechanism) and soft-capped,
+    cap * tanh(score / cap) with cap `attn_logit_softcapping`, before the mask: only the C++ CPU attention kernel
+    computes that, so such a model attends there alone (engine/model_runner.py refuses it elsewhere);
+  - the logits soft-capped the same way by `final_logit_softcapping`.
+  Its alternating sliding-window layers bound the context at the window, as Mistral's window does
+  (engine/models/__init__.py): within it every layer attends to the whole context.
 
 Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's) are the rotary table's concern
-(engine/layers/rotary.py). Gemma 2 and 3 (logit soft-capping, extra norms, alternating windows) are not Llama-family
-variants and are not registered.
+(engine/layers/rotary.py). Gemma 3 (windows of 512 tokens with a rotary base of their own, beside global layers) is
+not a Llama-family variant here and is not registered.
 """
 
 from __future__ import annotations
@@ -42,8 +50,13 @@ class LlamaVariant:
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: whether each layer turns q and k; None: every layer
     embed_multiplier: float | None = None  # Granite's embedding_multiplier (a Python scalar, as transformers uses it)
     residual_multiplier: float | None = None  # Granite: attention and MLP outputs times this before the residual add
-    attention_multiplier: float | None = None  # Granite: the attention scale, in place of 1/sqrt(head_dim)
+    # the attention scale in place of 1/sqrt(head_dim): Granite's attention_multiplier, Gemma 2's
+    # query_pre_attn_scalar ** -0.5 (where that differs from head_dim)
+    attention_scale: float | None = None
     logits_scaling: float | None = None  # Granite: the logits divided by this
+    sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs normalized before the residual add
+    attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
+    final_softcap: float | None = None  # Gemma 2's final_logit_softcapping, on the logits
 
     def rotates(self, layer: int) -> bool:
         """Whether the layer applies the rotary embedding to its queries and keys."""
@@ -73,12 +86,12 @@ def variant_of(config) -> LlamaVariant:
     """The variant a config describes."""
     kind = config.model_type
     bias = bool(getattr(config, "attention_bias", False))
-    gemma = kind == "gemma"
+    gemma = kind in ("gemma", "gemma2")
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias, qk_norm=kind == "qwen3",
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
-                        **_granite_scalars(config))
+                        **_granite_scalars(config), **_gemma2_departures(config))
 
 
 def _granite_scalars(config) -> dict[str, float]:
@@ -86,7 +99,17 @@ def _granite_scalars(config) -> dict[str, float]:
     if config.model_type != "granite":
         return {}
     return {"embed_multiplier": config.embedding_multiplier, "residual_multiplier": config.residual_multiplier,
-            "attention_multiplier": config.attention_multiplier, "logits_scaling": config.logits_scaling}
+            "attention_scale": config.attention_multiplier, "logits_scaling": config.logits_scaling}
+
+
+def _gemma2_departures(config) -> dict:
+    """Gemma 2's sandwich norms, attention scale and soft-capping, by the variant's field names; none for another
+    architecture."""
+    if config.model_type != "gemma2":
+        return {}
+    scale = config.query_pre_attn_scalar ** -0.5
+    return {"sandwich_norms": True, "attention_scale": None if scale == config.head_dim ** -0.5 else scale,
+            "attention_softcap": config.attn_logit_softcapping, "final_softcap": config.final_logit_softcapping}
 
 
 def _rope_layers(config) -> tuple[bool, ...] | None:

@@ -56,6 +56,7 @@ struct Shape {
   int64_t num_blocks;  // blocks per KV head in the cache
   int64_t table_width; // entries per row of the block table
   float scale;
+  float softcap;  // Gemma 2's attention logit soft-capping: scores become softcap * tanh(score / softcap); 0: none
   // floats per head in Scratch::probs: the call's longest two-pass decode, in whole blocks. Rows of kTwoPassTokens,
   // zeroed with every chunk's scratch, took 64 short decodes 0.093 ms a call against 0.080 (bf16, Zen 4, warm)
   int64_t probs_stride;
@@ -90,6 +91,13 @@ inline void prefetch(const scalar_t* p, int64_t n) {
     __builtin_prefetch(bytes + offset);
 }
 
+// Gemma 2's soft-capped scores, cap * tanh(score / cap) as transformers computes them, for the `rows` visible
+// tokens (the rest are masked after it); nothing where cap is 0. Scalar: only such models pay for it.
+inline void soft_cap(float* scores, int64_t rows, float cap) {
+  if (cap == 0.f) return;
+  for (int64_t t = 0; t < rows; ++t) scores[t] = std::tanh(scores[t] / cap) * cap;
+}
+
 // Scores of query head g against the block's tokens: vectors along the tokens, one FMA per head dimension
 // (no horizontal sum per token), in four independent chains; tokens past `rows` score -inf.
 inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, float* scores) {
@@ -103,6 +111,7 @@ inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, flo
         sum[j] = at::vec::fmadd(Vec(q[i + j]), Vec::loadu(keys + (i + j) * width + t), sum[j]);
     ((sum[0] + sum[1]) + (sum[2] + sum[3])).store(scores + t);
   }
+  soft_cap(scores, rows, s.softcap);
   for (int64_t t = rows; t < width; ++t) scores[t] = -std::numeric_limits<float>::infinity();
 }
 
@@ -130,6 +139,7 @@ inline void score_rows(const Scratch& w, const Shape& s, const cache_t* keys, in
         out[t + k] = sum;
       }
     }
+    soft_cap(out, rows, s.softcap);
     for (int64_t t = rows; t < s.block_size; ++t) out[t] = -std::numeric_limits<float>::infinity();
   }
 }
@@ -240,6 +250,7 @@ inline void score_row(Scratch& w, const Shape& s, const q_t* q_row, const cache_
   if (bf16_scores) {
     if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
       lora_serve::bf16_block_scores(q_row, k_block, s.head_dim, s.scale, scores);
+    soft_cap(scores, rows, s.softcap);
     for (int64_t t = rows; t < s.block_size; ++t) scores[t] = -std::numeric_limits<float>::infinity();
   } else {
     score_block(w, s, g, rows, scores);
@@ -435,7 +446,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
-                     const at::Tensor& query_lens, at::Tensor& out) {
+                     const at::Tensor& query_lens, at::Tensor& out, double softcap) {
   using namespace lora_serve::paged_attention_detail;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, heads, D] and the cache [kv_heads, blocks, "
               "block_size, D]");
@@ -452,6 +463,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "query heads must be a multiple of the KV heads, at most 64 per KV head");
   TORCH_CHECK(k_cache.size(2) % lora_serve::Vec::size() == 0 && q.size(2) % 4 == 0,
               "block size must be a multiple of ", lora_serve::Vec::size(), " and head dim of 4");
+  TORCH_CHECK(softcap >= 0, "softcap must be positive, or 0 for none");
   const auto tables = block_tables.contiguous();
   const auto contexts = context_lens.contiguous();
   const auto tiles = make_tiles(query_starts.contiguous(), query_lens.contiguous(), contexts);
@@ -463,7 +475,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
   const int64_t block_size = k_cache.size(2);
   Shape s{q.size(1), q.stride(0), q.size(1) / kv_heads, head_dim, block_size, k_cache.size(1), tables.size(1),
-          static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))),
+          static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), static_cast<float>(softcap),
           (longest + block_size - 1) / block_size * block_size};
   if (q.scalar_type() != k_cache.scalar_type()) {  // float32 queries over a bf16/fp16 cache
     lora_serve::dispatch_float_types(k_cache.scalar_type(), "paged_attention", [&](auto type) {
