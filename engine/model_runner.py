@@ -162,14 +162,14 @@ class ModelRunner:
 
     def _in_place_chunk(self) -> int:
         """Prompt chunks shorter than this attend in the C++ kernel with the decodes: IN_PLACE_CHUNK, or every
-        chunk for a model whose attention scores are soft-capped (Gemma 2), which only that kernel computes. Where
-        the kernel cannot serve, such a model is refused, saying why."""
-        cap = self.model.attention_softcap
-        if cap is None:
+        chunk for a model whose attention only that kernel computes (Gemma 2's capped scores, Gemma 2's and 3's
+        sliding windows). Where the kernel cannot serve, such a model is refused, saying why."""
+        needs = self.model.kernel_only_attention
+        if needs is None:
             return IN_PLACE_CHUNK
         if not self.in_place:
-            raise ValueError(f"this model soft-caps its attention scores (attn_logit_softcapping {cap}), which only "
-                             f"the C++ CPU attention kernel computes, and it cannot serve here: {self._no_kernel()}")
+            raise ValueError(f"this model's attention has {needs}, which only the C++ CPU attention kernel "
+                             f"computes, and it cannot serve here: {self._no_kernel()}")
         return sys.maxsize
 
     def _no_kernel(self) -> str:

@@ -33,10 +33,11 @@ def _interpreter_scalars_as_indices() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_as_indices()
 
-from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config,
-                          GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -199,19 +200,39 @@ def tiny_gemma_path(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def tiny_gemma2_path(tmp_path_factory, tokenizer):
     """Gemma 2's layers: Gemma's, with sandwich norms, an attention scale of its own (query_pre_attn_scalar apart
-    from head_dim), attention scores and logits soft-capped by tanh, and alternating sliding-window layers (the
-    window is the context). The attention cap is low, so that without it every prompt's tokens change; the output
-    norms scale by 4-7, so that the layers outweigh the embedding and the text does not repeat one token."""
+    from head_dim), attention scores and logits soft-capped by tanh, and a layer attending over a sliding window of
+    24 tokens beside a global one. The attention cap is low, so that without it every prompt's tokens change; the
+    output norms scale by 4-7, so that the layers outweigh the embedding and the text does not repeat one token."""
     torch.manual_seed(11)
     config = Gemma2Config(**_tiny_decoder(tokenizer, head_dim=32, query_pre_attn_scalar=16,
-                                          attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=256,
+                                          attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=24,
                                           pad_token_id=0, bos_token_id=tokenizer.bos_token_id))
-    model = Gemma2ForCausalLM(config)
-    with torch.no_grad():  # norm weights away from 0 (a scale of 1), so that each norm shows
+    return _save_tiny(_gemma_norms_away_from_one(Gemma2ForCausalLM(config)), tokenizer,
+                      tmp_path_factory.mktemp("tiny-gemma2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory, tokenizer):
+    """Gemma 3's text layers: Gemma 2's without the soft-capping, with per-head query and key norms (1 + weight), a
+    sliding layer of 24 tokens whose rotary embedding turns by a base of its own, and a global one whose rotary is
+    linearly scaled."""
+    torch.manual_seed(12)
+    config = Gemma3TextConfig(**_tiny_decoder(
+        tokenizer, head_dim=32, query_pre_attn_scalar=16, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=tokenizer.bos_token_id,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
+    return _save_tiny(_gemma_norms_away_from_one(Gemma3ForCausalLM(config)), tokenizer,
+                      tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+def _gemma_norms_away_from_one(model):
+    """Norm weights away from 0 (a scale of 1), so that each norm shows; the output norms scaling by 4-7."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(3.0, 6.0) if ".post_" in name else param.uniform_(-0.5, 0.5)
-    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-gemma2"))
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,7 @@ def _greedy(model, tok, prompt):
                                                  ("tiny_phi4_path", PHI3_ADAPTERS),  # partial rotary, tied
                                                  ("tiny_gemma_path", LLAMA_ADAPTERS),
                                                  ("tiny_gemma2_path", LLAMA_ADAPTERS),  # soft-capped, sandwich norms
+                                                 ("tiny_gemma3_path", LLAMA_ADAPTERS),  # windows, two rotary tables
                                                  ("tiny_smollm3_path", LLAMA_ADAPTERS),  # layers without rotary
                                                  ("tiny_granite_path", LLAMA_ADAPTERS),  # Granite's multipliers
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])

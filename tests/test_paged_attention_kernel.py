@@ -21,9 +21,9 @@ DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _reference(q, k_cache, v_cache, tables, lens, softcap=None):
+def _reference(q, k_cache, v_cache, tables, lens, softcap=None, window=None):
     """Caches [kv_heads, blocks, block_size, D]: each sequence's blocks gathered token by token; scores soft-capped
-    as transformers' Gemma 2 caps them, where softcap is given."""
+    as transformers' Gemma 2 caps them, where softcap is given; only the last `window` keys, where window is."""
     out = []
     heads, kv_heads, block = q.shape[1], k_cache.shape[0], k_cache.shape[2]
     for i, length in enumerate(lens.tolist()):
@@ -32,6 +32,8 @@ def _reference(q, k_cache, v_cache, tables, lens, softcap=None):
         values = v_cache[:, blocks].flatten(1, 2)[:, :length].transpose(0, 1)
         keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
         values = values.double().repeat_interleave(heads // kv_heads, dim=1)
+        if window is not None:
+            keys, values = keys[-window:], values[-window:]
         scores = torch.einsum("hd,lhd->hl", q[i].double(), keys) * q.shape[-1] ** -0.5
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -105,14 +107,14 @@ def test_cpu_kernel_decodes_on_both_sides_of_the_two_pass_limit(dtype):
         assert error < TOLERANCE[dtype], f"context {lens[i]}: relative error {error:.2e}"
 
 
-def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap=None):
+def _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap=None, window=None):
     """Each sequence's queries one at a time, as decodes of their own causal prefix."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, (start, length, context) in enumerate(zip(starts.tolist(), lens.tolist(), contexts.tolist())):
         for j in range(length):
             row = start + j
             out[row] = _reference(q[row:row + 1], k_cache, v_cache, tables[i:i + 1],
-                                  torch.tensor([context - length + j + 1]), softcap)[0]
+                                  torch.tensor([context - length + j + 1]), softcap, window)[0]
     return out
 
 
@@ -208,3 +210,32 @@ def test_cpu_kernel_soft_caps_scores(q_dtype, cache_dtype, heads, kv_heads, dim,
     assert (uncapped - want).norm() / want.norm() > 20 * TOLERANCE[q_dtype]  # the cap shows
     with pytest.raises(RuntimeError, match="softcap must be positive"):
         cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out, softcap=-1.0)
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", CPU_SHAPES)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_kernel_attends_within_a_sliding_window(q_dtype, cache_dtype, heads, kv_heads, dim, block, softcap):
+    """A sliding window (Gemma 2's and 3's local layers: the query at p sees keys p - window + 1 .. p): decodes in
+    two passes and past their limit (4,096 tokens), prompt chunks whose tiles straddle the window's edge, contexts
+    shorter than the window, a window not a whole number of blocks; alone and with soft-capped scores. Without the
+    window the result would differ; a negative window is refused."""
+    from engine.kernels import cpu_attention
+
+    window = 2 * block + 3
+    gen = torch.Generator().manual_seed(13 * heads + dim)
+    lens = torch.tensor([1, 1, 40, 17, 3, 1, 1])  # queries per sequence
+    contexts = torch.tensor([5, window + 1, 40 + block, 17 + 3 * block, 70, 300, 4200])
+    starts = torch.cumsum(lens, 0) - lens
+    k_cache, v_cache, tables = _scattered_cache(gen, kv_heads, dim, block, contexts, cache_dtype).as_arguments()
+    q = (3 * torch.randn(int(lens.sum()), heads, dim, generator=gen)).to(q_dtype)
+    out = torch.empty(q.shape, dtype=q_dtype)
+    cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out, softcap, window)
+    want = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap, window)
+    whole = _causal_reference(q, k_cache, v_cache, tables, lens, starts, contexts, softcap)
+    error = (out.double() - want).norm() / want.norm()
+    assert error < TOLERANCE[q_dtype], f"relative error {error:.2e}"
+    assert (whole - want).norm() / want.norm() > 10 * TOLERANCE[q_dtype]  # the window shows
+    with pytest.raises(RuntimeError, match="window must be positive"):
+        cpu_attention.paged_attention(q, k_cache, v_cache, tables, contexts, starts, lens, out, softcap, -1)

@@ -47,15 +47,16 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                    out: torch.Tensor, softcap: float | None = None) -> None:
+                    out: torch.Tensor, softcap: float | None = None, window: int | None = None) -> None:
     """q [T, heads, D] (heads contiguous within a token: a view of the fused projection will do), out like q and
     contiguous; caches [kv_heads, blocks, block_size, D], contiguous, this step's keys and
     values already written. Sequence i's queries are rows query_starts[i] .. + query_lens[i] of q, the last
     positions of its context_lens[i]; its blocks are row i of block_tables [S, >= ceil(len / block_size)]. All
     int64. Writes those rows of out; leaves the others. softcap: Gemma 2's attention logit soft-capping, each
-    scaled score turned into softcap * tanh(score / softcap) before the mask and softmax."""
+    scaled score turned into softcap * tanh(score / softcap) before the mask and softmax. window: a sliding window
+    (Gemma 2's and 3's local layers), each query seeing the last `window` positions, its own included."""
     cpu_ops.load().paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens, out,
-                                   softcap or 0.0)
+                                   softcap or 0.0, window or 0)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -73,19 +73,21 @@ IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the ca
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, softcap: float | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]. softcap (Gemma 2's scores, capped by
-    tanh): only the C++ kernel computes it, so the runner then puts every token in `meta.in_place`."""
+    tanh) and window (a sliding window, Gemma 2's and 3's): only the C++ kernel computes them, so the runner then
+    puts every token in `meta.in_place`."""
     k_cache, v_cache = cache
     if meta.kv_write is not None:
         meta.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         _write(k_cache, k, meta.slot_mapping)
         _write(v_cache, v, meta.slot_mapping)
-    if softcap is not None and (meta.in_place is None or meta.prefills):
-        raise RuntimeError("soft-capped attention takes only the C++ kernel's path: every token in meta.in_place")
+    if (softcap is not None or window is not None) and (meta.in_place is None or meta.prefills):
+        raise RuntimeError("soft-capped or windowed attention takes only the C++ kernel's path: every token in "
+                           "meta.in_place")
     if meta.in_place is not None:
-        return _in_place(q, k, v, k_cache, v_cache, meta, softcap).flatten(1)
+        return _in_place(q, k, v, k_cache, v_cache, meta, softcap, window).flatten(1)
     if meta.num_decode == q.shape[0]:  # decode-only step: no scatter into a shared output
         return _decode(q, k_cache, v_cache, meta).flatten(1)
     out = torch.empty_like(q)
@@ -98,12 +100,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
 
 def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, softcap: float | None) -> torch.Tensor:
+              meta: AttentionMetadata, softcap: float | None, window: int | None) -> torch.Tensor:
     """The kernel's tokens in one call, then the long chunks in tiles, into one [T, heads, D] output."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = meta.in_place
     cpu_attention.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts,
-                                  batch.query_lens, out, softcap)
+                                  batch.query_lens, out, softcap, window)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)

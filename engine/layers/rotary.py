@@ -15,22 +15,25 @@ def rotary_dim(config, head_dim: int) -> int:
     return head_dim if factor is None else int(head_dim * factor)
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config, head_dim: int, kind: str | None = None) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling, as transformers computes them for this config's rope type (over the rotary
-    dimensions only, where they are part of each head)."""
+    dimensions only, where they are part of each head); kind: the kind of layer whose parameters to take, where the
+    config has them per kind (Gemma 3's `sliding_attention` and `full_attention`)."""
     params = getattr(config, "rope_parameters", None) or {}
+    if kind is not None:
+        params = params[kind]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         dim = rotary_dim(config, head_dim)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=kind)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        inv_freq, scaling = inverse_frequencies(config, head_dim, kind)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -13,6 +13,7 @@ from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_variants import computes_windows
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -30,7 +32,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gemma2": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gemma2": LlamaForCausalLM,
+    "gemma3_text": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
     "granite": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
@@ -56,7 +59,8 @@ def context_limit(hf_config, asked: int | None) -> int:
     - its position limit;
     - for a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with
       use_sliding_window), that window: the engine's attention is full over the context, which equals the window's
-      only while the context fits in it, as vLLM serves such a model with its sliding window disabled;
+      only while the context fits in it, as vLLM serves such a model with its sliding window disabled (Gemma 2's and
+      3's windows are computed exactly by the C++ kernel, and bound nothing);
     - for a longrope rotary embedding (Phi-3's 128k models), the original context: past it transformers switches
       the whole sequence to the long factors, while the engine's rotary table is computed once, with the short ones.
     A max_model_len past the limit is refused with the figures and the reason, never cut to it."""
@@ -83,7 +87,10 @@ def _context_bounds(hf_config) -> list[tuple[int, str]]:
 
 
 def attention_window(hf_config) -> int | None:
-    """The sliding window of a model's attention layers (None: every layer attends to the whole context)."""
+    """The sliding window that bounds a model's context (None: every layer attends to the whole context, or the
+    engine computes its windows exactly: Gemma 2's and 3's)."""
+    if computes_windows(hf_config):
+        return None
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:  # transformers' per-layer kinds, where the config has them

@@ -54,7 +54,7 @@ class GPT2Block(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     # HF GPT-2 stores these as Conv1D, [in, out]: transpose into nn.Linear's [out, in].
     conv1d_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-    attention_softcap = None  # its scores are not soft-capped (engine/models/llama.py: Gemma 2's are)
+    kernel_only_attention = None  # its attention runs on every path (engine/models/llama.py: Gemma 2's does not)
 
     def __init__(self, config, max_positions: int):
         super().__init__()

@@ -19,6 +19,8 @@ from engine.layers.rotary import RotaryEmbedding, apply_rotary, rotary_dim
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
 
+ONE_TABLE = "shared"  # the key of the rotary table every layer shares (all but Gemma 3's)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -45,7 +47,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, use_rope: bool = True):
+    def __init__(self, config, variant: LlamaVariant, layer: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -59,12 +61,15 @@ class LlamaAttention(nn.Module):
         # Phi-4-mini turns only the first 3/4 of each head: the fused rotary operators turn whole heads, so such a
         # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
-        self.use_rope = use_rope  # SmolLM3's layers without positions leave q and k as projected
+        self.use_rope = variant.rotates(layer)  # SmolLM3's layers without positions leave q and k as projected
         # Granite's and Gemma 2's attention scale in place of 1/sqrt(head_dim): the queries times it and
         # sqrt(head_dim), so that every attention path, which divides by sqrt(head_dim), scores with it
         scale = variant.attention_scale
         self.query_scale = None if scale is None else scale * self.head_dim ** 0.5
         self.softcap = variant.attention_softcap  # Gemma 2: scores soft-capped before the softmax
+        self.window = variant.window(layer)  # Gemma 2 and 3: a sliding window, computed exactly
+        # the key of its rotary table in the model's: Gemma 3's sliding layers turn by a base of their own
+        self.rope_table = variant.rope_kind(layer) or ONE_TABLE
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -82,7 +87,7 @@ class LlamaAttention(nn.Module):
         if self.query_scale is not None:
             q = q * self.query_scale
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, cache, meta, self.softcap))
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.softcap, self.window))
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The rotary embedding on every query and key head: in one fused call where it turns whole heads; a layer
@@ -120,11 +125,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, use_rope: bool = True):
+    def __init__(self, config, variant: LlamaVariant, layer: int):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps)
-        self.self_attn = LlamaAttention(config, variant, use_rope)
+        self.self_attn = LlamaAttention(config, variant, layer)
         self.post_attention_layernorm = RMSNorm(size, eps)
         self.mlp = LlamaMLP(config)
         self.residual_multiplier = variant.residual_multiplier  # Granite: each output times it before the add
@@ -166,14 +171,16 @@ class LlamaForCausalLM(nn.Module):
         scale = self.variant.embed_scale
         self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale, dtype=torch.float32).to(
             torch.get_default_dtype()), persistent=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.variant, self.variant.rotates(i))
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.variant, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = uninitialized.linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype())
+        # one rotary table, or one per kind of layer (Gemma 3's sliding and global layers)
+        keys = dict.fromkeys(layer.self_attn.rope_table for layer in self.layers)
+        self.rotary = nn.ModuleDict({key: RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype(),
+                                                          None if key == ONE_TABLE else key) for key in keys})
         # the layers in one C++ call where a step allows it (engine/models/decoder_stack.py), set by the runner once
         # the weights and caches are in place
         self.decoder_stack = None
@@ -195,18 +202,23 @@ class LlamaForCausalLM(nn.Module):
         if self.variant.embed_multiplier is not None:  # Granite's, a Python scalar as transformers multiplies by it
             h.mul_(self.variant.embed_multiplier)
         delta = None
-        cos, sin = self.rotary.lookup(positions)
-        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):
-            return self.decoder_stack.run(h, cos, sin, meta)
+        tables = {key: rotary.lookup(positions) for key, rotary in self.rotary.items()}
+        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):  # models of one table only
+            return self.decoder_stack.run(h, *tables[ONE_TABLE], meta)
         for layer, cache in zip(self.layers, kv_caches):
+            cos, sin = tables[layer.self_attn.rope_table]
             delta = layer(h, delta, cos, sin, cache, meta)
         return self.norm.add_and_norm(delta, h)
 
     @property
-    def attention_softcap(self) -> float | None:
-        """Gemma 2's attention logit soft-capping, which only the C++ CPU attention kernel computes; None for
-        the others."""
-        return self.variant.attention_softcap
+    def kernel_only_attention(self) -> str | None:
+        """What this model's attention computes that only the C++ CPU attention kernel does (Gemma 2's capped
+        scores, Gemma 2's and 3's sliding windows), or None."""
+        variant = self.variant
+        if variant.attention_softcap is not None:
+            return f"soft-capped attention scores (attn_logit_softcapping {variant.attention_softcap})"
+        windows = {layer.self_attn.window for layer in self.layers} - {None}
+        return f"sliding-window layers ({min(windows)} tokens)" if windows else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -17,15 +17,17 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
 - Gemma 2: Gemma's, with
   - sandwich norms: each layer's attention and MLP outputs normalized before they join the residual stream;
   - attention scores scaled by `query_pre_attn_scalar` ** -0.5 (Granite's mechanism) and soft-capped,
-    cap * tanh(score / cap) with cap `attn_logit_softcapping`, before the mask: only the C++ CPU attention kernel
-    computes that, so such a model attends there alone (engine/model_runner.py refuses it elsewhere);
+    cap * tanh(score / cap) with cap `attn_logit_softcapping`, before the mask;
+  - sliding-window layers (`layer_types`), every other one attending to its last `sliding_window` positions;
   - the logits soft-capped the same way by `final_logit_softcapping`.
-  Its alternating sliding-window layers bound the context at the window, as Mistral's window does
-  (engine/models/__init__.py): within it every layer attends to the whole context.
+  The capped scores and the windows are computed by the C++ CPU attention kernel alone, so such a model attends
+  there alone (engine/model_runner.py refuses it elsewhere).
+- Gemma 3 (text, `gemma3_text`): Gemma 2's layers without the soft-capping, with Qwen3's per-head query and key
+  norms (scaling by 1 + weight, as Gemma's norms do), and the sliding layers' rotary embedding from a base of their
+  own (`rope_parameters` per layer type; five sliding layers to one global in Gemma 3).
 
 Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's) are the rotary table's concern
-(engine/layers/rotary.py). Gemma 3 (windows of 512 tokens with a rotary base of their own, beside global layers) is
-not a Llama-family variant here and is not registered.
+(engine/layers/rotary.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SPLIT_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
                  "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
                  "mlp.down_proj": ("mlp.down_proj",)}
 FUSED_FUSIONS = {path: (path,) for path in SPLIT_FUSIONS}  # Phi-3: its adapters target the fused linears
+WINDOWED = ("gemma2", "gemma3_text")  # sliding-window layers beside global ones, computed exactly
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,20 @@ class LlamaVariant:
     sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs normalized before the residual add
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
     final_softcap: float | None = None  # Gemma 2's final_logit_softcapping, on the logits
+    windows: tuple[int, ...] | None = None  # Gemma 2 and 3: per layer its sliding window, 0 for the whole context
+    rope_kinds: tuple[str, ...] | None = None  # Gemma 3: per layer the key of its rotary's rope_parameters
 
     def rotates(self, layer: int) -> bool:
         """Whether the layer applies the rotary embedding to its queries and keys."""
         return self.rope_layers is None or self.rope_layers[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window the layer attends over, computed exactly; None: the whole context."""
+        return None if self.windows is None else self.windows[layer] or None
+
+    def rope_kind(self, layer: int) -> str | None:
+        """The layer's rotary table: a key of its config's rope_parameters, or None for the one table."""
+        return None if self.rope_kinds is None else self.rope_kinds[layer]
 
     @property
     def lora_fusions(self) -> dict[str, tuple[str, ...]]:
@@ -86,12 +99,13 @@ def variant_of(config) -> LlamaVariant:
     """The variant a config describes."""
     kind = config.model_type
     bias = bool(getattr(config, "attention_bias", False))
-    gemma = kind in ("gemma", "gemma2")
-    return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias, qk_norm=kind == "qwen3",
+    gemma = kind in ("gemma", *WINDOWED)
+    return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+                        qk_norm=kind in ("qwen3", "gemma3_text"),
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
-                        **_granite_scalars(config), **_gemma2_departures(config))
+                        **_granite_scalars(config), **_windowed_gemma_departures(config))
 
 
 def _granite_scalars(config) -> dict[str, float]:
@@ -102,14 +116,24 @@ def _granite_scalars(config) -> dict[str, float]:
             "attention_scale": config.attention_multiplier, "logits_scaling": config.logits_scaling}
 
 
-def _gemma2_departures(config) -> dict:
-    """Gemma 2's sandwich norms, attention scale and soft-capping, by the variant's field names; none for another
-    architecture."""
-    if config.model_type != "gemma2":
+def computes_windows(config) -> bool:
+    """Whether the engine computes this model's sliding windows exactly (Gemma 2 and 3), rather than bounding the
+    context by its window (engine/models/__init__.py)."""
+    return getattr(config, "model_type", None) in WINDOWED
+
+
+def _windowed_gemma_departures(config) -> dict:
+    """Gemma 2's and 3's sandwich norms, attention scale, soft-capping, windows and rotary tables, by the
+    variant's field names; none for another architecture."""
+    if not computes_windows(config):
         return {}
     scale = config.query_pre_attn_scalar ** -0.5
+    kinds = tuple(config.layer_types)
+    per_kind = set(kinds) <= set(getattr(config, "rope_parameters", None) or {})  # Gemma 3's tables per kind
     return {"sandwich_norms": True, "attention_scale": None if scale == config.head_dim ** -0.5 else scale,
-            "attention_softcap": config.attn_logit_softcapping, "final_softcap": config.final_logit_softcapping}
+            "attention_softcap": config.attn_logit_softcapping, "final_softcap": config.final_logit_softcapping,
+            "windows": tuple(config.sliding_window if kind == "sliding_attention" else 0 for kind in kinds),
+            "rope_kinds": kinds if per_kind else None}
 
 
 def _rope_layers(config) -> tuple[bool, ...] | None:

@@ -86,7 +86,7 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cac
   write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping);
   at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
   paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_starts, meta.query_lens,
-                  out, /*softcap=*/0.0);  // a soft-capped model (Gemma 2) runs as modules
+                  out, /*softcap=*/0.0, /*window=*/0);  // Gemma 2 and 3 (capped, windowed) run as modules
   return linear(out.view({s.tokens, q_size}), w[kO], w[kOBias], amx, adapters, kOLinear);
 }
 

@@ -10,10 +10,11 @@
 
 // Causal attention reading the paged KV cache in place, into out [T, heads, D]: sequence i's queries are rows
 // [query_starts[i], + query_lens[i]) of q, the last of its context_lens[i] positions, its blocks row i of
-// block_tables (paged_attention.cpp). softcap > 0: scores soft-capped to (-softcap, softcap) by tanh (Gemma 2).
+// block_tables (paged_attention.cpp). softcap > 0: scores soft-capped to (-softcap, softcap) by tanh (Gemma 2);
+// window > 0: each query sees only the last `window` positions, its own included (Gemma 2's and 3's local layers).
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
-                     const at::Tensor& query_lens, at::Tensor& out, double softcap);
+                     const at::Tensor& query_lens, at::Tensor& out, double softcap, int64_t window);
 
 // Causal attention of one sequence's prompt chunk, bf16: q [T, heads, D] are the last T of its context_len
 // positions, whose keys and values are in the paged cache under block_table [blocks] (prompt_attention.cpp).

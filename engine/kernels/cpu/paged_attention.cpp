@@ -57,6 +57,8 @@ struct Shape {
   int64_t table_width; // entries per row of the block table
   float scale;
   float softcap;  // Gemma 2's attention logit soft-capping: scores become softcap * tanh(score / softcap); 0: none
+  int64_t window;  // a sliding window (Gemma 2's and 3's local layers): the query at p sees keys p - window + 1 .. p;
+                   // 0: every earlier key
   // floats per head in Scratch::probs: the call's longest two-pass decode, in whole blocks. Rows of kTwoPassTokens,
   // zeroed with every chunk's scratch, took 64 short decodes 0.093 ms a call against 0.080 (bf16, Zen 4, warm)
   int64_t probs_stride;
@@ -89,6 +91,16 @@ inline void prefetch(const scalar_t* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t offset = 0; offset < n * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
     __builtin_prefetch(bytes + offset);
+}
+
+// The first key the query at `position` sees: its sliding window's first, or 0.
+inline int64_t first_key(int64_t position, const Shape& s) {
+  return s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+}
+
+// Scores of the `hidden` keys at a block's front, before a query's window: -inf, like the keys past its position.
+inline void hide_front(float* scores, int64_t hidden) {
+  for (int64_t t = 0; t < hidden; ++t) scores[t] = -std::numeric_limits<float>::infinity();
 }
 
 // Gemma 2's soft-capped scores, cap * tanh(score / cap) as transformers computes them, for the `rows` visible
@@ -288,10 +300,12 @@ template <typename q_t, typename cache_t>
 void decode_in_two_passes(const q_t* q, const cache_t* k_head, const cache_t* v_head, const int64_t* table,
                           int64_t context, q_t* out, const Shape& s, Scratch& w) {
   const int64_t d = s.head_dim, run = s.block_size * d, blocks = (context + s.block_size - 1) / s.block_size;
+  // A sliding window starts the passes at its first block, w.probs' columns counting from that block's first key
+  const int64_t seen = first_key(context - 1, s), first = seen / s.block_size, offset = first * s.block_size;
   const bool bf16_scores = scores_in_bf16<q_t, cache_t>(s);
   if (!bf16_scores)
     for (int64_t i = 0; i < s.group * d; ++i) w.query[i] = static_cast<float>(q[i]) * s.scale;
-  for (int64_t b = 0; b < blocks; ++b) {  // scores
+  for (int64_t b = first; b < blocks; ++b) {  // scores
     const int64_t start = b * s.block_size, rows = std::min(s.block_size, context - start);
     if (b + 1 < blocks) {
       prefetch(k_head + table[b + 1] * run, run);
@@ -299,29 +313,31 @@ void decode_in_two_passes(const q_t* q, const cache_t* k_head, const cache_t* v_
     }
     const cache_t* k_block = k_head + table[b] * run;
     if constexpr (std::is_same_v<q_t, float>) {
-      score_rows(w, s, k_block, rows, w.probs.data() + start, s.probs_stride);
+      score_rows(w, s, k_block, rows, w.probs.data() + start - offset, s.probs_stride);
     } else {
       if (!bf16_scores) {
         lora_serve::widen(k_block, w.rows.data(), rows * d);
         at::vec::transpose_mxn<float>(w.rows.data(), d, w.keys_t.data(), s.block_size, rows, d);
       }
       for (int64_t g = 0; g < s.group; ++g)
-        score_row(w, s, q + g * d, k_block, g, rows, bf16_scores, w.probs.data() + g * s.probs_stride + start);
+        score_row(w, s, q + g * d, k_block, g, rows, bf16_scores,
+                  w.probs.data() + g * s.probs_stride + start - offset);
     }
   }
-  const int64_t padded = blocks * s.block_size;  // past the context: -inf, from the last block's scoring
+  const int64_t padded = (blocks - first) * s.block_size;  // past the context: -inf, from the last block's scoring
   float rescale[64], inverse[64];  // rescale: none (accumulate_group's factors on the accumulators)
   for (int64_t g = 0; g < s.group; ++g) {
+    hide_front(w.probs.data() + g * s.probs_stride, seen - offset);
     inverse[g] = 1.f / softmax_in_place(w.probs.data() + g * s.probs_stride, padded);
     rescale[g] = 1.f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + s.group * d, 0.f);
   const bool grouped = s.head_dim % (kPassVectors * Vec::size()) == 0 && s.group <= 4;
-  for (int64_t b = 0; b < blocks; ++b) {  // weighted values
+  for (int64_t b = first; b < blocks; ++b) {  // weighted values
     const int64_t start = b * s.block_size, rows = std::min(s.block_size, context - start);
     if (b + 1 < blocks) prefetch(v_head + table[b + 1] * run, run);
     const cache_t* v_block = v_head + table[b] * run;
-    const float* p = w.probs.data() + start;
+    const float* p = w.probs.data() + start - offset;
     if (grouped) {
       accumulate_group<kPassVectors>(w.acc.data(), rescale, p, s.probs_stride, v_block, rows, s.group, d);
     } else {
@@ -348,7 +364,8 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
   std::fill(w.acc.begin(), w.acc.begin() + rows_used * d, 0.f);
   std::fill(w.best.begin(), w.best.begin() + rows_used, -std::numeric_limits<float>::infinity());
   std::fill(w.total.begin(), w.total.begin() + rows_used, 0.f);
-  for (int64_t start = 0, b = 0; start < context; start += s.block_size, ++b) {
+  const int64_t first = first_key(tile.position, s) / s.block_size;  // the tile's earliest window's block
+  for (int64_t start = first * s.block_size, b = first; start < context; start += s.block_size, ++b) {
     const int64_t rows = std::min(s.block_size, context - start);
     if (start + s.block_size < context) {  // the next block is elsewhere in memory: ask for it while this one runs
       prefetch(k_head + table[b + 1] * run, run);
@@ -362,6 +379,8 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
     if constexpr (std::is_same_v<q_t, float>) {
       if (tile.count == 1) {
         score_rows(w, s, k_block, rows, w.scores.data(), s.block_size);
+        for (int64_t g = 0; g < s.group; ++g)
+          hide_front(w.scores.data() + g * s.block_size, first_key(tile.position, s) - start);
         fold_scores(w, s, 0, s.group, rows, v_block);
         continue;
       }
@@ -373,10 +392,13 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
     lora_serve::widen(v_block, w.values.data(), rows * d);
     for (int64_t t = 0; t < tile.count; ++t) {
       const int64_t visible = std::min(rows, tile.position + t + 1 - start);  // causal: keys up to the query
-      if (visible <= 0) continue;
-      for (int64_t g = 0; g < s.group; ++g)
+      const int64_t hidden = first_key(tile.position + t, s) - start;  // and from its window's first
+      if (visible <= 0 || hidden >= visible) continue;
+      for (int64_t g = 0; g < s.group; ++g) {
         score_row(w, s, q + t * s.q_stride + g * d, k_block, t * s.group + g, visible, bf16_scores,
                   w.scores.data() + g * s.block_size);
+        hide_front(w.scores.data() + g * s.block_size, hidden);
+      }
       fold_scores(w, s, t * s.group, s.group, visible, w.values.data());
     }
   }
@@ -446,7 +468,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& query_starts,
-                     const at::Tensor& query_lens, at::Tensor& out, double softcap) {
+                     const at::Tensor& query_lens, at::Tensor& out, double softcap, int64_t window) {
   using namespace lora_serve::paged_attention_detail;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [T, heads, D] and the cache [kv_heads, blocks, "
               "block_size, D]");
@@ -464,6 +486,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(2) % lora_serve::Vec::size() == 0 && q.size(2) % 4 == 0,
               "block size must be a multiple of ", lora_serve::Vec::size(), " and head dim of 4");
   TORCH_CHECK(softcap >= 0, "softcap must be positive, or 0 for none");
+  TORCH_CHECK(window >= 0, "window must be positive, or 0 for none");
   const auto tables = block_tables.contiguous();
   const auto contexts = context_lens.contiguous();
   const auto tiles = make_tiles(query_starts.contiguous(), query_lens.contiguous(), contexts);
@@ -475,7 +498,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
   const int64_t block_size = k_cache.size(2);
   Shape s{q.size(1), q.stride(0), q.size(1) / kv_heads, head_dim, block_size, k_cache.size(1), tables.size(1),
-          static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), static_cast<float>(softcap),
+          static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), static_cast<float>(softcap), window,
           (longest + block_size - 1) / block_size * block_size};
   if (q.scalar_type() != k_cache.scalar_type()) {  // float32 queries over a bf16/fp16 cache
     lora_serve::dispatch_float_types(k_cache.scalar_type(), "paged_attention", [&](auto type) {
