@@ -599,3 +599,32 @@ def test_the_build_compiles_every_source_once_in_two_units(tmp_path):
                 if line.startswith("#include")]
     assert len(units) == 2 and included[0] == str(cpu_ops.BINDINGS)
     assert sorted(included) == sorted(str(source) for source in cpu_ops.SOURCES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norms_scale_in_float32_as_transformers(dtype):
+    """Gemma's norms keep 1 + w in float32 and scale the float32 row by it, rounding once, as transformers'
+    Gemma2RMSNorm does: the PyTorch path bitwise, the C++ operators (plain and after the residual addition) on most
+    elements; the Llama rounding (1 + w in the model dtype, the row rounded before the scale) differs."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    width = 576
+    reference = Gemma2RMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.copy_((torch.randn(width, generator=gen) * 0.3).to(dtype).float())
+    norm = RMSNorm(width, 1e-6, float32_scale=True)
+    with torch.no_grad():
+        norm.weight.copy_(reference.weight + 1.0)
+    x = (torch.randn(37, width, generator=gen) * 3).to(dtype)
+    want = reference.to(dtype)(x)
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm(x), want)
+    llama = RMSNorm(width, 1e-6).to(dtype)
+    with torch.no_grad():
+        llama.weight.copy_(norm.weight)
+    assert (llama(x) != want).float().mean() > 0.05
+    norm.fused_ops = cpu_ops.load()
+    _assert_norms_match(norm(x), want, dtype)
+    residual, delta = x.clone(), (torch.randn(37, width, generator=gen)).to(dtype)
+    _assert_norms_match(norm.add_and_norm(delta, residual), reference.to(dtype)(x + delta), dtype)
+    assert torch.equal(residual, x + delta)

@@ -137,3 +137,20 @@ def test_a_tiny_llama_with_the_fused_ops_generates_as_eager(tiny_llama_path):
     for a, b in zip(eager, fused):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+def test_gemma_norms_scale_in_float32(dtype):
+    """A Gemma norm's float32 1 + w beside a half-precision row: the row scaled in float32 and rounded once, as the
+    PyTorch path and transformers do (float16 in the interpreter, whose bfloat16 rounds otherwise)."""
+    norm = RMSNorm(300, 1e-6, float32_scale=True).to(DEVICE)
+    norm.weight.data.copy_(_randn(300, dtype=torch.float32, seed=3, scale=0.3) + 1)
+    x = _randn(7, 300, dtype=dtype, seed=4, scale=3.0)
+    residual, delta = x.clone(), _randn(7, 300, dtype=dtype, seed=5)
+    want, want_added = norm(x), norm.add_and_norm(delta, residual.clone())
+    norm.fused_ops = cuda_ops
+    for got, expected in ((norm(x), want), (norm.add_and_norm(delta, residual), want_added)):
+        assert (got == expected).float().mean() > 0.99  # rounding the row before the scale: 74% equal here
+        assert _ulps_apart(got, expected) <= 4
+    with pytest.raises(ValueError, match="must be .* or float32"):
+        cuda_ops.rms_norm(x, torch.ones(300, dtype=torch.float64, device=DEVICE), 1e-6)

@@ -176,8 +176,7 @@ def test_windowed_gemmas_match_hf_queued_preempted_and_in_long_chunks(request, t
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path", "tiny_gemma2_path",
                                   "tiny_gemma3_path", "tiny_granite_path"])
 def test_tiny_bf16_runs_and_mostly_agrees(request, name):
-    """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all (Gemma's norms
-    scale by 1 + weight rounded to bf16, where transformers adds the 1 in float32)."""
+    """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all."""
     path = request.getfixturevalue(name)
     reference = hf_greedy(path, PROMPTS[:4], 8)
     outputs = LLM(str(path), dtype="bfloat16", log_stats=False).generate(

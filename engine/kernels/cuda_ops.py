@@ -30,7 +30,7 @@ COLUMN_BLOCK = 1024  # SiLU-times-up: columns a program takes (an 8B MLP's 14,33
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, width, eps, stride_x, stride_d, stride_o,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     ADD: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
@@ -41,7 +41,9 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, width, eps, stride_x, str
         tl.store(x_ptr + row * stride_x + cols, x, mask=ok)
     xf = x.to(tl.float32)
     inverse = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / width + eps)
-    normed = (xf * inverse).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = xf * inverse
+    if ROUND_NORMED:  # Llama's rounding; a float32 weight beside a narrower row is a Gemma norm's: rounded once
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -104,13 +106,16 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     width = x.shape[-1]
     if weight.shape != (width,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the width {width}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"rms_norm: weight {weight.dtype} must be {x.dtype} or float32 (a Gemma norm's 1 + w)")
     rows = x.view(-1, width)  # the residual is updated in place: it must be a view, never a copy
     delta_rows = rows if delta is None else _rows(delta)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, delta_rows, weight, out, width, eps, rows.stride(0),
                                            delta_rows.stride(0), out.stride(0), ADD=delta is not None,
-                                           BLOCK=triton.next_power_of_2(width), num_warps=_warps(width))
+                                           ROUND_NORMED=weight.dtype == x.dtype, BLOCK=triton.next_power_of_2(width),
+                                           num_warps=_warps(width))
     return out.view(x.shape)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.llama_variants import computes_windows
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -156,9 +156,11 @@ def _random_weights(model: nn.Module, std: float = 0.02) -> None:
 
 @torch.no_grad()
 def _round_weights(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every floating parameter rounded to `dtype`'s values, kept in its own dtype."""
+    """Every floating parameter rounded to `dtype`'s values, kept in its own dtype; not Gemma's norm scales, whose
+    1 + w a `dtype` model keeps in float32 too (engine/models/llama.py)."""
+    exact = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm) and m.float32_scale}
     for param in model.parameters():
-        if param.is_floating_point():
+        if param.is_floating_point() and id(param) not in exact:
             param.copy_(param.to(dtype))
 
 

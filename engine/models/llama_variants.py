@@ -11,8 +11,9 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
   `residual_multiplier` before they join the residual stream, attention scores times `attention_multiplier` in
   place of 1/sqrt(head_dim) (the queries are scaled by it times sqrt(head_dim), so every attention path, the C++
   kernels' included, computes it), and the logits divided by `logits_scaling`.
-- Gemma: norms that scale by 1 + weight (the 1 is added as the weights load, so every norm path, the C++ decoder
-  stack's included, computes it), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
+- Gemma: norms that scale by 1 + weight (the 1 is added in float32 as the weights load, so every norm path, the C++
+  decoder stack's included, computes it; the scale stays in float32, and scales the float32 row before its one
+  rounding, as transformers does), embeddings times sqrt(hidden_size) rounded to the model dtype, as transformers
   rounds it, and a GELU-gated MLP (its config's activation, so no SiLU-only fused path).
 - Gemma 2: Gemma's, with
   - sandwich norms: each layer's attention and MLP outputs normalized before they join the residual stream;
