@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
@@ -94,6 +96,17 @@ def test_which_configs_slide():
     assert context_limit(LlamaConfig(max_position_embeddings=2048), 1024) == 1024
     assert context_limit(Gemma2Config(max_position_embeddings=8192, sliding_window=4096), None) == 8192
     assert context_limit(Gemma3TextConfig(max_position_embeddings=32768, sliding_window=512), None) == 32768
+
+
+def test_an_embedding_gemma_is_refused_by_name(tmp_path, tiny_gemma3_path):
+    """Gemma 3 with bidirectional attention (EmbeddingGemma) is an embedding model: refused at load, naming why,
+    rather than served causally."""
+    config = json.loads((tiny_gemma3_path / "config.json").read_text())
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_gemma3_path / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(ValueError, match="bidirectional attention .use_bidirectional_attention: an embedding model"):
+        LLM(str(tmp_path), log_stats=False)
 
 
 def test_granite_logits_are_scaled_as_hf_scales_them(tiny_granite_path, tokenizer):

@@ -48,6 +48,9 @@ def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 
 def model_class(hf_config) -> type[nn.Module]:
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention: an embedding model, such as "
+                         "EmbeddingGemma) is not served: this engine generates text, attending causally")
     for arch in hf_config.architectures or []:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
@@ -63,6 +66,7 @@ def context_limit(hf_config, asked: int | None) -> int:
       3's windows are computed exactly by the C++ kernel, and bound nothing);
     - for a longrope rotary embedding (Phi-3's 128k models), the original context: past it transformers switches
       the whole sequence to the long factors, while the engine's rotary table is computed once, with the short ones.
+    (A dynamic NTK rotary embedding changes its base only past the positions, which bound the context anyway.)
     A max_model_len past the limit is refused with the figures and the reason, never cut to it."""
     limit, why = min(_context_bounds(hf_config), key=lambda bound: bound[0])
     if asked is not None and asked > limit:
