@@ -35,9 +35,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
-                          SmolLM3ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
@@ -224,6 +224,21 @@ def tiny_gemma3_path(tmp_path_factory, tokenizer):
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
     return _save_tiny(_gemma_norms_away_from_one(Gemma3ForCausalLM(config)), tokenizer,
                       tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_path(tmp_path_factory, tokenizer):
+    """OLMo 2's layers: no input norms, attention and MLP outputs normalized before the residual add, the query and
+    key projections normalized whole; every norm's scale away from 1, so that each shows."""
+    torch.manual_seed(13)
+    config = Olmo2Config(**_tiny_decoder(tokenizer, pad_token_id=0, bos_token_id=tokenizer.bos_token_id,
+                                         tie_word_embeddings=False))
+    model = Olmo2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(2.0, 4.0) if ".post_" in name else param.uniform_(0.5, 1.5)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-olmo2"))
 
 
 def _gemma_norms_away_from_one(model):

@@ -49,7 +49,7 @@ def test_smollm2_under_preemption_matches_hf(smollm2_path, smollm2_reference):
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_mistral_path",
                                   "tiny_phi3_path", "tiny_phi4_path", "tiny_gemma_path", "tiny_smollm3_path",
-                                  "tiny_granite_path", "tiny_gpt2_path"])
+                                  "tiny_granite_path", "tiny_olmo2_path", "tiny_gpt2_path"])
 def test_tiny_models_match_hf_queued_and_preempted(request, name):
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -158,7 +158,8 @@ def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
 def test_windowed_gemmas_match_hf_queued_preempted_and_in_long_chunks(request, tokenizer, name, needs):
     """Gemma 2 soft-caps its attention scores, and Gemma 2 and 3 attend over sliding windows in some layers, which
     only the C++ kernel computes, so every token attends there, long prompt chunks too: greedy equals HF token for
-    token past the window (24 tokens here), queued, preempted, and for a prompt prefilled in chunks of 80 tokens.
+    token past the window (24 tokens here), queued, preempted, and for a prompt prefilled in chunks of 80 tokens,
+    then again from the prefix cache.
     Gemma 2's logits are soft-capped too, which only the logprobs show. Where the kernel cannot read the cache
     (blocks of 4 tokens), the model is refused, saying why."""
     path = str(request.getfixturevalue(name))
@@ -172,7 +173,10 @@ def test_windowed_gemmas_match_hf_queued_preempted_and_in_long_chunks(request, t
     long_prompt = " ".join(PROMPTS + PROMPTS[:4])  # chunks of 80: fresh, after cached, then the rest
     assert 80 + IN_PLACE_CHUNK < len(tokenizer(long_prompt).input_ids)
     chunked = LLM(path, max_num_batched_tokens=80, log_stats=False)
-    _check(chunked, hf_greedy(path, [long_prompt], 16), [long_prompt], SamplingParams(max_tokens=16, temperature=0))
+    long_reference = hf_greedy(path, [long_prompt], 16)
+    _check(chunked, long_reference, [long_prompt], SamplingParams(max_tokens=16, temperature=0))
+    again = _check(chunked, long_reference, [long_prompt], SamplingParams(max_tokens=16, temperature=0))
+    assert again[0].num_cached_tokens >= 128  # its prefix's blocks from the prefix cache, past the window
 
     out = chunked.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -187,7 +191,7 @@ def test_windowed_gemmas_match_hf_queued_preempted_and_in_long_chunks(request, t
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_phi3_path", "tiny_gemma_path", "tiny_gemma2_path",
-                                  "tiny_gemma3_path", "tiny_granite_path"])
+                                  "tiny_gemma3_path", "tiny_granite_path", "tiny_olmo2_path"])
 def test_tiny_bf16_runs_and_mostly_agrees(request, name):
     """bf16 rounds differently from HF's float32 reference, so most first tokens agree, not all."""
     path = request.getfixturevalue(name)

@@ -64,6 +64,7 @@ def _greedy(model, tok, prompt):
                                                  ("tiny_gemma3_path", LLAMA_ADAPTERS),  # windows, two rotary tables
                                                  ("tiny_smollm3_path", LLAMA_ADAPTERS),  # layers without rotary
                                                  ("tiny_granite_path", LLAMA_ADAPTERS),  # Granite's multipliers
+                                                 ("tiny_olmo2_path", LLAMA_ADAPTERS),  # post-norms, whole q/k norms
                                                  ("tiny_gpt2_path", GPT2_ADAPTERS)])
 @pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters: slots are evicted and requests wait for one
 def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base_fixture, specs, max_loras):

@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -33,7 +34,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gemma2": LlamaForCausalLM,
-    "gemma3_text": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
+    "gemma3_text": LlamaForCausalLM, "olmo2": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
     "granite": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 

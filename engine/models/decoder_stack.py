@@ -79,7 +79,7 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     attn = model.layers[0].self_attn
     variant = model.variant
     if (attn.qk_norm or attn.partial_rotary or variant.attention_scale or variant.residual_multiplier
-            or variant.sandwich_norms or variant.attention_softcap or variant.windows):
+            or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap or variant.windows):
         return None  # the stack has no per-head q/k norms (Qwen3), turns whole heads, and has neither Granite's
         # multipliers nor Gemma 2's and 3's extra norms, soft-capping and windows: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]

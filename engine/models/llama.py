@@ -26,11 +26,11 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, float32_scale: bool = False):
         super().__init__()
         # float32_scale: Gemma's norms, whose 1 + w transformers adds and multiplies by in float32, rounding the
-        # scaled row once; kept in float32 whatever the model dtype. In bf16, with 1 + w rounded to bf16 and the
-        # normalised row rounded before the scale, random Gemma 2 and 3 models of head_dim 256 (6 layers, 16
-        # prompts x 48 greedy tokens) kept transformers' float32 tokens for 626 and 527 of 768 tokens (up to each
-        # sequence's first difference); scaled in float32, 671 and 612 (transformers in bf16: 649 and 571 -> 655
-        # and 599)
+        # scaled row once (OLMo 2's multiply by w so); kept in float32 whatever the model dtype. In bf16, with
+        # 1 + w rounded to bf16 and the normalised row rounded before the scale, random Gemma 2 and 3 models of
+        # head_dim 256 (6 layers, 16 prompts x 48 greedy tokens) kept transformers' float32 tokens for 626 and 527
+        # of 768 tokens (up to each sequence's first difference); scaled in float32, 671 and 612 (transformers in
+        # bf16: 649 and 571 -> 655 and 599)
         self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if float32_scale else None))
         self.float32_scale = float32_scale
         self.eps = eps
@@ -57,8 +57,8 @@ class RMSNorm(nn.Module):
 
 
 def _norm(size: int, config, variant: LlamaVariant) -> RMSNorm:
-    """A norm of the variant's kind: Gemma's (1 + w, added as the weights load) scale in float32."""
-    return RMSNorm(size, config.rms_norm_eps, float32_scale=bool(variant.norm_offset))
+    """A norm of the variant's kind: Gemma's (1 + w, added as the weights load) and OLMo 2's scale in float32."""
+    return RMSNorm(size, config.rms_norm_eps, float32_scale=variant.float32_norm_scale)
 
 
 class LlamaAttention(nn.Module):
@@ -71,8 +71,10 @@ class LlamaAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = uninitialized.linear(config.hidden_size, q_size + 2 * kv_size, bias=variant.qkv_bias)
         self.o_proj = uninitialized.linear(q_size, config.hidden_size, bias=variant.o_bias)
-        # Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before the rotary embedding
+        # Qwen3 and Gemma 3 normalize each head's query and key (RMSNorm over head_dim) before the rotary embedding,
+        # OLMo 2 the query and key projections whole
         self.qk_norm = variant.qk_norm
+        self.qk_norm_whole = variant.qk_norm_whole
         # Phi-4-mini turns only the first 3/4 of each head: the fused rotary operators turn whole heads, so such a
         # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
@@ -86,16 +88,19 @@ class LlamaAttention(nn.Module):
         # the key of its rotary table in the model's: Gemma 3's sliding layers turn by a base of their own
         self.rope_table = variant.rope_kind(layer) or ONE_TABLE
         if self.qk_norm:
-            self.q_norm = _norm(self.head_dim, config, variant)
-            self.k_norm = _norm(self.head_dim, config, variant)
+            q_width, k_width = (q_size, kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = _norm(q_width, config, variant)
+            self.k_norm = _norm(k_width, config, variant)
         self.fused_ops = None  # the fused operators (set by use_fused_ops): rotary in one call
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q_size, kv_size, _ = self.split_sizes
         qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        if self.qk_norm_whole:
+            qk = self._projection_norms(qk)
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             qk = self._head_norms(qk)
         qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -112,6 +117,11 @@ class LlamaAttention(nn.Module):
         if self.fused_ops is not None and not self.partial_rotary:
             return self.fused_ops.rotary(qk, cos, sin)
         return apply_rotary(qk, cos, sin)
+
+    def _projection_norms(self, qk: torch.Tensor) -> torch.Tensor:
+        """OLMo 2's norms of the query projection and of the key projection, each over all its heads."""
+        q, k = qk.split(self.split_sizes[:2], dim=-1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1)
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
         """Qwen3's norms of each query head and each key head, over the head's dimensions."""
@@ -142,29 +152,42 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, variant: LlamaVariant, layer: int):
         super().__init__()
-        self.input_layernorm = _norm(config.hidden_size, config, variant)
+        self.post_norms_only = variant.post_norms_only  # OLMo 2: no input_layernorm
+        if not self.post_norms_only:
+            self.input_layernorm = _norm(config.hidden_size, config, variant)
         self.self_attn = LlamaAttention(config, variant, layer)
         self.post_attention_layernorm = _norm(config.hidden_size, config, variant)
         self.mlp = LlamaMLP(config)
         self.residual_multiplier = variant.residual_multiplier  # Granite: each output times it before the add
         # Gemma 2's sandwich, under its checkpoint's names: post_attention_layernorm normalizes the attention
         # output, pre_feedforward_layernorm the MLP's input (Llama's post_attention_layernorm), and
-        # post_feedforward_layernorm the MLP's output
+        # post_feedforward_layernorm the MLP's output; OLMo 2's has no input norms
         self.sandwich = variant.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(config.hidden_size, config, variant)
+        if self.sandwich or self.post_norms_only:
             self.post_feedforward_layernorm = _norm(config.hidden_size, config, variant)
 
     def forward(self, h, delta, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """h: the residual stream, updated in place; delta: the previous layer's MLP output, not yet added to it
         (None in the first layer). Returns this layer's MLP output, for the next norm to add: each residual
         addition then runs inside a norm (RMSNorm.add_and_norm), as vLLM's fused add-norm does."""
+        if self.post_norms_only:
+            return self._forward_post_norms(h, delta, cos, sin, cache, meta)
         x = self.input_layernorm(h) if delta is None else self.input_layernorm.add_and_norm(delta, h)
         attn = self._scaled(self.self_attn(x, cos, sin, cache, meta))
         if self.sandwich:
             x = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), h)
             return self.post_feedforward_layernorm(self.mlp(x))
         return self._scaled(self.mlp(self.post_attention_layernorm.add_and_norm(attn, h)))
+
+    def _forward_post_norms(self, h, delta, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """OLMo 2's layer: attention and MLP read the residual stream as it is, and their outputs are normalized
+        before they join it."""
+        if delta is not None:
+            h.add_(delta)
+        h.add_(self.post_attention_layernorm(self.self_attn(h, cos, sin, cache, meta)))
+        return self.post_feedforward_layernorm(self.mlp(h))
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         """A sublayer's output as it joins the residual stream: times Granite's residual multiplier."""

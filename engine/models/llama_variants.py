@@ -27,6 +27,11 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
   norms (scaling by 1 + weight, as Gemma's norms do), and the sliding layers' rotary embedding from a base of their
   own (`rope_parameters` per layer type; five sliding layers to one global in Gemma 3).
 
+- OLMo 2: no norm before attention or the MLP; their outputs are normalized before they join the residual stream
+  (`post_attention_layernorm`, `post_feedforward_layernorm`), and the query and key projections are normalized
+  whole, over every head at once, before the rotary embedding. Its norms, like Gemma's, scale the float32 row and
+  round once.
+
 Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's) are the rotary table's concern
 (engine/layers/rotary.py).
 """
@@ -47,7 +52,7 @@ WINDOWED = ("gemma2", "gemma3_text")  # sliding-window layers beside global ones
 class LlamaVariant:
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool  # Qwen3
+    qk_norm: bool  # Qwen3, Gemma 3: each query and key head normalized; OLMo 2: see qk_norm_whole
     norm_offset: float  # Gemma's norms scale by 1 + weight: 1.0, added to each norm weight as it loads
     embed_scale: float | None  # Gemma: embeddings times this (sqrt(hidden_size)), rounded to the model dtype
     fused_checkpoint: bool  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
@@ -61,6 +66,9 @@ class LlamaVariant:
     sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs normalized before the residual add
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
     final_softcap: float | None = None  # Gemma 2's final_logit_softcapping, on the logits
+    post_norms_only: bool = False  # OLMo 2: no input norms; attention and MLP outputs normalized before the add
+    qk_norm_whole: bool = False  # OLMo 2: the query and key projections each normalized over all their heads
+    float32_norm_scale: bool = False  # Gemma, OLMo 2: norms scale the float32 row by a float32 weight, rounding once
     windows: tuple[int, ...] | None = None  # Gemma 2 and 3: per layer its sliding window, 0 for the whole context
     rope_kinds: tuple[str, ...] | None = None  # Gemma 3: per layer the key of its rotary's rope_parameters
 
@@ -101,8 +109,10 @@ def variant_of(config) -> LlamaVariant:
     kind = config.model_type
     bias = bool(getattr(config, "attention_bias", False))
     gemma = kind in ("gemma", *WINDOWED)
+    olmo2 = kind == "olmo2"
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
-                        qk_norm=kind in ("qwen3", "gemma3_text"),
+                        qk_norm=kind in ("qwen3", "gemma3_text", "olmo2"), qk_norm_whole=olmo2,
+                        post_norms_only=olmo2, float32_norm_scale=gemma or olmo2,
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
