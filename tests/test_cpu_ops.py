@@ -51,10 +51,12 @@ def test_rms_norm_rounds_as_the_pytorch_path(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens, heads, dim", [(1, 12, 64), (37, 4, 16), (3, 7, 128)])
-def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim):
+@pytest.mark.parametrize("tokens, heads, dim, turned", [(1, 12, 64, 64), (37, 4, 16, 16), (3, 7, 128, 128),
+                                                       (5, 3, 128, 96), (37, 2, 128, 64), (2, 3, 16, 12)])
+def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim, turned):
     """Bitwise equal to apply_rotary in every dtype, on a strided view of a fused projection as the model passes
-    it (37 tokens run on both threads)."""
+    it (37 tokens run on both threads); a partial rotary (Phi-4-mini's 96 of 128) turns the first dimensions and
+    copies the rest; an odd or too wide rotary is refused."""
     from engine.layers.rotary import apply_rotary
 
     ops = cpu_ops.load()
@@ -62,10 +64,13 @@ def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim):
     gen = torch.Generator().manual_seed(tokens * dim)
     fused = torch.randn(tokens, (heads + 3) * dim, generator=gen).to(dtype)
     x = fused[:, :heads * dim].view(tokens, heads, dim)
-    cos = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
-    sin = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
+    cos = torch.randn(tokens, 1, turned, generator=gen).to(dtype)
+    sin = torch.randn(tokens, 1, turned, generator=gen).to(dtype)
     got = ops.rotary(x, cos, sin)
     assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
+    for width in (turned - 1, dim + 2):
+        with pytest.raises(RuntimeError, match="an even number of dimensions up to head_dim"):
+            ops.rotary(x, torch.zeros(tokens, 1, width, dtype=dtype), torch.zeros(tokens, 1, width, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -85,6 +85,13 @@ def test_rotary_matches_eager(dtype, tokens, heads, head_dim):
     assert ((got.float() - apply_rotary(x, cos, sin).float()).abs() <= bound).all()
 
 
+def test_a_partial_rotary_takes_the_pytorch_path():
+    """cos and sin narrower than the head (Phi-4-mini's rotary over part of each head): apply_rotary itself."""
+    x = _randn(3, 4, 128, dtype=torch.float32, seed=1)
+    angles = _randn(3, 1, 96, dtype=torch.float32, seed=2)
+    assert torch.equal(cuda_ops.rotary(x, angles.cos(), angles.sin()), apply_rotary(x, angles.cos(), angles.sin()))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, width", [(1, 64), (3, 1536), (2, 2500)])
 def test_silu_and_mul_matches_eager(dtype, rows, width):

@@ -37,8 +37,10 @@ def _scores(outputs) -> list[tuple]:
     return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outputs]
 
 
-# qwen2: q/k/v with biases; phi3: fused checkpoints; smollm3: a layer without the rotary embedding
-@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_phi3_path", "tiny_smollm3_path"])
+# qwen2: q/k/v with biases; qwen3: per-head q/k norms; phi3: fused checkpoints; phi4: a rotary over half of each
+# head; smollm3: a layer without the rotary embedding
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_phi3_path",
+                                  "tiny_phi4_path", "tiny_smollm3_path"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     path = str(request.getfixturevalue(name))
@@ -92,13 +94,13 @@ def test_operator_refuses_a_malformed_stack():
     ops = cpu_ops.load()
     h, index, rope = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, 16)
     caches = [torch.zeros(2, 1, 16, 16)] * 2
-    weights = [h] * 11
+    weights = [h] * 13
 
     def call(weights, caches, loras, rope_layers=()):
         ops.decoder_stack(h, weights, caches, rope, rope, index, index.view(1, 1), index, index, index, 4, 2, 0,
                           1e-6, loras, index, 4, torch.tensor(rope_layers, dtype=torch.long))
 
-    with pytest.raises(RuntimeError, match="weights must be 10 tensors per layer"):
+    with pytest.raises(RuntimeError, match="weights must be 12 tensors per layer"):
         call([h], caches, [])
     with pytest.raises(RuntimeError, match="a key and a value cache per layer"):
         call(weights, caches[:1], [])

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.rotary import apply_rotary
+
 COLUMN_BLOCK = 1024  # SiLU-times-up: columns a program takes (an 8B MLP's 14,336 are 14 programs a token)
 
 
@@ -138,7 +140,10 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] (unit stride along head_dim), cos/sin [tokens, 1, head_dim] -> a new tensor,
-    as engine.layers.rotary.apply_rotary."""
+    as engine.layers.rotary.apply_rotary; cos/sin narrower than the head (a partial rotary, Phi-4-mini's) take
+    apply_rotary itself."""
+    if cos.shape[-1] < x.shape[-1]:
+        return apply_rotary(x, cos, sin)
     tokens, heads, head_dim = x.shape
     if x.stride(-1) != 1 or head_dim % 2 or triton.next_power_of_2(head_dim) != head_dim:
         raise ValueError(f"rotary: x {tuple(x.shape)} needs a unit-stride, power-of-2 head dimension")

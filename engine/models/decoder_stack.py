@@ -36,9 +36,9 @@ MAX_SUBS = 3  # B matrices a linear's LoRA slots hold at most (q, k, v fused), a
 
 @dataclass
 class DecoderStack:
-    """The tensors and shapes one call needs, gathered once: per layer [input norm, qkv, qkv bias, o, o bias,
-    post-attention norm, gate_up, gate_up bias, down, down bias], then the final norm; a key and a value cache per
-    layer."""
+    """The tensors and shapes one call needs, gathered once: per layer [input norm, qkv, qkv bias, q norm, k norm,
+    o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias] (no q/k norms but Qwen3's per-head ones),
+    then the final norm; a key and a value cache per layer."""
     ops: object  # the C++ operators' module
     weights: list[torch.Tensor]
     caches: list[torch.Tensor]
@@ -78,10 +78,10 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
         return None
     attn = model.layers[0].self_attn
     variant = model.variant
-    if (attn.qk_norm or attn.partial_rotary or variant.attention_scale or variant.residual_multiplier
+    if (attn.qk_norm_whole or variant.attention_scale or variant.residual_multiplier
             or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap or variant.windows):
-        return None  # the stack has no per-head q/k norms (Qwen3), turns whole heads, and has neither Granite's
-        # multipliers nor Gemma 2's and 3's extra norms, soft-capping and windows: these run as modules
+        return None  # the stack has no whole-projection q/k norms (OLMo 2's), and neither Granite's multipliers nor
+        # Gemma 2's and 3's extra norms, soft-capping and windows: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
@@ -121,5 +121,6 @@ def _packed(linear: nn.Module) -> list[torch.Tensor]:
 
 def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm.weight, *_packed(attn.qkv_proj), *_packed(attn.o_proj),
+    head_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [NO_TENSOR, NO_TENSOR]  # Qwen3's
+    return [layer.input_layernorm.weight, *_packed(attn.qkv_proj), *head_norms, *_packed(attn.o_proj),
             layer.post_attention_layernorm.weight, *_packed(mlp.gate_up_proj), *_packed(mlp.down_proj)]

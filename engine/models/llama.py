@@ -75,8 +75,8 @@ class LlamaAttention(nn.Module):
         # OLMo 2 the query and key projections whole
         self.qk_norm = variant.qk_norm
         self.qk_norm_whole = variant.qk_norm_whole
-        # Phi-4-mini turns only the first 3/4 of each head: the fused rotary operators turn whole heads, so such a
-        # model's rotary runs in PyTorch (engine/layers/rotary.py), and its layers as modules
+        # Phi-4-mini turns only the first 3/4 of each head (cos and sin narrower than the head: the rotary
+        # operators copy the rest)
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         self.use_rope = variant.rotates(layer)  # SmolLM3's layers without positions leave q and k as projected
         # Granite's and Gemma 2's attention scale in place of 1/sqrt(head_dim): the queries times it and
@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
         without it gets its heads as one contiguous tensor, as the rotary's output is."""
         if not self.use_rope:
             return qk.contiguous()
-        if self.fused_ops is not None and not self.partial_rotary:
+        if self.fused_ops is not None:
             return self.fused_ops.rotary(qk, cos, sin)
         return apply_rotary(qk, cos, sin)
 

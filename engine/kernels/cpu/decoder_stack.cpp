@@ -22,7 +22,10 @@
 namespace lora_serve::decoder_stack_detail {
 
 // One layer's tensors, in the order engine/models/decoder_stack.py lays them out.
-enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kPerLayer };
+// kQNorm and kKNorm: Qwen3's per-head query and key norms, empty tensors for a model without them.
+enum Weight {
+  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kPerLayer
+};
 
 // Each linear's LoRA slots, in the order of a layer's linears: A, then up to kMaxSubs B (one per sub-module fused
 // into the linear: q, k, v), empty tensors past its own and for a linear no resident adapter targets.
@@ -38,6 +41,7 @@ struct Adapters {
 
 struct Shapes {
   int64_t tokens, heads, kv_heads, head_dim;
+  double eps;  // every norm's, the per-head ones' included
 };
 
 // Whether a layer turns its queries and keys (SmolLM3 leaves some layers without positions; empty: every layer).
@@ -71,9 +75,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return y;
 }
 
-// Attention of one layer, as LlamaAttention.forward and paged_attention run it: fused projection, rotary on the
-// queries and keys together (or, in a layer without it, the heads made contiguous as the rotary's output is), the
-// new keys and values into the cache, the in-place kernel, the output projection.
+// The queries and keys [tokens, heads + kv_heads, head_dim] as the attention reads them: Qwen3's per-head norms
+// (each head over its head_dim, queries and keys with their own weights, as LlamaAttention._head_norms), then the
+// rotary embedding (in a layer without it, the heads made contiguous as the rotary's output is). Rotary and norms
+// work row by row, so turning the two parts apart gives the bits of turning them together.
+struct QueriesKeys {
+  at::Tensor q, k;
+};
+
+QueriesKeys queries_keys(const at::Tensor& qk, const at::Tensor* w, const at::Tensor& cos, const at::Tensor& sin,
+                         bool rope, const Shapes& s) {
+  if (w[kQNorm].numel() == 0) {
+    const at::Tensor rotated = rope ? rotary(qk, cos, sin) : qk.contiguous();
+    return {rotated.narrow(1, 0, s.heads), rotated.narrow(1, s.heads, s.kv_heads)};
+  }
+  const at::Tensor q = rms_norm(qk.narrow(1, 0, s.heads), w[kQNorm], s.eps);
+  const at::Tensor k = rms_norm(qk.narrow(1, s.heads, s.kv_heads), w[kKNorm], s.eps);
+  if (!rope) return {q, k};
+  return {rotary(q, cos, sin), rotary(k, cos, sin)};
+}
+
+// Attention of one layer, as LlamaAttention.forward and paged_attention run it: fused projection, the queries and
+// keys normed (Qwen3) and turned, the new keys and values into the cache, the in-place kernel, the output
+// projection.
 at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& cos, const at::Tensor& sin, bool rope, const Metadata& meta, const Shapes& s,
                      bool amx, const Adapters& adapters) {
@@ -81,8 +105,7 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cac
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({s.tokens, s.heads + s.kv_heads, s.head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({s.tokens, s.kv_heads, s.head_dim});
-  const at::Tensor rotated = rope ? rotary(qk, cos, sin) : qk.contiguous();
-  const at::Tensor q = rotated.narrow(1, 0, s.heads), k = rotated.narrow(1, s.heads, s.kv_heads);
+  const auto [q, k] = queries_keys(qk, w, cos, sin, rope, s);
   write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping);
   at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
   paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_starts, meta.query_lens,
@@ -114,7 +137,7 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
                                           rope_layers.scalar_type() == at::kLong && rope_layers.is_contiguous()),
               "rope_layers must be empty or one int64 flag per layer: ", layers, ", not ", rope_layers.numel());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [tokens, hidden]");
-  const Shapes shapes{h.size(0), heads, kv_heads, cos.size(-1)};
+  const Shapes shapes{h.size(0), heads, kv_heads, caches[0].size(-1), eps};  // cos may turn part of each head
   const Metadata meta{slot_mapping, block_tables, context_lens, query_starts, query_lens};
   at::Tensor delta;  // the previous layer's MLP output, added into h by the next norm
   for (int64_t layer = 0; layer < layers; ++layer) {

@@ -97,9 +97,10 @@ at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
 // A Llama-family decoder's layers over the residual stream h [tokens, hidden] (updated in place), every token
-// attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, o, o bias, post-
-// attention norm, gate_up, gate_up bias, down, down bias] (linears packed for simd_linear, or amx_linear where amx
-// is 1; an empty tensor for no bias), then the final norm's weight; a key and a value cache per layer. With
+// attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, q norm, k norm, o,
+// o bias, post-attention norm, gate_up, gate_up bias, down, down bias] (linears packed for simd_linear, or
+// amx_linear where amx is 1; an empty tensor for no bias, and for no per-head q/k norms, Qwen3's), then the final
+// norm's weight; a key and a value cache per layer. With
 // adapters, loras holds per layer and linear (qkv, o, gate_up, down) its slots' A and up to 3 B (lora_add_'s
 // weights; empty tensors past its own, and for a linear without adapter weights), token_slots each token's slot;
 // no adapters: loras empty. rope_layers: int64 [layers], 1 where a layer applies the rotary embedding and 0 where

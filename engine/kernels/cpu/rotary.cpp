@@ -3,7 +3,9 @@
 // arithmetic.
 //
 // Rounding follows transformers' apply_rotary_pos_emb exactly: x * cos and rotate_half(x) * sin are each rounded
-// to the model dtype, then added and rounded again (for fp32 every step rounds as PyTorch does).
+// to the model dtype, then added and rounded again (for fp32 every step rounds as PyTorch does). cos and sin
+// narrower than the head turn its first dimensions and copy the rest, as transformers does for a partial rotary
+// embedding (Phi-4-mini's 96 of 128).
 
 #include "float_types.h"
 #include "ops.h"
@@ -42,18 +44,21 @@ void rotate_vector(const scalar_t* in, const scalar_t* cos, const scalar_t* sin,
   }
 }
 
+// Each head's first `turned` dimensions turned, the rest of its d copied.
 template <typename scalar_t>
 void rotate_token(const scalar_t* x, int64_t head_stride, const scalar_t* cos, const scalar_t* sin,
-                  scalar_t* out, int64_t heads, int64_t d) {
-  const bool vector = (d / 2) % (2 * lora_serve::Vec::size()) == 0;
+                  scalar_t* out, int64_t heads, int64_t d, int64_t turned) {
+  const bool vector = (turned / 2) % (2 * lora_serve::Vec::size()) == 0;
   for (int64_t h = 0; h < heads; ++h) {
-    if (vector) rotate_vector(x + h * head_stride, cos, sin, out + h * d, d);
-    else rotate_scalar(x + h * head_stride, cos, sin, out + h * d, d);
+    const scalar_t* in = x + h * head_stride;
+    if (vector) rotate_vector(in, cos, sin, out + h * d, turned);
+    else rotate_scalar(in, cos, sin, out + h * d, turned);
+    for (int64_t i = turned; i < d; ++i) out[h * d + i] = in[i];
   }
 }
 
 template <typename scalar_t>
-void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, int64_t turned) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -62,7 +67,8 @@ void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   lora_serve::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      rotate_token(xp + t * token_stride, head_stride, cp + t * d, sp + t * d, op + t * heads * d, heads, d);
+      rotate_token(xp + t * token_stride, head_stride, cp + t * turned, sp + t * turned, op + t * heads * d, heads, d,
+                   turned);
   });
 }
 
@@ -73,12 +79,16 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with unit stride in its last "
               "dimension");
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
-              "cos and sin must hold [tokens, head_dim] values");
+  const int64_t turned = x.size(0) > 0 ? cos.numel() / x.size(0) : x.size(2);
+  TORCH_CHECK(cos.numel() == x.size(0) * turned && sin.numel() == cos.numel() && turned % 2 == 0 &&
+              turned <= x.size(2), "cos and sin must hold [tokens, rotary dims] values, an even number of "
+              "dimensions up to head_dim");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "x, cos and sin must share a dtype");
   const auto c = cos.contiguous(), s = sin.contiguous();
   auto out = x.new_empty({x.size(0), x.size(1), x.size(2)});
-  lora_serve::dispatch_float_types(x.scalar_type(), "rotary", [&](auto type) { run<decltype(type)>(x, c, s, out); });
+  lora_serve::dispatch_float_types(x.scalar_type(), "rotary", [&](auto type) {
+    run<decltype(type)>(x, c, s, out, turned);
+  });
   return out;
 }
