@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Granite) over the paged KV
-cache; how each architecture departs from Llama's layers is data read from its config
+"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma 1-3, Granite, OLMo 2) over the paged
+KV cache; how each architecture departs from Llama's layers is data read from its config
 (engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         # operators copy the rest)
         self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         self.use_rope = variant.rotates(layer)  # SmolLM3's layers without positions leave q and k as projected
-        # Granite's and Gemma 2's attention scale in place of 1/sqrt(head_dim): the queries times it and
+        # Granite's and Gemma 2's and 3's attention scale in place of 1/sqrt(head_dim): the queries times it and
         # sqrt(head_dim), so that every attention path, which divides by sqrt(head_dim), scores with it
         scale = variant.attention_scale
         self.query_scale = None if scale is None else scale * self.head_dim ** 0.5
