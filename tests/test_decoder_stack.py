@@ -38,9 +38,9 @@ def _scores(outputs) -> list[tuple]:
 
 
 # qwen2: q/k/v with biases; qwen3: per-head q/k norms; phi3: fused checkpoints; phi4: a rotary over half of each
-# head; smollm3: a layer without the rotary embedding
+# head; smollm3: a layer without the rotary embedding; granite: its attention scale and residual multiplier
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_phi3_path",
-                                  "tiny_phi4_path", "tiny_smollm3_path"])
+                                  "tiny_phi4_path", "tiny_smollm3_path", "tiny_granite_path"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     path = str(request.getfixturevalue(name))
@@ -98,7 +98,7 @@ def test_operator_refuses_a_malformed_stack():
 
     def call(weights, caches, loras, rope_layers=()):
         ops.decoder_stack(h, weights, caches, rope, rope, index, index.view(1, 1), index, index, index, 4, 2, 0,
-                          1e-6, loras, index, 4, torch.tensor(rope_layers, dtype=torch.long))
+                          1e-6, loras, index, 4, torch.tensor(rope_layers, dtype=torch.long), 0.0, 0.0)
 
     with pytest.raises(RuntimeError, match="weights must be 12 tensors per layer"):
         call([h], caches, [])

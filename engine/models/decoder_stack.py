@@ -51,6 +51,8 @@ class DecoderStack:
     max_rank: int
     rope_layers: torch.Tensor  # int64, per layer 1 where it applies the rotary embedding (SmolLM3's: not every
     # layer does); empty where every layer does
+    query_scale: float  # Granite's: the turned queries times it; 0: none
+    residual_multiplier: float  # Granite's: attention and MLP outputs times it before the residual add; 0: none
 
     def takes(self, meta: AttentionMetadata, h: torch.Tensor) -> bool:
         """Whether this step's layers can run in the stack, with the results of the modules' path."""
@@ -67,7 +69,7 @@ class DecoderStack:
                                       q.context_lens, q.query_starts, q.query_lens, self.heads, self.kv_heads,
                                       int(self.kernel.name == "amx"), self.eps, loras,
                                       NO_TENSOR if token_slots is None else token_slots, self.max_rank,
-                                      self.rope_layers)
+                                      self.rope_layers, self.query_scale, self.residual_multiplier)
 
 
 def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ops,
@@ -78,10 +80,10 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
         return None
     attn = model.layers[0].self_attn
     variant = model.variant
-    if (attn.qk_norm_whole or variant.attention_scale or variant.residual_multiplier
-            or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap or variant.windows):
-        return None  # the stack has no whole-projection q/k norms (OLMo 2's), and neither Granite's multipliers nor
-        # Gemma 2's and 3's extra norms, soft-capping and windows: these run as modules
+    if (attn.qk_norm_whole or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap
+            or variant.windows):
+        return None  # the stack has no whole-projection q/k norms (OLMo 2's), nor Gemma 2's and 3's extra norms,
+        # soft-capping and windows: these run as modules
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
@@ -95,7 +97,8 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     rope = [int(layer.self_attn.use_rope) for layer in model.layers]
     return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
                         attn.num_kv_heads, kernels.pop(), model.norm.eps, lora_state, loras,
-                        loras[0].max_rank if loras else 0, NO_TENSOR if all(rope) else torch.tensor(rope))
+                        loras[0].max_rank if loras else 0, NO_TENSOR if all(rope) else torch.tensor(rope),
+                        attn.query_scale or 0.0, variant.residual_multiplier or 0.0)
 
 
 def _lora_slots(lora: LoRALinear) -> list[torch.Tensor]:

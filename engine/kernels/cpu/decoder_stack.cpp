@@ -14,7 +14,9 @@
 // kernel (decodes and short prompt chunks), every linear is on one of the engine's own kernels, and adapters add
 // their deltas through lora_add_ as the LoRA linears do (engine/models/decoder_stack.py decides, per step).
 
+#include "float_types.h"
 #include "ops.h"
+#include "work_pool.h"
 
 #include <optional>
 #include <vector>
@@ -42,7 +44,27 @@ struct Adapters {
 struct Shapes {
   int64_t tokens, heads, kv_heads, head_dim;
   double eps;  // every norm's, the per-head ones' included
+  double query_scale;  // Granite: the turned queries times this (its attention scale times sqrt(head_dim)); 0: none
+  double residual_multiplier;  // Granite: attention and MLP outputs times this before the residual add; 0: none
 };
+
+// x times a scalar into a new tensor, as PyTorch multiplies a tensor by a Python float: the product in float32
+// (the scalar rounded to float32), rounded once to x's dtype. The same bits, so the stack stays the modules' path.
+at::Tensor scaled(const at::Tensor& x, double factor) {
+  if (factor == 0.0) return x;
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = input.new_empty(input.sizes());
+  const float f = static_cast<float>(factor);
+  lora_serve::dispatch_float_types(input.scalar_type(), "scaled", [&](auto type) {
+    using scalar_t = decltype(type);
+    const scalar_t* in = input.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    lora_serve::parallel_for(0, input.numel(), 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) o[i] = static_cast<scalar_t>(static_cast<float>(in[i]) * f);
+    });
+  });
+  return out;
+}
 
 // Whether a layer turns its queries and keys (SmolLM3 leaves some layers without positions; empty: every layer).
 bool rotates(const at::Tensor& rope_layers, int64_t layer) {
@@ -105,7 +127,8 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor* w, at::Tensor& k_cac
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({s.tokens, s.heads + s.kv_heads, s.head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({s.tokens, s.kv_heads, s.head_dim});
-  const auto [q, k] = queries_keys(qk, w, cos, sin, rope, s);
+  const auto [turned_q, k] = queries_keys(qk, w, cos, sin, rope, s);
+  const at::Tensor q = scaled(turned_q, s.query_scale);
   write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping);
   at::Tensor out = q.new_empty({s.tokens, s.heads, s.head_dim});
   paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_starts, meta.query_lens,
@@ -125,7 +148,8 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
                          int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
-                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers) {
+                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers,
+                         double query_scale, double residual_multiplier) {
   using namespace lora_serve::decoder_stack_detail;
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(layers > 0 && caches.size() % 2 == 0, "caches must be a key and a value cache per layer");
@@ -137,7 +161,8 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
                                           rope_layers.scalar_type() == at::kLong && rope_layers.is_contiguous()),
               "rope_layers must be empty or one int64 flag per layer: ", layers, ", not ", rope_layers.numel());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [tokens, hidden]");
-  const Shapes shapes{h.size(0), heads, kv_heads, caches[0].size(-1), eps};  // cos may turn part of each head
+  // head_dim from the cache: cos may turn part of each head
+  const Shapes shapes{h.size(0), heads, kv_heads, caches[0].size(-1), eps, query_scale, residual_multiplier};
   const Metadata meta{slot_mapping, block_tables, context_lens, query_starts, query_lens};
   at::Tensor delta;  // the previous layer's MLP output, added into h by the next norm
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -145,9 +170,9 @@ at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, 
     at::Tensor k_cache = caches[2 * layer], v_cache = caches[2 * layer + 1];
     const at::Tensor x = layer == 0 ? rms_norm(h, w[kInputNorm], eps) : add_rms_norm(delta, h, w[kInputNorm], eps);
     const Adapters adapters{token_slots, loras.empty() ? nullptr : loras.data() + layer * kLoraPerLayer, rank};
-    const at::Tensor attn = attention(x, w, k_cache, v_cache, cos, sin, rotates(rope_layers, layer), meta, shapes,
-                                      amx != 0, adapters);
-    delta = mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0, adapters);
+    const at::Tensor attn = scaled(attention(x, w, k_cache, v_cache, cos, sin, rotates(rope_layers, layer), meta,
+                                             shapes, amx != 0, adapters), residual_multiplier);
+    delta = scaled(mlp(add_rms_norm(attn, h, w[kPostNorm], eps), w, amx != 0, adapters), residual_multiplier);
   }
   return add_rms_norm(delta, h, weights.back(), eps);
 }

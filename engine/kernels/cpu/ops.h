@@ -104,14 +104,16 @@ at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 // adapters, loras holds per layer and linear (qkv, o, gate_up, down) its slots' A and up to 3 B (lora_add_'s
 // weights; empty tensors past its own, and for a linear without adapter weights), token_slots each token's slot;
 // no adapters: loras empty. rope_layers: int64 [layers], 1 where a layer applies the rotary embedding and 0 where
-// it does not (SmolLM3's), or an empty tensor where every layer does. Returns the final norm of h, the same bits as the modules' path
-// (decoder_stack.cpp).
+// it does not (SmolLM3's), or an empty tensor where every layer does. query_scale and residual_multiplier: Granite's
+// queries times the one after the rotary, its attention and MLP outputs times the other before the residual add (0:
+// none). Returns the final norm of h, the same bits as the modules' path (decoder_stack.cpp).
 at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                          const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
                          int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
-                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers);
+                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers,
+                         double query_scale, double residual_multiplier);
 
 // The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
 // runs; the item fail_item raises instead. For the loop's own tests.
