@@ -15,7 +15,7 @@ from torch import nn
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
-from engine.layers.rotary import RotaryEmbedding, apply_rotary, rotary_dim
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
 
@@ -75,9 +75,6 @@ class LlamaAttention(nn.Module):
         # OLMo 2 the query and key projections whole
         self.qk_norm = variant.qk_norm
         self.qk_norm_whole = variant.qk_norm_whole
-        # Phi-4-mini turns only the first 3/4 of each head (cos and sin narrower than the head: the rotary
-        # operators copy the rest)
-        self.partial_rotary = rotary_dim(config, self.head_dim) < self.head_dim
         self.use_rope = variant.rotates(layer)  # SmolLM3's layers without positions leave q and k as projected
         # Granite's and Gemma 2's and 3's attention scale in place of 1/sqrt(head_dim): the queries times it and
         # sqrt(head_dim), so that every attention path, which divides by sqrt(head_dim), scores with it
@@ -110,8 +107,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.softcap, self.window))
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The rotary embedding on every query and key head: in one fused call where it turns whole heads; a layer
-        without it gets its heads as one contiguous tensor, as the rotary's output is."""
+        """The rotary embedding on every query and key head, in one fused call (over the first dimensions of each
+        head that cos and sin cover: Phi-4-mini's 3/4); a layer without it gets its heads as one contiguous tensor,
+        as the rotary's output is."""
         if not self.use_rope:
             return qk.contiguous()
         if self.fused_ops is not None:
