@@ -80,7 +80,7 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
         return None
     attn = model.layers[0].self_attn
     variant = model.variant
-    if (attn.qk_norm_whole or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap
+    if (attn.qk_norm == "projection" or variant.sandwich_norms or variant.post_norms_only or variant.attention_softcap
             or variant.windows):
         return None  # the stack has no whole-projection q/k norms (OLMo 2's), nor Gemma 2's and 3's extra norms,
         # soft-capping and windows: these run as modules
@@ -124,6 +124,6 @@ def _packed(linear: nn.Module) -> list[torch.Tensor]:
 
 def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
     attn, mlp = layer.self_attn, layer.mlp
-    head_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [NO_TENSOR, NO_TENSOR]  # Qwen3's
+    head_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm == "head" else [NO_TENSOR, NO_TENSOR]
     return [layer.input_layernorm.weight, *_packed(attn.qkv_proj), *head_norms, *_packed(attn.o_proj),
             layer.post_attention_layernorm.weight, *_packed(mlp.gate_up_proj), *_packed(mlp.down_proj)]

@@ -74,7 +74,6 @@ class LlamaAttention(nn.Module):
         # Qwen3 and Gemma 3 normalize each head's query and key (RMSNorm over head_dim) before the rotary embedding,
         # OLMo 2 the query and key projections whole
         self.qk_norm = variant.qk_norm
-        self.qk_norm_whole = variant.qk_norm_whole
         self.use_rope = variant.rotates(layer)  # SmolLM3's layers without positions leave q and k as projected
         # Granite's and Gemma 2's and 3's attention scale in place of 1/sqrt(head_dim): the queries times it and
         # sqrt(head_dim), so that every attention path, which divides by sqrt(head_dim), scores with it
@@ -85,7 +84,7 @@ class LlamaAttention(nn.Module):
         # the key of its rotary table in the model's: Gemma 3's sliding layers turn by a base of their own
         self.rope_table = variant.rope_kind(layer) or ONE_TABLE
         if self.qk_norm:
-            q_width, k_width = (q_size, kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            q_width, k_width = (q_size, kv_size) if self.qk_norm == "projection" else (self.head_dim, self.head_dim)
             self.q_norm = _norm(q_width, config, variant)
             self.k_norm = _norm(k_width, config, variant)
         self.fused_ops = None  # the fused operators (set by use_fused_ops): rotary in one call
@@ -94,10 +93,10 @@ class LlamaAttention(nn.Module):
         tokens = x.shape[0]
         q_size, kv_size, _ = self.split_sizes
         qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
-        if self.qk_norm_whole:
+        if self.qk_norm == "projection":
             qk = self._projection_norms(qk)
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm and not self.qk_norm_whole:
+        if self.qk_norm == "head":
             qk = self._head_norms(qk)
         qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

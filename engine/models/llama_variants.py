@@ -39,6 +39,7 @@ Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 # The engine's fused linears and the PEFT modules each holds, in output-column order
 SPLIT_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -52,7 +53,9 @@ WINDOWED = ("gemma2", "gemma3_text")  # sliding-window layers beside global ones
 class LlamaVariant:
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool  # Qwen3, Gemma 3: each query and key head normalized; OLMo 2: see qk_norm_whole
+    # queries and keys normalized before the rotary: "head" (Qwen3, Gemma 3: each head over head_dim) or
+    # "projection" (OLMo 2: the query and the key projection each over all its heads); None: not at all
+    qk_norm: Literal["head", "projection"] | None
     norm_offset: float  # Gemma's norms scale by 1 + weight: 1.0, added to each norm weight as it loads
     embed_scale: float | None  # Gemma: embeddings times this (sqrt(hidden_size)), rounded to the model dtype
     fused_checkpoint: bool  # Phi-3: qkv_proj and gate_up_proj in the checkpoint and in its adapters
@@ -67,7 +70,6 @@ class LlamaVariant:
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
     final_softcap: float | None = None  # Gemma 2's final_logit_softcapping, on the logits
     post_norms_only: bool = False  # OLMo 2: no input norms; attention and MLP outputs normalized before the add
-    qk_norm_whole: bool = False  # OLMo 2: the query and key projections each normalized over all their heads
     float32_norm_scale: bool = False  # Gemma, OLMo 2: norms scale the float32 row by a float32 weight, rounding once
     windows: tuple[int, ...] | None = None  # Gemma 2 and 3: per layer its sliding window, 0 for the whole context
     rope_kinds: tuple[str, ...] | None = None  # Gemma 3: per layer the key of its rotary's rope_parameters
@@ -111,12 +113,19 @@ def variant_of(config) -> LlamaVariant:
     gemma = kind in ("gemma", *WINDOWED)
     olmo2 = kind == "olmo2"
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
-                        qk_norm=kind in ("qwen3", "gemma3_text", "olmo2"), qk_norm_whole=olmo2,
+                        qk_norm=_qk_norm(kind),
                         post_norms_only=olmo2, float32_norm_scale=gemma or olmo2,
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
                         **_granite_scalars(config), **_windowed_gemma_departures(config))
+
+
+def _qk_norm(kind: str) -> Literal["head", "projection"] | None:
+    """Where the architecture normalizes its queries and keys (LlamaVariant.qk_norm)."""
+    if kind in ("qwen3", "gemma3_text"):
+        return "head"
+    return "projection" if kind == "olmo2" else None
 
 
 def _granite_scalars(config) -> dict[str, float]:
