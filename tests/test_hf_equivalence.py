@@ -111,9 +111,14 @@ def test_an_embedding_gemma_is_refused_by_name(tmp_path, tiny_gemma3_path):
 
 def test_granite_logits_are_scaled_as_hf_scales_them(tiny_granite_path, tokenizer):
     """Granite divides its logits by logits_scaling: greedy choices cannot show it, the logprobs do."""
-    out = LLM(str(tiny_granite_path), log_stats=False).generate(
-        [PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_granite_path, dtype=torch.float32)
+    _assert_first_token_scores_match_hf(LLM(str(tiny_granite_path), log_stats=False), tiny_granite_path, tokenizer)
+
+
+def _assert_first_token_scores_match_hf(llm: LLM, path, tokenizer) -> None:
+    """The first token's logprob and top 5 equal HF's float32 log-softmax at the prompt's end (scalings of the
+    logits that greedy choices cannot show)."""
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.inference_mode():
         expected = hf(tokenizer(PROMPTS[0], return_tensors="pt").input_ids).logits[0, -1].log_softmax(-1)
     assert out.logprobs[0] == pytest.approx(expected[out.token_ids[0]].item(), abs=1e-4)
@@ -178,12 +183,7 @@ def test_windowed_gemmas_match_hf_queued_preempted_and_in_long_chunks(request, t
     again = _check(chunked, long_reference, [long_prompt], SamplingParams(max_tokens=16, temperature=0))
     assert again[0].num_cached_tokens >= 128  # its prefix's blocks from the prefix cache, past the window
 
-    out = chunked.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.inference_mode():
-        expected = hf(tokenizer(PROMPTS[0], return_tensors="pt").input_ids).logits[0, -1].log_softmax(-1)
-    assert out.logprobs[0] == pytest.approx(expected[out.token_ids[0]].item(), abs=1e-4)
-    assert list(out.top_logprobs[0]) == expected.topk(5).indices.tolist()
+    _assert_first_token_scores_match_hf(chunked, path, tokenizer)
 
     with pytest.raises(ValueError, match=f"this model's attention has {needs}, which only the C\\+\\+ CPU attention "
                                          f"kernel computes, and it cannot serve here: .*block_size 4"):
