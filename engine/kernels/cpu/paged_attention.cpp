@@ -364,7 +364,8 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
   std::fill(w.acc.begin(), w.acc.begin() + rows_used * d, 0.f);
   std::fill(w.best.begin(), w.best.begin() + rows_used, -std::numeric_limits<float>::infinity());
   std::fill(w.total.begin(), w.total.begin() + rows_used, 0.f);
-  const int64_t first = first_key(tile.position, s) / s.block_size;  // the tile's earliest window's block
+  const int64_t seen = first_key(tile.position, s);  // the first key of the tile's earliest window
+  const int64_t first = seen / s.block_size;
   for (int64_t start = first * s.block_size, b = first; start < context; start += s.block_size, ++b) {
     const int64_t rows = std::min(s.block_size, context - start);
     if (start + s.block_size < context) {  // the next block is elsewhere in memory: ask for it while this one runs
@@ -380,7 +381,7 @@ void attend(const q_t* q, const cache_t* k_head, const cache_t* v_head, const in
       if (tile.count == 1) {
         score_rows(w, s, k_block, rows, w.scores.data(), s.block_size);
         for (int64_t g = 0; g < s.group; ++g)
-          hide_front(w.scores.data() + g * s.block_size, first_key(tile.position, s) - start);
+          hide_front(w.scores.data() + g * s.block_size, seen - start);
         fold_scores(w, s, 0, s.group, rows, v_block);
         continue;
       }
