@@ -130,28 +130,62 @@ def _cpu_seconds(pid: int) -> float:
 def test_the_serve_load_share_is_taken_against_the_offline_runs_beside_each_server():
     """Each lora-serve server's share against the runs that bracket it and the run beside it while it idled, not
     another server's; the idle server's own cores, not the offline engine's ("outside" its tree)."""
-    from benchmarks.serve.run_serve_load import cpu_table, offline_name, share_table
+    from benchmarks.serve.run_serve_load import IDLE_SERVER, STOPPED_SERVER, cpu_table, offline_name, share_table
 
     def run(system, tok_s, concurrency=32, beside=None, cores=None):
         return {"system": system, "concurrency": concurrency, "round": 0, "tok_s": tok_s, "beside": beside,
                 "cores": cores}
 
-    bracket, idle = offline_name(32, 64), offline_name(32, 64, beside_idle_server=True)
+    bracket, idle = offline_name(32, 64), offline_name(32, 64, IDLE_SERVER)
+    stopped = offline_name(32, 64, STOPPED_SERVER)
     raw = {"requests": 64, "concurrency": [32], "systems": ["lora-serve", "lora-serve direct"],
-           "offline": [offline_name(64, 64), bracket, idle],
+           "offline": [offline_name(64, 64), bracket, stopped, idle],
            "scenarios": [run(offline_name(64, 64), 1200.0, 64),
                          run(bracket, 1000.0, beside="lora-serve"), run(bracket, 900.0, beside="lora-serve"),
                          run(idle, 860.0, beside="lora-serve", cores={"engine replica": 0.1, "outside": 1.8}),
+                         run(stopped, 940.0, beside="lora-serve"), run(stopped, 960.0, beside="lora-serve"),
                          run("lora-serve", 855.0, cores={"engine replica": 1.8}),
                          run(bracket, 800.0, beside="lora-serve direct"),
                          run(bracket, 800.0, beside="lora-serve direct"),
                          run(idle, 700.0, beside="lora-serve direct", cores={"raylet": 0.02, "outside": 1.9}),
+                         run(stopped, 740.0, beside="lora-serve direct"),
+                         run(stopped, 780.0, beside="lora-serve direct"),
                          run("lora-serve direct", 700.0, cores={"engine replica": 1.8})]}
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[5].strip()
             for line in share_table(raw).splitlines()[2:]}
     assert rows[("lora-serve", offline_name(64, 64))] == "71%"  # 855 / 1200
     assert rows[("lora-serve", bracket)] == "90%"  # 855 / the mean of 1000 and 900
     assert rows[("lora-serve", idle)] == "99%"  # 855 / 860
+    assert rows[("lora-serve", stopped)] == "90%"  # 855 / the mean of 940 and 960
+    assert rows[("lora-serve direct", stopped)] == "92%"  # 700 / the mean of 740 and 780
     assert rows[("lora-serve direct", bracket)] == "88%" and rows[("lora-serve direct", idle)] == "100%"
     idle_cores = [line.split("|")[4].strip() for line in cpu_table(raw).splitlines()[2:]]
     assert idle_cores == ["0.100", "0.020"]
+
+
+def test_a_stopped_server_takes_no_cpu_and_runs_again_after(tmp_path):
+    """Server.stopped() stops every process of its tree (a parent and the busy child it started), and continues
+    them when the block ends: the child's CPU time stands still inside and moves after."""
+    import psutil
+
+    from benchmarks.serve.http_servers import Server
+
+    child = "while True: pass"
+    parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", parent])
+    server = Server("tree", "http://127.0.0.1:1", "model", process, tmp_path / "log")
+    try:
+        while len(server.tree()) < 2:
+            time.sleep(0.05)
+        busy = server.tree()[1]
+        with server.stopped():
+            time.sleep(0.1)  # a signal is delivered asynchronously
+            assert {p.status() for p in server.tree()} == {psutil.STATUS_STOPPED}
+            frozen = _cpu_seconds(busy.pid)
+            time.sleep(0.5)
+            assert _cpu_seconds(busy.pid) == frozen
+        time.sleep(0.5)
+        assert psutil.STATUS_STOPPED not in {p.status() for p in server.tree()}
+        assert _cpu_seconds(busy.pid) > frozen
+    finally:
+        server.stop()

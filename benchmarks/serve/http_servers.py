@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,21 @@ class Server:
         except psutil.Error:
             return []
 
+    @contextmanager
+    def stopped(self):
+        """Every process of the server stopped (SIGSTOP) inside the block and continued (SIGCONT) after it: the
+        machine as if the server were not there, for seconds, with the server kept up and warm. Ray's and Serve's
+        health checks allow that (GCS declares a raylet dead after 5 missed checks 3 s apart; Serve's replica
+        checks time out after 30 s), and no request is in flight."""
+        processes = self.tree()
+        for p in processes:
+            _signal(p, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for p in processes:
+                _signal(p, signal.SIGCONT)
+
     def wait_healthy(self, timeout_s: float, path: str = "/health") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -113,6 +129,19 @@ class Server:
         session = self.scratch / "ray" / "session_latest" / "logs" if self.scratch is not None else None
         if session is not None and session.is_dir():
             shutil.copytree(session, folder / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+
+
+def _signal(process: psutil.Process, signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except psutil.Error:  # gone since the tree was listed
+        pass
+
+
+def steal_seconds() -> float:
+    """CPU seconds (all cores together) in which this virtual machine's vCPUs had work but the hypervisor ran
+    another guest: drift that no process here causes."""
+    return psutil.cpu_times().steal
 
 
 def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,

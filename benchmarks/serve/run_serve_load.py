@@ -21,14 +21,18 @@ application: the same LoRA slots and KV cache as the server) runs the same reque
 every round, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one
 in, as a closed loop of 32 clients does) right before each lora-serve server starts and right after it stops.
 Once more, 32 at a time, while each lora-serve server is up and warm but serves nothing, right before its 32
-streams: what the server's processes (Ray's, Serve's, the replica's) cost the engine by running beside it.
+streams: what the server's processes (Ray's, Serve's, the replica's) cost the engine by running beside it. And
+twice with every process of the warm server stopped (SIGSTOP; Server.stopped), right before and right after its
+32 streams: the engine alone on the machine, seconds from the HTTP run instead of a server start or stop away.
 HTTP share = HTTP tok/s at 32 concurrent / offline tok/s: against all at once (that round's) it counts the larger
-batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server),
-what serving over HTTP loses, the stack's processes included; against 32 at a time beside the idle server, what
-the requests' path itself loses. The two runs bracket the server because this machine's speed drifts: one
-offline run per round, minutes away from some servers, put one server's share at 109% and another's at 69% in
-runs whose HTTP rounds were within 13% of each other. While each server runs 32 streams, and while it idles beside
-the offline engine, every process of its tree is sampled for the CPU breakdown (benchmarks/serve/http_servers.py).
+batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server, or
+of the two with it stopped), what serving over HTTP loses, the stack's processes included; against 32 at a time
+beside the idle server, what the requests' path itself loses. The runs bracket the server because this machine's
+speed drifts: one offline run per round, minutes away from some servers, put one server's share at 109% and
+another's at 69% in runs whose HTTP rounds were within 13% of each other. Every run records the share of the
+machine's CPU time that the hypervisor gave to other guests meanwhile (steal, /proc/stat). While each server
+runs 32 streams, and while it idles beside the offline engine, every process of its tree is sampled for the CPU
+breakdown (benchmarks/serve/http_servers.py).
 vLLM runs when its virtual environment is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md.
 Writes benchmarks/results/serve_load.md, .json and .png.
 """
@@ -56,7 +60,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
                                save_results, value_range)
 from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
-                                           start_lora_serve, start_vllm, with_dtype)
+                                           start_lora_serve, start_vllm, steal_seconds, with_dtype)
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -65,6 +69,7 @@ from engine.model_files import resolve_model  # noqa: E402
 MODEL = "smollm2-135m-instruct"
 LORA_SERVE = "lora-serve"
 IDLE_SERVER = ", beside the idle server"
+STOPPED_SERVER = ", server stopped"
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Scenario:
     tpot_ms_p90: float | None = None
     cores: dict | None = None
     beside: str | None = None  # an offline run: the server whose start (or stop) it came right before (after)
+    steal: float | None = None  # share of the machine's CPU time the hypervisor gave to other guests meanwhile
 
 
 async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str, max_tokens: int,
@@ -149,9 +155,10 @@ def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrenc
 
     client = psutil.Process()
     watched = server.tree() + [client]
-    before = sample(watched)
+    before, stolen = sample(watched), steal_seconds()
     timings, seconds = asyncio.run(closed_loop(server, prompts, max_tokens, concurrency))
     result = summarise(server.name, concurrency, rnd, timings, seconds)
+    result.steal = _steal_share(stolen, seconds)
     if profile:
         after = sample(watched)
         after.roles[client.pid] = "benchmark client"
@@ -159,9 +166,14 @@ def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrenc
     return result
 
 
-def offline_name(concurrency: int, requests: int, beside_idle_server: bool = False) -> str:
+def _steal_share(steal_before: float, seconds: float) -> float:
+    return (steal_seconds() - steal_before) / seconds / os.cpu_count()
+
+
+def offline_name(concurrency: int, requests: int, server_state: str = "") -> str:
+    """server_state: "" (no server up), IDLE_SERVER or STOPPED_SERVER."""
     name = f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
-    return name + (IDLE_SERVER if beside_idle_server else "")
+    return name + server_state
 
 
 def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
@@ -170,13 +182,26 @@ def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd
     idle_server, while that server runs and serves nothing, whose processes' cores it records."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = sample(idle_server.tree()) if idle_server is not None else None
-    start = time.perf_counter()
+    start, stolen = time.perf_counter(), steal_seconds()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     cores = cores_by_role(before, sample(idle_server.tree())) if idle_server is not None else None
-    return Scenario(offline_name(concurrency, len(prompts), idle_server is not None), concurrency, rnd, len(prompts),
-                    len(outputs), seconds, sum(len(o.token_ids) for o in outputs) / seconds,
-                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside)
+    return Scenario(offline_name(concurrency, len(prompts), IDLE_SERVER if idle_server is not None else ""),
+                    concurrency, rnd, len(prompts), len(outputs), seconds,
+                    sum(len(o.token_ids) for o in outputs) / seconds,
+                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside,
+                    steal=_steal_share(stolen, seconds))
+
+
+def offline_server_stopped(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
+                           server: Server) -> Scenario:
+    """The offline engine with every process of the warm server stopped: right before and right after the
+    server's top concurrency, seconds from it, so that the share does not take the machine's drift for the
+    serving path's."""
+    with server.stopped():
+        result = offline(llm, concurrency, prompts, max_tokens, rnd, server.name)
+    result.system = offline_name(concurrency, len(prompts), STOPPED_SERVER)
+    return result
 
 
 @dataclass(frozen=True)
@@ -206,9 +231,10 @@ def server_specs(args) -> list[ServerSpec]:
 
 
 def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, list[str]], tokens: int,
-               bar, beside_idle: LLM | None = None) -> list[Scenario]:
-    """Start one server, warm it, run every concurrency on it, stop it; with beside_idle, that offline engine runs
-    the top concurrency's requests while the server idles, right before the server runs them."""
+               bar, offline_llm: LLM | None = None) -> list[Scenario]:
+    """Start one server, warm it, run every concurrency on it, stop it; with offline_llm, that offline engine runs
+    the top concurrency's requests while the server idles, then with the server stopped right before and right
+    after the server runs them."""
     tmp.mkdir(parents=True, exist_ok=True)
     server = spec.start(args, tmp)
     try:
@@ -217,9 +243,13 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
         asyncio.run(closed_loop(server, warm, 8, 8))  # warm-up
         scenarios = []
         for c, prompts in loads.items():
-            if beside_idle is not None and c == max(loads):
-                scenarios.append(offline(beside_idle, c, prompts, tokens, rnd, server.name, idle_server=server))
+            brackets = offline_llm is not None and c == max(loads)
+            if brackets:
+                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, idle_server=server))
+                scenarios.append(offline_server_stopped(offline_llm, c, prompts, tokens, rnd, server))
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
+            if brackets:
+                scenarios.append(offline_server_stopped(offline_llm, c, prompts, tokens, rnd, server))
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
         if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks
@@ -259,7 +289,8 @@ def run(args) -> dict:
                 if brackets:
                     results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
-            "offline": [offline_name(c, n) for c in engines] + [offline_name(top, n, beside_idle_server=True)],
+            "offline": [offline_name(c, n) for c in engines] + [offline_name(top, n, state)
+                                                                for state in (STOPPED_SERVER, IDLE_SERVER)],
             "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
 
@@ -296,8 +327,10 @@ def table(raw: dict) -> str:
 
 def share_table(raw: dict) -> str:
     """HTTP at the highest concurrency as a share of each offline run in the same round: all at once (run at the
-    round's start), and as many at a time (the mean of the runs right before the server started and right after
-    it stopped, so that the share does not take the machine's drift between the two for the serving path's)."""
+    round's start), and as many at a time: the mean of the runs right before the server started and right after
+    it stopped, and of those with the warm server stopped right before and right after its HTTP run (the
+    closest in time, so that the share does not take the machine's drift for the serving path's), and the run
+    beside the idle server."""
     top = max(raw["concurrency"])
     rows = []
     for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
@@ -306,9 +339,13 @@ def share_table(raw: dict) -> str:
             offline_tok_s = [_offline_tok_s(raw, name, system, h["round"]) for h in http]
             shares = [h["tok_s"] / o for h, o in zip(http, offline_tok_s)]
             rows.append([system, name, value_range(offline_tok_s), value_range([h["tok_s"] for h in http]),
-                         ", ".join(f"{s * 100:.0f}%" for s in shares)])
+                         _percents(shares), _percents([h.get("steal") for h in http], 1)])
     return markdown_table(["server", "offline run (same requests)", "offline tok/s", f"HTTP tok/s at {top}",
-                           "HTTP share, round by round"], rows)
+                           "HTTP share, round by round", "hypervisor steal during HTTP"], rows)
+
+
+def _percents(shares: list[float | None], digits: int = 0) -> str:
+    return ", ".join("-" if s is None else f"{s * 100:.{digits}f}%" for s in shares)
 
 
 def _offline_tok_s(raw: dict, name: str, system: str, rnd: int) -> float:
@@ -334,7 +371,7 @@ def cpu_table(raw: dict) -> str:
 def _idle_cores(raw: dict, system: str) -> str:
     """The server's processes' cores (its own, not the offline engine's: that runs "outside" its tree) while it
     idled beside the offline engine in the first round; "-" where it did not."""
-    name = offline_name(max(raw["concurrency"]), raw["requests"], beside_idle_server=True)
+    name = offline_name(max(raw["concurrency"]), raw["requests"], IDLE_SERVER)
     runs = [s for s in _of(raw, name) if s.get("beside") == system and s["round"] == 0 and s["cores"]]
     if not runs:
         return "-"
