@@ -119,6 +119,34 @@ def test_silu_and_mul_matches_the_pytorch_mlp(dtype, tokens, width):
     torch.testing.assert_close(got[0, :10], want[0, :10], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, width", [(1, 1536), (37, 500), (3, 35), (64, 1536)])
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu"])
+def test_gelu_and_mul_matches_the_pytorch_mlp(dtype, tokens, width, name):
+    """gelu(gate) * up from the fused gate_up output, as the eager MLP of a GELU model (Gemma's tanh approximation,
+    or the exact one) computes it, widths that leave a scalar tail included: ATen's own GELU formulas, so bitwise
+    on almost every element and an ulp away on the rest, where the two builds order or fuse the float32
+    arithmetic differently, with the extremes as PyTorch gives them. The reference is ATen's kernel, oneDNN's off:
+    eager PyTorch hands a contiguous gate (one row of the split, or transformers' separate gate projection) to
+    oneDNN's GELU, whose own approximation of erf matched ATen's on 49% of a float32 row here."""
+    from engine.models.llama import LlamaMLP
+
+    ops = cpu_ops.load()
+    assert ops is not None, "the C++ CPU operators did not build"
+    gen = torch.Generator().manual_seed(tokens * width)
+    gate_up = (torch.randn(tokens, 2 * width, generator=gen) * 4).to(dtype)
+    extremes = torch.tensor([-100.0, -10.0, -3.0, 3.0, 10.0, 100.0, float("inf"), float("-inf"), float("nan"), 0.0])
+    gate_up[0, :min(width, len(extremes))] = extremes[:width].to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
+    config = SimpleNamespace(hidden_size=8, intermediate_size=width, hidden_act=name)
+    got = ops.gelu_and_mul(gate_up, int(name == "gelu_pytorch_tanh"))
+    with torch.backends.mkldnn.flags(enabled=False):
+        want = LlamaMLP(config).act(gate) * up
+    assert got.dtype == dtype and (got == want).logical_or(want.isnan()).float().mean() > 0.99
+    torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(got[0, :10], want[0, :10], rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_module_shares_the_processs_libstdcxx_and_its_checks_raise():
     """One C++ library in the process: a module with its own static copy crashed formatting a check's message."""
     module = cpu_ops.load()

@@ -25,9 +25,9 @@ def _stack_calls(llm: LLM, monkeypatch) -> list[int]:
     calls: list[int] = []
     run = stack.run
 
-    def observed(h, cos, sin, meta):
+    def observed(h, tables, meta):
         calls.append(h.shape[0])
-        return run(h, cos, sin, meta)
+        return run(h, tables, meta)
 
     monkeypatch.setattr(stack, "run", observed)
     return calls
@@ -38,9 +38,12 @@ def _scores(outputs) -> list[tuple]:
 
 
 # qwen2: q/k/v with biases; qwen3: per-head q/k norms; phi3: fused checkpoints; phi4: a rotary over half of each
-# head; smollm3: a layer without the rotary embedding; granite: its attention scale and residual multiplier
+# head; smollm3: a layer without the rotary embedding; granite: its attention scale and residual multiplier;
+# gemma: GELU (tanh) and float32 norm scales; gemma2: sandwich norms, capped scores, sliding windows; gemma3: per-head
+# q/k norms and a rotary table per kind of layer; olmo2: norms after each sublayer only, q/k norms per projection
 @pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_phi3_path",
-                                  "tiny_phi4_path", "tiny_smollm3_path", "tiny_granite_path"])
+                                  "tiny_phi4_path", "tiny_smollm3_path", "tiny_granite_path", "tiny_gemma_path",
+                                  "tiny_gemma2_path", "tiny_gemma3_path", "tiny_olmo2_path"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     path = str(request.getfixturevalue(name))
@@ -94,17 +97,26 @@ def test_operator_refuses_a_malformed_stack():
     ops = cpu_ops.load()
     h, index, rope = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, 16)
     caches = [torch.zeros(2, 1, 16, 16)] * 2
-    weights = [h] * 13
+    weights = [h] * 15
 
-    def call(weights, caches, loras, rope_layers=()):
-        ops.decoder_stack(h, weights, caches, rope, rope, index, index.view(1, 1), index, index, index, 4, 2, 0,
-                          1e-6, loras, index, 4, torch.tensor(rope_layers, dtype=torch.long), 0.0, 0.0)
+    def call(weights, caches, loras, rope_tables=(), windows=(), activation=0, qk_norm=0):
+        ops.decoder_stack(h, weights, caches, [rope], [rope], index, index.view(1, 1), index, index, index, 4, 2, 0,
+                          1e-6, loras, index, 4, torch.tensor(rope_tables, dtype=torch.long),
+                          torch.tensor(windows, dtype=torch.long), 0.0, 0.0, 0.0, activation, qk_norm)
 
-    with pytest.raises(RuntimeError, match="weights must be 12 tensors per layer"):
+    with pytest.raises(RuntimeError, match="weights must be 14 tensors per layer"):
         call([h], caches, [])
     with pytest.raises(RuntimeError, match="a key and a value cache per layer"):
         call(weights, caches[:1], [])
     with pytest.raises(RuntimeError, match="loras must be none or 16 tensors per layer"):
         call(weights, caches, [h])
-    with pytest.raises(RuntimeError, match="rope_layers must be empty or one int64 flag per layer: 1, not 2"):
-        call(weights, caches, [], rope_layers=[1, 0])
+    with pytest.raises(RuntimeError, match="rope_tables must be empty or one int64 per layer: 1, not 2"):
+        call(weights, caches, [], rope_tables=[0, 0])
+    with pytest.raises(RuntimeError, match="windows must be empty or one int64 per layer: 1, not 2"):
+        call(weights, caches, [], windows=[8, 0])
+    with pytest.raises(RuntimeError, match="rope_tables: layer 0 names table 1 of 1"):
+        call(weights, caches, [], rope_tables=[1])
+    with pytest.raises(RuntimeError, match="activation must be 0"):
+        call(weights, caches, [], activation=3)
+    with pytest.raises(RuntimeError, match="qk_norm must be 0"):
+        call(weights, caches, [], qk_norm=-1)

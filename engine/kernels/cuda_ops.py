@@ -22,6 +22,7 @@ captured in the decode CUDA graphs unchanged.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -165,6 +166,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, width, rows.stride(0),
                                                                          out.stride(0), BLOCK=block)
     return out.view(*x.shape[:-1], width)
+
+
+def gelu_and_mul(x: torch.Tensor, tanh: int) -> torch.Tensor:
+    """x = [gate | up] along the last dimension -> gelu(gate) * up (tanh: the tanh approximation): the C++
+    operators' call, here torch's eager ops (GELU models on CUDA run them as before; no Triton kernel is written)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh" if tanh else "none") * up
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,9 @@ from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
 
 ONE_TABLE = "shared"  # the key of the rotary table every layer shares (all but Gemma 3's)
+# the MLP activations the fused operators compute with the product (transformers' names): SiLU, and GELU exact or
+# tanh-approximated (Gemma's), which eager runs on ATen's threads beside the operators' own (cpu/activation.cpp)
+FUSED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 class RMSNorm(nn.Module):
@@ -135,15 +138,20 @@ class LlamaMLP(nn.Module):
         self.down_proj = uninitialized.linear(config.intermediate_size, config.hidden_size, bias=bias)
         name = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma 2 names it so
         self.act = activation(name)
-        self.silu = name == "silu"
-        self.fused_ops = None  # the fused operators (set by use_fused_ops): silu(gate) * up in one call
+        self.activation_name = name
+        self.fused_ops = None  # the fused operators (set by use_fused_ops): act(gate) * up in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_ops is not None and self.silu:
-            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
+        if self.fused_ops is not None and self.activation_name in FUSED_ACTIVATIONS:
+            return self.down_proj(self._fused(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def _fused(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation_name == "silu":
+            return self.fused_ops.silu_and_mul(gate_up)
+        return self.fused_ops.gelu_and_mul(gate_up, int(self.activation_name == "gelu_pytorch_tanh"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -237,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
             h.mul_(self.variant.embed_multiplier)
         delta = None
         tables = {key: rotary.lookup(positions) for key, rotary in self.rotary.items()}
-        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):  # models of one table only
-            return self.decoder_stack.run(h, *tables[ONE_TABLE], meta)
+        if self.decoder_stack is not None and self.decoder_stack.takes(meta, h):
+            return self.decoder_stack.run(h, tables, meta)
         for layer, cache in zip(self.layers, kv_caches):
             cos, sin = tables[layer.self_attn.rope_table]
             delta = layer(h, delta, cos, sin, cache, meta)

@@ -210,6 +210,7 @@ static PyMethodDef operators[] = {
     LORA_SERVE_OP(rms_norm, "weight * rms_norm(x), float32 inside, transformers' rounding"),
     LORA_SERVE_OP(add_rms_norm, "residual += delta in place, then weight * rms_norm(residual)"),
     LORA_SERVE_OP(silu_and_mul, "silu(gate) * up of x = [gate | up], transformers' rounding"),
+    LORA_SERVE_OP(gelu_and_mul, "gelu(gate) * up of x = [gate | up] (tanh: the tanh approximation), ATen's GELU"),
     LORA_SERVE_OP(argmax_rows, "first index of each row's maximum, as torch.argmax(-1)"),
     LORA_SERVE_OP(log_normalizers, "each row's logsumexp in float32, as torch.logsumexp(-1)"),
     LORA_SERVE_OP_KEEPING_GIL(gather_rows, "rows of a 2-D table picked by index, as index_select(0, index)"),

@@ -40,6 +40,10 @@ at::Tensor add_rms_norm(const at::Tensor& delta, at::Tensor& residual, const at:
 // product round (activation.cpp).
 at::Tensor silu_and_mul(const at::Tensor& x);
 
+// gelu(gate) * up likewise, GELU as ATen computes it: the tanh approximation where tanh is 1 (transformers'
+// gelu_pytorch_tanh, Gemma's), else the exact one (activation.cpp).
+at::Tensor gelu_and_mul(const at::Tensor& x, int64_t tanh);
+
 // Rotary embedding of x [tokens, heads, D] (any token and head strides) with cos/sin [tokens, (1,) D], rounded as
 // transformers rounds; returns a contiguous [tokens, heads, D] (rotary.cpp).
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -98,22 +102,26 @@ at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 
 // A Llama-family decoder's layers over the residual stream h [tokens, hidden] (updated in place), every token
 // attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, q norm, k norm, o,
-// o bias, post-attention norm, gate_up, gate_up bias, down, down bias] (linears packed for simd_linear, or
-// amx_linear where amx is 1; an empty tensor for no bias, and for no per-head q/k norms, Qwen3's), then the final
-// norm's weight; a key and a value cache per layer. With
-// adapters, loras holds per layer and linear (qkv, o, gate_up, down) its slots' A and up to 3 B (lora_add_'s
-// weights; empty tensors past its own, and for a linear without adapter weights), token_slots each token's slot;
-// no adapters: loras empty. rope_layers: int64 [layers], 1 where a layer applies the rotary embedding and 0 where
-// it does not (SmolLM3's), or an empty tensor where every layer does. query_scale and residual_multiplier: Granite's
-// queries times the one after the rotary, its attention and MLP outputs times the other before the residual add (0:
-// none). Returns the final norm of h, the same bits as the modules' path (decoder_stack.cpp).
+// o bias, post-attention norm, pre-feedforward norm, post-feedforward norm, gate_up, gate_up bias, down, down bias]
+// (linears packed for simd_linear, or amx_linear where amx is 1; an empty tensor where the layer has no such bias or
+// norm: Llama's MLP input norm is its pre-feedforward norm), then the final norm's weight; a key and a value cache
+// per layer. With adapters, loras holds per layer and linear (qkv, o, gate_up, down) its slots' A and up to 3 B
+// (lora_add_'s weights; empty tensors past its own, and for a linear without adapter weights), token_slots each
+// token's slot; no adapters: loras empty. cos and sin: one per rotary table; rope_tables: int64 [layers], the table
+// a layer turns its queries and keys by, -1 for none (SmolLM3's), or an empty tensor where every layer takes table
+// 0; windows: int64 [layers], a layer's sliding window (0: none), or empty for none. query_scale: the queries times
+// it after the rotary (Granite's and Gemma's attention scale times sqrt(head_dim)); residual_multiplier: Granite's
+// attention and MLP outputs times it before the residual add; softcap: Gemma 2's score cap (each 0: none).
+// activation: 0 silu, 1 gelu, 2 gelu (tanh); qk_norm: 0 none, 1 per head, 2 per projection. Returns the final norm
+// of h, the same bits as the modules' path (decoder_stack.cpp).
 at::Tensor decoder_stack(at::Tensor& h, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
-                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                         const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t heads,
-                         int64_t kv_heads, int64_t amx, double eps, const std::vector<at::Tensor>& loras,
-                         const at::Tensor& token_slots, int64_t rank, const at::Tensor& rope_layers,
-                         double query_scale, double residual_multiplier);
+                         const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, const at::Tensor& query_starts, const at::Tensor& query_lens,
+                         int64_t heads, int64_t kv_heads, int64_t amx, double eps,
+                         const std::vector<at::Tensor>& loras, const at::Tensor& token_slots, int64_t rank,
+                         const at::Tensor& rope_tables, const at::Tensor& windows, double query_scale,
+                         double residual_multiplier, double softcap, int64_t activation, int64_t qk_norm);
 
 // The operators' parallel loop (work_pool.cpp) over the items of counts (int32 [items]), adding 1 to each item it
 // runs; the item fail_item raises instead. For the loop's own tests.
