@@ -389,7 +389,7 @@ def plot(raw: dict):
         for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
             values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
-    for name, style in zip(raw["offline"], ("--", ":", "-.")):
+    for name, style in zip(raw["offline"], ("--", ":", "-.", (0, (5, 1)))):
         offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
         axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=name)
     for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
