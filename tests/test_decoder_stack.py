@@ -58,17 +58,20 @@ def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
     assert stacked.engine.block_manager.num_used_blocks == 0
 
 
-def test_adapter_steps_give_the_lora_linears_bits(tiny_llama_path, tmp_path, monkeypatch):
+# gemma2 and olmo2: the adapters' deltas inside sandwich norms and before post norms
+@pytest.mark.parametrize("name", ["tiny_llama_path", "tiny_gemma2_path", "tiny_olmo2_path"])
+def test_adapter_steps_give_the_lora_linears_bits(request, name, tmp_path, monkeypatch):
     """Base and adapter requests in one batch, two adapters of different ranks and targets in slots: tokens and
     logprobs as the LoRA linears give them, every step in the stack."""
-    root = write_tiny_adapters(tiny_llama_path, tmp_path, ["a"])  # rank 4 on q, k, v, o
-    write_random_adapter(root / "b", AutoConfig.from_pretrained(tiny_llama_path), rank=8, seed=5,
+    path = request.getfixturevalue(name)
+    root = write_tiny_adapters(path, tmp_path, ["a"])  # rank 4 on q, k, v, o
+    write_random_adapter(root / "b", AutoConfig.from_pretrained(path), rank=8, seed=5,
                          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     prompts, adapters = PROMPTS[:6], ["a", None, "b", "a", None, "b"]
-    stacked = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False)
+    stacked = LLM(str(path), max_loras=2, adapters_root=str(root), log_stats=False)
     calls = _stack_calls(stacked, monkeypatch)
     got = stacked.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
-    modules = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
+    modules = LLM(str(path), max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
     want = modules.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
     base = modules.generate(prompts[:1], SCORED, use_tqdm=False)
     assert _scores(got) == _scores(want)
