@@ -11,7 +11,8 @@ are the same bits. It serves a step when the modules' path would run on the C++ 
   kernel takes.
 It runs every layer shape engine/models/llama.py does: Llama's norms, Gemma 2's and 3's sandwich and OLMo 2's post
 norms, q/k norms per head or per projection, SiLU or GELU, Gemma 2's capped scores, sliding windows and Gemma 3's
-two rotary tables.
+two rotary tables. Random models of SmolLM2's shape, bf16, 3 alternating rounds, 64 requests 32 at a time: Gemma 2
+711-787 against 609-728 tok/s as modules, Gemma 3 928-1,006 against 770-786, OLMo 2 869-944 against 717-845.
 
 SmolLM2 bf16 on 2 cores of an AMD EPYC Zen 4, the offline engine with and without the stack in one process, 4
 alternating rounds, medians: 105.2 against 86.2 tok/s at one stream, 610 against 517 at 8 and 988 against 910 at
