@@ -40,6 +40,7 @@ Writes benchmarks/results/serve_load.md, .json and .png.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -177,31 +178,23 @@ def offline_name(concurrency: int, requests: int, server_state: str = "") -> str
 
 
 def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
-            beside: str | None = None, idle_server: Server | None = None) -> Scenario:
-    """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once; with
-    idle_server, while that server runs and serves nothing, whose processes' cores it records."""
+            beside: str | None = None, server: Server | None = None, server_state: str = "") -> Scenario:
+    """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once; beside:
+    the server it runs next to. With that server up, server_state IDLE_SERVER: while it serves nothing, recording
+    its processes' cores; STOPPED_SERVER: with every process of it stopped, right before and right after its top
+    concurrency, seconds from it, so that the share does not take the machine's drift for the serving path's."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    idle_server = server if server_state == IDLE_SERVER else None
     before = sample(idle_server.tree()) if idle_server is not None else None
-    start, stolen = time.perf_counter(), steal_seconds()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    with server.stopped() if server_state == STOPPED_SERVER else contextlib.nullcontext():
+        start, stolen = time.perf_counter(), steal_seconds()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        steal = _steal_share(stolen, seconds)
     cores = cores_by_role(before, sample(idle_server.tree())) if idle_server is not None else None
-    return Scenario(offline_name(concurrency, len(prompts), IDLE_SERVER if idle_server is not None else ""),
-                    concurrency, rnd, len(prompts), len(outputs), seconds,
-                    sum(len(o.token_ids) for o in outputs) / seconds,
-                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside,
-                    steal=_steal_share(stolen, seconds))
-
-
-def offline_server_stopped(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
-                           server: Server) -> Scenario:
-    """The offline engine with every process of the warm server stopped: right before and right after the
-    server's top concurrency, seconds from it, so that the share does not take the machine's drift for the
-    serving path's."""
-    with server.stopped():
-        result = offline(llm, concurrency, prompts, max_tokens, rnd, server.name)
-    result.system = offline_name(concurrency, len(prompts), STOPPED_SERVER)
-    return result
+    return Scenario(offline_name(concurrency, len(prompts), server_state), concurrency, rnd, len(prompts),
+                    len(outputs), seconds, sum(len(o.token_ids) for o in outputs) / seconds,
+                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside, steal=steal)
 
 
 @dataclass(frozen=True)
@@ -245,11 +238,11 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
         for c, prompts in loads.items():
             brackets = offline_llm is not None and c == max(loads)
             if brackets:
-                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, idle_server=server))
-                scenarios.append(offline_server_stopped(offline_llm, c, prompts, tokens, rnd, server))
+                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, IDLE_SERVER))
+                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, STOPPED_SERVER))
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
             if brackets:
-                scenarios.append(offline_server_stopped(offline_llm, c, prompts, tokens, rnd, server))
+                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, STOPPED_SERVER))
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
         if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks

@@ -99,7 +99,8 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):
         return None
     kernels = {lin.kernel for lin in linears}
-    if len(kernels) != 1 or model.layers[0].mlp.activation_name not in ACTIVATIONS:
+    activation = model.layers[0].mlp.activation_name
+    if len(kernels) != 1 or activation not in ACTIVATIONS:
         return None
     weights = [tensor for layer in model.layers for tensor in _layer_weights(layer)] + [model.norm.weight]
     loras = [linear for layer in model.layers for linear in _linears(layer) if isinstance(linear, LoRALinear)]
@@ -110,14 +111,15 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     windows = [layer.self_attn.window or 0 for layer in model.layers]
     return DecoderStack(cpu_ops, weights, [cache for pair in kv_caches for cache in pair], attn.num_heads,
                         attn.num_kv_heads, kernels.pop(), model.norm.eps, lora_state, loras,
-                        loras[0].max_rank if loras else 0, keys, _per_layer(rope, 0), _per_layer(windows, 0),
+                        loras[0].max_rank if loras else 0, keys, _per_layer(rope), _per_layer(windows),
                         attn.query_scale or 0.0, model.variant.residual_multiplier or 0.0, attn.softcap or 0.0,
-                        ACTIVATIONS.index(model.layers[0].mlp.activation_name), QK_NORMS.index(attn.qk_norm))
+                        ACTIVATIONS.index(activation), QK_NORMS.index(attn.qk_norm))
 
 
-def _per_layer(values: list[int], usual: int) -> torch.Tensor:
-    """A per-layer int64 table for the stack, or NO_TENSOR where every layer has the usual value."""
-    return NO_TENSOR if all(v == usual for v in values) else torch.tensor(values, dtype=torch.long)
+def _per_layer(values: list[int]) -> torch.Tensor:
+    """A per-layer int64 table for the stack, or NO_TENSOR where every layer has 0 (the first rotary table, no
+    window), as the stack reads an empty table."""
+    return NO_TENSOR if not any(values) else torch.tensor(values, dtype=torch.long)
 
 
 def _lora_slots(lora: LoRALinear) -> list[torch.Tensor]:
