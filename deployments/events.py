@@ -20,6 +20,7 @@ class RefusalKind(enum.Enum):
     BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
     NOT_FOUND = "not_found"  # no such adapter
     OVERLOADED = "overloaded"  # the engine's waiting queue is full: retry later
+    UNAVAILABLE = "unavailable"  # the adapter cache does not answer: retry later
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from deployments.tools import ToolUse
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError
 from engine.sampling import SamplingParams
-from lora_cache.adapter_folder import AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
 from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration
@@ -117,9 +117,12 @@ def _reason(error: dict) -> str:
 
 # Module helpers stand above the routes class: Serve captures the class's globals when it is defined.
 def _refused(refusal: Refusal) -> RequestRefused:
-    """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded."""
+    """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded, 503
+    with Retry-After when the adapter cache does not answer."""
     if refusal.kind is RefusalKind.OVERLOADED:
         return RequestRefused(refusal.reason, 429, refusal.retry_after_s)
+    if refusal.kind is RefusalKind.UNAVAILABLE:
+        return RequestRefused(refusal.reason, 503, refusal.retry_after_s)
     if refusal.budget is not None:
         return BudgetRefused(refusal.budget)
     return RequestRefused(refusal.reason, 404 if refusal.kind is RefusalKind.NOT_FOUND else 400)
@@ -135,9 +138,12 @@ def _max_tokens_named(name: str):
 
 
 async def _lifecycle(change):
-    """Await a load or unload in the cache actor; its AdapterError becomes a 404 or a 400 with the reason."""
+    """Await a load or unload in the cache actor; its AdapterError becomes a 404 or a 400 with the reason, a cache
+    that does not answer a 503."""
     try:
         return await change
+    except AdapterCacheUnavailableError as exc:
+        raise RequestRefused(str(exc), 503, exc.retry_after_s) from None
     except AdapterNotFoundError as exc:
         raise RequestRefused(client_message(exc), 404) from None
     except ValueError as exc:  # AdapterError and a server without LoRA
@@ -327,6 +333,9 @@ class HttpRoutes:
         except ValueError as exc:  # a bad spec, or a server without LoRA
             yield Refusal(client_message(exc))
             return
+        except AdapterCacheUnavailableError as exc:
+            yield Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
+            return
         async for event in self._stream(request.inputs, params, key, stream):
             yield event
 
@@ -405,7 +414,7 @@ class HttpRoutes:
             return {}
         try:
             stats: CacheStats = await self.adapter_cache.cache_stats()
-        except ray.exceptions.RayActorError:  # the actor restarts: no residence to tell until it is back
+        except (ray.exceptions.RayActorError, AdapterCacheUnavailableError):  # no residence to tell until it is back
             return {}
         residence = stats.residence()
         return {adapter: residence[adapter] for adapter in tenant.visible(residence)}

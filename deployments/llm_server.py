@@ -47,7 +47,7 @@ from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, Token
 from engine.model_files import resolve_model
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
-from lora_cache.adapter_folder import AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
 from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration, key_name
 from lora_cache.replica_report import ReplicaReport
@@ -102,7 +102,7 @@ class LLMServer(HttpRoutes):
         model_dir = resolve_model(config.model, config.model_cache_dir)
         base_config = json.loads((model_dir / "config.json").read_text())
         actor = get_or_create_cache_actor(base_config, config.adapter_sources())
-        return RayAdapterCache(actor, self.replica)
+        return RayAdapterCache(actor, self.replica, timeout_s=config.adapter_cache_timeout_s)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _adapter(self, adapter_id: str) -> str:
@@ -192,6 +192,9 @@ class LLMServer(HttpRoutes):
             return
         except AdapterNotFoundError as exc:
             yield Refusal(client_message(exc), RefusalKind.NOT_FOUND)
+            return
+        except AdapterCacheUnavailableError as exc:  # the cache actor does not answer: this request only waits
+            yield Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
             return
         except TokenBudgetError as exc:  # its figures go too: the edge names the parameter as its API does
             yield Refusal(str(exc), budget=exc.budget)

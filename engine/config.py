@@ -86,6 +86,7 @@ class EngineConfig:
     adapter_download_timeout_s: float = 30.0  # per connection and per read
     adapter_download_retries: int = 3
     max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
+    adapter_cache_timeout_s: float = 30.0  # in serving, the cache actor silent this long: adapter requests get 503
     max_adapter_wait_s: float = 1.0  # after this, a request whose adapter has no slot stops being passed
     # Loaded into the CPU tier and device slots when the engine starts (so into every replica added by scale-up):
     # their first requests find them warm. Pinned adapters also keep their slots for good.
@@ -133,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.adapter_source!r}")
         if self.adapter_download_timeout_s <= 0 or self.adapter_download_retries < 0:
             raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
+        if self.adapter_cache_timeout_s <= 0:
+            raise ValueError(f"adapter_cache_timeout_s must be positive, got {self.adapter_cache_timeout_s}")
         self._validate_preloads()
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")

@@ -5,11 +5,19 @@ tier, LRU by bytes within a budget). Replicas get an object reference and fetch 
 the object store, on any node, without touching the source again. Concurrent requests for one
 adapter share one load (single flight). The actor is restarted by Ray if it dies and reloads on
 demand; replicas keep serving the adapters they already hold.
+
+A replica's wait for the actor is bounded by the actor's silence, not by time: a load may rightly take minutes (a
+download), but an actor that answers no ping for `timeout_s` (stopped, a restart that cannot be placed, its node
+gone) fails the wait with AdapterCacheUnavailableError, a 503 with Retry-After at the edge. Unbounded, one such wait
+would hold its request and, since Serve loads a replica's multiplexed models one at a time, every later request for
+an adapter the replica does not yet hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import threading
 import time
 import dataclasses
@@ -19,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from lora_cache.adapter_folder import AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterError, AdapterNotFoundError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
 from lora_cache.merge_spec import MergeSpec, is_merge_key
@@ -35,6 +43,9 @@ if TYPE_CHECKING:
 ACTOR_NAME = "lora-serve-adapter-cache"
 MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
 RESIDENCE_TTL_S = 10.0  # a replica that has not reported for this long is gone (replicas report every second)
+ACTOR_TIMEOUT_S = 30.0  # the actor silent this long is unavailable: longer than its restart (5-15 s on 2 cores)
+PING_EVERY_S = 1.0  # while a call is awaited, how often the actor is asked whether it still answers
+UNAVAILABLE_RETRY_AFTER_S = 5.0  # the Retry-After of a request refused for an unavailable cache
 
 
 @dataclass
@@ -66,6 +77,10 @@ class LoRACacheActor:
         self.hits = self.misses = 0
         self.residence: dict[str, ReplicaReport] = {}  # replica id -> its last report
         self.node_id = ray.get_runtime_context().get_node_id()  # where put() stores the adapters
+
+    def ping(self) -> int:
+        """This process's id: the actor answers (a replica's liveness probe while it awaits a call)."""
+        return os.getpid()
 
     async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
@@ -130,9 +145,10 @@ class LoRACacheActor:
             self.remote_sources[kind] = remote_source(kind, self.sources, root=None)
         return self.remote_sources[kind]
 
-    async def register(self, name: str, lora_path: str) -> Registration:
+    async def register(self, name: str, lora_path: str, not_after: float = math.inf) -> Registration:
         """Serve `name` from `lora_path` (a local folder, s3://bucket/prefix or hf://org/name[@rev]) under a new
-        key. The adapter is read and validated first: a bad one changes nothing."""
+        key. The adapter is read and validated first: a bad one changes nothing. not_after: see _awaited."""
+        _awaited(name, not_after)
         validate_adapter_id(name)
         if "@" in name:
             raise AdapterError(name, "a lora_name has no '@revision': put the revision in lora_path")
@@ -147,8 +163,9 @@ class LoRACacheActor:
             self._forget_older(name, key)
             return Registration(name, key, self.entries.get(key).content_id, self.registry.version)
 
-    async def unregister(self, name: str) -> int:
+    async def unregister(self, name: str, not_after: float = math.inf) -> int:
         """Stop serving `name` from its registered location; the registry version that says so."""
+        _awaited(name, not_after)
         async with self._registering:
             self.registry.unregister(name)
             self._forget_older(name, None)
@@ -193,6 +210,16 @@ class LoRACacheActor:
             load_seconds={a: load.seconds for a, load in loads.items()})
 
 
+def _awaited(name: str, not_after: float) -> None:
+    """A change of the registry reaching the actor after `not_after` (time.time(), sent by the caller: clocks of a
+    cluster's nodes agree to far less than the second of margin it leaves) finds its caller gone, refused with a 503:
+    it must not land once a silent actor runs again. A call that starts earlier answers the caller's next ping in
+    time, so that the caller waits for it (RayAdapterCache._answer)."""
+    if time.time() > not_after:
+        raise AdapterCacheUnavailableError(name, "the change reached it after the replica had stopped waiting",
+                                           UNAVAILABLE_RETRY_AFTER_S)
+
+
 def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
                               name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
     """The one named, detached cache actor of this Ray cluster (created by the first replica that asks)."""
@@ -207,11 +234,15 @@ class RayAdapterCache(HeldAdapters):
     restarts it).
     """
 
-    def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver", follow_registry: bool = True):
+    def __init__(self, actor: ray.actor.ActorHandle, replica: str = "driver", follow_registry: bool = True,
+                 timeout_s: float = ACTOR_TIMEOUT_S):
         """follow_registry: keep this copy's view of adapters loaded at run time current, from a thread that
-        long-polls the actor (a replica does; a driver that only fetches adapters need not)."""
+        long-polls the actor (a replica does; a driver that only fetches adapters need not). timeout_s: how long
+        the actor may answer nothing before a call awaiting it fails (AdapterCacheUnavailableError)."""
         self._actor = actor
         self.replica = replica
+        self.timeout_s = timeout_s
+        self._ping_every_s = min(PING_EVERY_S, timeout_s / 2)
         # process-local copies by key (their tensors live in the object store's shared memory: a count bounds them)
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, max_entries=MAX_LOCAL_COPIES)
         # The registry's current view, asked for now and waited for where it is first needed (a preload, a key):
@@ -250,16 +281,40 @@ class RayAdapterCache(HeldAdapters):
 
     async def register(self, name: str, lora_path: str) -> Registration:
         """Load `name` from `lora_path` in the cache actor; returns once every live replica serves the new key."""
-        registration = await self._actor.register.remote(name, lora_path)
-        await self._actor.wait_applied.remote(registration.version)
+        registration = await self._call(self._actor.register.remote(name, lora_path, self._not_after()), name)
+        await self._call(self._actor.wait_applied.remote(registration.version), name)
         return registration
 
     async def unregister(self, name: str) -> None:
-        version = await self._actor.unregister.remote(name)
-        await self._actor.wait_applied.remote(version)
+        version = await self._call(self._actor.unregister.remote(name, self._not_after()), name)
+        await self._call(self._actor.wait_applied.remote(version), name)
 
     async def merge(self, spec: MergeSpec) -> str:
-        return await self._actor.merge.remote(spec)
+        return await self._call(self._actor.merge.remote(spec), None)
+
+    def _not_after(self) -> float:
+        """The latest time at which a change sent now may start in the actor: before this call's wait can end
+        (timeout_s without an answer), less one ping's period."""
+        return time.time() + self.timeout_s - self._ping_every_s
+
+    async def _call(self, ref: ray.ObjectRef, adapter_id: str | None):
+        """The answer of an actor call, awaited off the event loop (_answer blocks)."""
+        return await asyncio.to_thread(self._answer, ref, adapter_id)
+
+    def _answer(self, ref: ray.ObjectRef, adapter_id: str | None):
+        """The answer of an actor call; AdapterCacheUnavailableError once the actor has answered no ping for
+        timeout_s (one ping outstanding at a time: the calls of a restarting actor queue until it is back). A call
+        given up may still run once the actor answers: a load then warms the cache, and a change of the registry
+        refuses itself (_awaited)."""
+        heard = time.monotonic()
+        ping = self._actor.ping.remote()
+        while not ray.wait([ref], timeout=self._ping_every_s)[0]:
+            if ray.wait([ping], timeout=0)[0]:
+                heard, ping = time.monotonic(), self._actor.ping.remote()
+            elif time.monotonic() - heard > self.timeout_s:
+                raise AdapterCacheUnavailableError(adapter_id, f"its actor ({ACTOR_NAME}) has answered nothing for "
+                                                   f"{self.timeout_s:g} s", UNAVAILABLE_RETRY_AFTER_S)
+        return ray.get(ref)
 
     def _watch(self) -> None:
         """Long-poll the actor for registry changes; drop the copies of keys that are no longer current."""
@@ -293,20 +348,27 @@ class RayAdapterCache(HeldAdapters):
         return self._adapters.get_or_load(adapter_id, lambda: self._fetch(adapter_id))
 
     def _fetch(self, adapter_id: str) -> LoRAAdapter:
+        """The adapter from the actor: its object reference, then its tensors from the object store (a read, so
+        bounded by timeout_s itself). A call is asked again once if the actor died in between, or the copy it
+        handed out was lost with a node (the actor, restarted or not, loads it again)."""
         for attempt in range(2):
             try:
-                [ref] = ray.get(self._actor.get.remote(adapter_id))
-                return ray.get(ref)
+                [ref] = self._answer(self._actor.get.remote(adapter_id), adapter_id)
+                return ray.get(ref, timeout=self.timeout_s)
             except ray.exceptions.RayTaskError as exc:  # the load itself failed: the adapter is bad
                 raise exc.as_instanceof_cause() from None
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.GetTimeoutError:
+                raise AdapterCacheUnavailableError(adapter_id, f"its copy in Ray's object store did not arrive in "
+                                                   f"{self.timeout_s:g} s", UNAVAILABLE_RETRY_AFTER_S) from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
                 if attempt:
-                    raise
+                    raise AdapterCacheUnavailableError(adapter_id, f"{type(exc).__name__} twice",
+                                                       UNAVAILABLE_RETRY_AFTER_S) from None
         raise AssertionError("unreachable")
 
     async def cache_stats(self) -> CacheStats:
         """The cache actor's stats: its tier's adapters and each adapter's residence across the replicas."""
-        return await self._actor.stats.remote()
+        return await self._call(self._actor.stats.remote(), None)
 
     def held(self) -> tuple[str, ...]:
         """The adapter keys in this replica's CPU copy."""
@@ -316,6 +378,6 @@ class RayAdapterCache(HeldAdapters):
         """Send this replica's report to the cache actor; its view of the cluster, or None while the actor
         restarts. Blocks for one actor call: the replica's report thread calls it."""
         try:
-            return ray.get(self._actor.report.remote(report))
-        except ray.exceptions.RayError:
+            return ray.get(self._actor.report.remote(report), timeout=self.timeout_s)
+        except ray.exceptions.RayError:  # GetTimeoutError too
             return None

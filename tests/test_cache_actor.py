@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -10,6 +13,7 @@ import ray
 from engine import LLM, SamplingParams
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter import AdapterError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.sources import SourceConfig
 from tests.helpers import PROMPTS, write_tiny_adapters
 
@@ -76,6 +80,26 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
     fresh = client.get("b")  # the restarted actor loads on demand
     assert fresh.adapter_id == "b"
     assert ray.get(actor.stats.remote()).load_counts == {"b": 1}
+
+
+
+def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(shared_actor):
+    """A stopped actor process answers nothing and is not dead to Ray: the replica's wait ends after timeout_s
+    with the cache named (a 503 at the edge), and the actor serves again once it runs."""
+    client = RayAdapterCache(shared_actor, follow_registry=False, timeout_s=1)
+    pid = ray.get(shared_actor.ping.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(AdapterCacheUnavailableError, match=r"adapter 'c': the adapter cache is unavailable: "
+                                                                r"its actor .* has answered nothing for 1 s"):
+            client.get("c")
+        assert 1 <= time.monotonic() - start < 5
+        with pytest.raises(AdapterCacheUnavailableError, match="answered nothing"):
+            asyncio.run(client.cache_stats())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert client.get("c").adapter_id == "c"
 
 
 def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapters_root, shared_actor):

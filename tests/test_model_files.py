@@ -30,6 +30,14 @@ def test_unknown_engine_option_is_refused(tiny_llama_path):
         LLM(str(tiny_llama_path), max_num_sequences=4)
 
 
+@pytest.mark.parametrize("option", [{"adapter_cache_timeout_s": 0}, {"adapter_cache_timeout_s": -1.0}])
+def test_a_bound_that_is_not_positive_is_refused_by_name(option):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{next(iter(option))} must be positive"):
+        EngineConfig.from_overrides(**option)
+
+
 def test_startup_prints_kv_figures(tiny_llama_path, capsys):
     LLM(str(tiny_llama_path), kv_cache_bytes=1 << 20)
     out = capsys.readouterr().out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -265,6 +266,30 @@ def test_killing_the_cache_actor_mid_download_leaves_no_partial_adapter(ray_serv
     [entry] = tier_contents(tier)
     assert all((tier / entry / f).read_bytes() == (adapters / "big" / f).read_bytes() for f in FILES)
 
+
+
+def test_a_download_longer_than_the_cache_timeout_is_waited_for(ray_servers, tiny_llama_path, adapters, hub,
+                                                                tmp_path):
+    """The replica's bound is on the actor's silence, not on the load's time: a download of about 1.2 s, by an
+    actor that answers pings meanwhile, is awaited by a copy whose timeout_s is 0.3 s."""
+    import ray
+
+    from lora_cache.actor import LoRACacheActor, RayAdapterCache
+    from lora_cache.adapter import content_id
+
+    publish(hub[1], "acme/unhurried", "c9" * 20, adapters / "one")
+    chunks = sum(math.ceil((adapters / "one" / f).stat().st_size / 1024) for f in FILES)
+    (hub[1] / "acme/unhurried" / "faults.json").write_text(json.dumps({"slow_s": 1.2 / chunks}))
+    actor = LoRACacheActor.remote(_base_config(tiny_llama_path), SourceConfig("hub", disk_cache=str(tmp_path)))
+    ray.get(actor.ping.remote())  # started: the actor's own start is not the wait under test
+    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3)
+    try:
+        start = time.monotonic()
+        assert client.get("acme/unhurried").content_id == content_id(adapters / "one")
+        assert time.monotonic() - start > 0.6  # well past timeout_s
+    finally:
+        client.close()
+        ray.kill(actor, no_restart=True)
 
 def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_servers, tiny_llama_path, adapters,
                                                                            hub, tmp_path):

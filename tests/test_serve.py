@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,7 +40,7 @@ def server(serve_cluster, tiny_llama_path, adapters_root, tmp_path_factory):
 
     METRICS["url"] = serve_cluster.metrics_url
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root),
-              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
+              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier")), "adapter_cache_timeout_s": 3}
     with serving(serve_cluster, build_app({"engine": engine})) as url:
         yield url
 
@@ -980,6 +982,43 @@ def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
         assert requests.post(f"{server}/tight/generate", json=body, timeout=120).status_code == 200
     finally:
         serve.delete("tight")
+
+
+
+def test_a_silent_adapter_cache_answers_503_while_base_requests_go_on(server, tiny_llama_path, adapters_root):
+    """The cache actor's process stopped (alive to Ray, answering nothing): a request for an adapter the replica
+    does not hold gets 503 with Retry-After and the cache named, in each API's error shape, after the server's
+    adapter_cache_timeout_s; base requests are served meanwhile; the adapter is served once the actor runs."""
+    import ray
+
+    from lora_cache.actor import ACTOR_NAME
+
+    write_tiny_adapters(tiny_llama_path, adapters_root, ("latecomer",))
+    [named] = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == ACTOR_NAME]
+    pid = ray.get(ray.get_actor(ACTOR_NAME, namespace=named["namespace"]).ping.remote())
+    lorax = {"inputs": "hi", "parameters": {"max_new_tokens": 3, "adapter_id": "latecomer"}}
+    waits = {"/generate": lorax, "/v1/completions": {"model": "latecomer", "prompt": "hi", "max_tokens": 3},
+             "/v1/load_lora_adapter": {"lora_name": "refused", "lora_path": str(adapters_root / "latecomer")}}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with ThreadPoolExecutor(len(waits)) as pool:
+            answers = dict(zip(waits, pool.map(lambda path: requests.post(f"{server}{path}", json=waits[path],
+                                                                          timeout=60), waits)))
+        assert 3 <= time.monotonic() - start < 20
+        base = {"inputs": "hi", "parameters": {"max_new_tokens": 3}}
+        assert requests.post(f"{server}/generate", json=base, timeout=60).status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for path, r in answers.items():
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, (path, r.status_code, r.text)
+        error = r.json()["error"]
+        reason = error if path == "/generate" else error["message"]  # TGI's error shape, then OpenAI's
+        assert "the adapter cache is unavailable" in reason and "for 3 s" in reason, reason
+    r = requests.post(f"{server}/generate", json=lorax, timeout=60)
+    assert r.status_code == 200, r.text
+    served = [card["id"] for card in requests.get(f"{server}/v1/models", timeout=60).json()["data"]]
+    assert "latecomer" in served and "refused" not in served, served  # the load refused with 503 did not land
 
 
 def test_prometheus_metrics_are_exported(server):

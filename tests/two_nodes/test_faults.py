@@ -18,6 +18,7 @@ from tests.helpers import PROMPTS, serving, write_tiny_adapters
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma")
 TIMEOUT_S = 120  # a request still unanswered after this has hung
+_KINDS = ("streamed adapter completion", "base generate", "adapter chat")  # _request's mix, by i % 3
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,12 @@ def _under_load(url: str, fault, workers: int = 4, after_s: float = 3.0) -> list
     def worker(w: int) -> list[str]:
         outcomes, i = [], w
         while not stop.is_set():
+            start = time.monotonic()
             try:
                 outcomes.append(_request(url, i))
-            except requests.Timeout:
-                outcomes.append("hung")
+            except requests.Timeout:  # which request, sent when: a rare hang says where it was
+                outcomes.append(f"hung: request {i} ({_KINDS[i % 3]}, {ADAPTERS[i % len(ADAPTERS)]}) sent at "
+                                f"{start:.1f}")
             except requests.RequestException:
                 outcomes.append("closed")  # the connection broke with its replica: an answer, not a hang
             i += workers
@@ -69,11 +72,13 @@ def _under_load(url: str, fault, workers: int = 4, after_s: float = 3.0) -> list
     with ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(worker, w) for w in range(workers)]
         time.sleep(after_s)
+        fault_at = time.monotonic()
         fault()
         time.sleep(after_s)
         stop.set()
         outcomes = [o for f in futures for o in f.result(timeout=TIMEOUT_S + 30)]
-    assert "hung" not in outcomes, outcomes
+    hung = [o for o in outcomes if o.startswith("hung")]
+    assert not hung, f"{hung} (the fault at {fault_at:.1f}); then: {_cluster_state()}; all: {outcomes}"
     assert outcomes.count("200") > len(outcomes) // 2, outcomes
     return outcomes
 
