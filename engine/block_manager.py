@@ -1,8 +1,9 @@
 """Paged KV cache bookkeeping: fixed-size blocks, reference counted, with automatic prefix caching.
 
 A full block whose K/V are computed is keyed by (its parent block's digest, its token ids, the
-sequence's adapter id): the same tokens after the same prefix under the same adapter have the same
-K/V, and a prefix computed under one adapter is never reused under another. A block's digest chains
+sequence's adapter id, whether it runs on a longrope model's long factors): the same tokens after the same prefix
+under the same adapter have the same K/V, and a prefix computed under one adapter, or one set of rotary factors
+(engine/layers/rotary.py), is never reused under another. A block's digest chains
 its parent's digest, its tokens and a CRC of its adapter id through the hash of a tuple of ints, which,
 unlike the hash of a string, is the same in every process: a router computes a prompt's digests with
 `prompt_digests` and compares them with the ones a replica reports (`cached_digests`). A new sequence takes
@@ -30,8 +31,10 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def adapter_code(adapter_id: str | None) -> int:
-    return zlib.crc32(adapter_id.encode()) if adapter_id is not None else 0
+def kv_code(adapter_id: str | None, long_rope: bool = False) -> int:
+    """What, besides the tokens, a block's K/V depend on: the adapter's CRC (32 bits), and the long rotary factors
+    above them."""
+    return (zlib.crc32(adapter_id.encode()) if adapter_id is not None else 0) | (long_rope << 32)
 
 
 def chain_digest(parent: int, tokens: tuple[int, ...], adapter: int) -> int:
@@ -40,10 +43,10 @@ def chain_digest(parent: int, tokens: tuple[int, ...], adapter: int) -> int:
 
 
 def prompt_digests(token_ids: list[int], adapter_id: str | None, block_size: int,
-                   max_blocks: int = REPORTED_DEPTH) -> list[int]:
+                   max_blocks: int = REPORTED_DEPTH, long_rope: bool = False) -> list[int]:
     """The digests of the prompt blocks a sequence could take from a prefix cache (its last token always
     computed), as far as `max_blocks`."""
-    code, parent, digests = adapter_code(adapter_id), 0, []
+    code, parent, digests = kv_code(adapter_id, long_rope), 0, []
     for i in range(min(max_blocks, (len(token_ids) - 1) // block_size)):
         parent = chain_digest(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), code)
         digests.append(parent)
@@ -135,7 +138,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        code = adapter_code(seq.adapter_id)
+        code = kv_code(seq.adapter_id, seq.long_rope)
         for i in range(seq.num_hashed_blocks, full):
             block = seq.block_table[i]
             parent = self.digest_of[seq.block_table[i - 1]] if i else 0
@@ -153,10 +156,10 @@ class BlockManager:
         return frozenset(self.digest_of[b] for b in blocks if self.depth_of[b] < REPORTED_DEPTH)
 
     def _key(self, seq: Sequence, index: int, parent: int) -> tuple:
-        """(the parent block's digest, the block's tokens, the adapter id): the id itself, not its CRC, so two
-        adapters never share K/V."""
+        """(the parent block's digest, the block's tokens, the adapter id, long rotary factors or not): the id
+        itself, not its CRC, so two adapters never share K/V."""
         start = index * self.block_size
-        return parent, tuple(seq.token_slice(start, start + self.block_size)), seq.adapter_id
+        return parent, tuple(seq.token_slice(start, start + self.block_size)), seq.adapter_id, seq.long_rope
 
     def _forget(self, block: int) -> None:
         key = self.key_of[block]

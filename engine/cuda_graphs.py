@@ -29,7 +29,7 @@ from engine.layers.lora_batch import LoRAStepState, SlotOrder, slot_order_values
 class DecodeInputs:
     """A decode-only step on the host: one new token per sequence."""
     input_ids: list[int]
-    positions: list[int]
+    positions: list[int]  # each token's position (its rotary row: layers/rotary.py)
     slot_mapping: list[int]  # the cache slot each new token's K/V is written to
     block_tables: list[list[int]]  # each sequence's blocks, any width up to the static one
     context_lens: list[int]  # tokens attended, the new one included

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import TokenBudget, TokenBudgetError
 from engine.grammar import GrammarCompiler, TokenMasks
+from engine.layers.rotary import long_rope_switch
 from engine.memory import MemoryReport
 from engine.models import context_limit
 from engine.model_files import resolve_model
@@ -148,7 +149,7 @@ class LLMEngine:
         self.adapters: AdapterProvider | None = adapter_provider or (
             self._adapter_cache(config, hf_config) if config.max_loras else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapter_slots, config.max_adapter_wait_s)
+                                   self.adapter_slots, config.max_adapter_wait_s, long_rope_switch(hf_config))
         self.sampler = Sampler(config.torch_device, config.seed, self.runner.cpu_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}

@@ -58,7 +58,7 @@ class PromptChunkScoring:
 class StepInputs:
     """A step's flattened batch (decodes first), as _prepare builds it for the model."""
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # each token's position (its rotary row: layers/rotary.py)
     attention: AttentionMetadata
     sample_rows: list[int]  # the rows whose logits are sampled: the last of each chunk that completes its prompt
     sampling: list[ScheduledSeq]  # their sequences, in the same order
@@ -122,6 +122,7 @@ class ModelRunner:
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
+        self.long_rope_rows = self.model.long_rope_rows  # None, or where a longrope model's long factors start
         self.layout = self._kv_layout(config)
         self.huge_pages = config.huge_pages and self.device.type == "cpu" and huge_pages.supported()
         self.kv_caches = self._allocate_kv_cache()
@@ -310,11 +311,16 @@ class ModelRunner:
         positions = [seq.num_computed_tokens for seq in seqs]
         return DecodeInputs(
             input_ids=[seq.token_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)],
-            positions=positions,
+            positions=[p + self._row_offset(seq) for seq, p in zip(seqs, positions)],
             slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
             block_tables=[seq.block_table for seq in seqs],
             context_lens=[p + 1 for p in positions],
             lora_slots=[-1 if seq.lora_slot is None else seq.lora_slot for seq in seqs])
+
+    def _row_offset(self, seq: Sequence) -> int:
+        """A token's row in the rotary tables less its position: past its long_rope switch, a sequence reads a
+        longrope model's long factors (engine/layers/rotary.py)."""
+        return self.long_rope_rows if seq.long_rope else 0
 
     @staticmethod
     def _is_decode(s: ScheduledSeq) -> bool:
@@ -337,7 +343,8 @@ class ModelRunner:
             end = start + s.num_new_tokens
             row = len(input_ids)
             input_ids += seq.token_slice(start, end)
-            positions += range(start, end)
+            offset = self._row_offset(seq)
+            positions += range(start + offset, end + offset)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             adapter_runs.append(AdapterRun(-1 if seq.lora_slot is None else seq.lora_slot, s.num_new_tokens))
             is_decode = self._is_decode(s)

@@ -17,6 +17,11 @@ Requests carry vLLM's `priority` (SamplingParams; lower first, 0 by default). Bo
 in their order of arrival: the waiting queue admits the most urgent first, and the running list is served from
 its front and preempted from its back, so a block shortage recomputes the least urgent, newest request. With every
 priority equal this is first come, first served; a request finds its place by binary search.
+
+A longrope model (engine/layers/rotary.py) turns a sequence with its long factors once the sequence is longer than
+`long_rope_switch`: one admitted longer runs on them from its start, and a running one that grows past the switch
+is recomputed on them from its start (restarted as a preemption is, though not counted as one), as transformers'
+Phi-3 drops its cache there. Its blocks are keyed apart in the prefix cache (block_manager.py).
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 adapter_slots: AdapterSlots | None = None, max_adapter_wait_s: float = 1.0):
+                 adapter_slots: AdapterSlots | None = None, max_adapter_wait_s: float = 1.0,
+                 long_rope_switch: int | None = None):
         self.block_manager = block_manager
+        self.long_rope_switch = long_rope_switch
         self.adapter_slots = adapter_slots
         self.max_adapter_wait_s = max_adapter_wait_s
         self.max_num_seqs = max_num_seqs
@@ -92,6 +99,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._past_long_rope_switch(seq):  # its K/V turned with the short factors: recomputed with the long
+                self._restart(self.running.pop(i))
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
@@ -110,6 +120,7 @@ class Scheduler:
         starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            seq.long_rope = seq.long_rope or self._past_long_rope_switch(seq)  # before its prefix is looked up
             prefix = self.block_manager.cached_prefix(seq)
             computed = len(prefix) * self.block_manager.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -160,12 +171,20 @@ class Scheduler:
             seq.lora_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
+        self._restart(seq)
+        self.total_preemptions += 1
+
+    def _restart(self, seq: Sequence) -> None:
+        """Free its blocks and slot; it waits at the front of its priority, to be recomputed from its start."""
         self.block_manager.free(seq)
         self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.total_preemptions += 1
+        seq.num_preemptions += 1  # its re-admission keeps what its first one billed (cached tokens)
         _insert_by_priority(self.waiting, seq, ahead=True)
+
+    def _past_long_rope_switch(self, seq: Sequence) -> bool:
+        """Longer than a longrope model's switch, with K/V (if any) turned with the short factors."""
+        return self.long_rope_switch is not None and not seq.long_rope and seq.num_tokens > self.long_rope_switch
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a finished or aborted sequence and return its blocks at once."""

@@ -40,7 +40,8 @@ class Sequence:
     prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; the first has none
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank; the first has none
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # times recomputed from its start: preempted, or restarted past a longrope switch
+    long_rope: bool = False  # its K/V turned with a longrope model's long factors (engine/layers/rotary.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -125,11 +125,13 @@ def _assert_first_token_scores_match_hf(llm: LLM, path, tokenizer) -> None:
     assert list(out.top_logprobs[0]) == expected.topk(5).indices.tolist()
 
 
-def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
-    """A longrope rotary embedding (Phi-3's 128k models) uses its short factors, and an attention factor, while a
-    sequence fits in the original context; past it transformers switches the whole sequence to the long factors,
-    which the engine's rotary table, computed once, cannot. So the original context is the context: a sequence
-    runs to its end as HF's model scores it, and a max_model_len past it is refused, naming why."""
+def test_longrope_switches_to_its_long_factors_as_hf_does(tmp_path, tokenizer):
+    """A longrope rotary embedding (Phi-3's 128k models) turns a sequence with its short factors while it fits in the
+    original context (64 tokens here), with its long ones once longer; transformers' Phi-3 then drops its cache and
+    computes the sequence again. Greedy equals HF's generate token for token: a short prompt decoding past the
+    switch (restarted there, not counted as a preemption), a long prompt, both queued together, under preemption, and
+    a long prompt prefilled in chunks, then again from the prefix cache; a long prompt never takes the blocks a
+    short one cached with the short factors. The context is the model's positions (256)."""
     torch.manual_seed(7)
     half = 8  # head_dim 16
     config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -141,19 +143,26 @@ def test_longrope_is_exact_within_its_original_context(tmp_path, tokenizer):
                                          "long_factor": [4.0] * half, "original_max_position_embeddings": 64})
     Phi3ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
+    short, long = PROMPTS[0], " ".join(PROMPTS)  # 5 and 127 tokens
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # the short one crosses at its 60th
+    reference = hf_greedy(tmp_path, [short, long], params.max_tokens)
+
     llm = LLM(str(tmp_path), log_stats=False)
-    assert llm.engine.max_model_len == 64
-    prompt = tokenizer(PROMPTS[0]).input_ids
-    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert len(prompt) + len(out.token_ids) == 64
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
-    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids  # teacher-forced, all 64 positions
-    with pytest.raises(ValueError, match="max_model_len 65 is past this model's context of 64 tokens .its longrope "
-                                         "rotary embedding switches to its long factors past 64 tokens"):
-        LLM(str(tmp_path), max_model_len=65, log_stats=False)
+    assert llm.engine.max_model_len == 256
+    # the long prompt's first 40 tokens, short of the switch: 2 blocks of 16 cached with the short factors
+    llm.generate([tokenizer(long).input_ids[:40]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert _check(llm, reference[1:], [long], params)[0].num_cached_tokens == 0  # same tokens, other factors
+    assert _check(llm, reference[1:], [long], params)[0].num_cached_tokens >= 64  # its own, with the long ones
+    _check(llm, reference[:1], [short], params)
+    assert llm.engine.scheduler.total_preemptions == 0
+    _check(LLM(str(tmp_path), log_stats=False), reference, [short, long], params)
+    preempting = LLM(str(tmp_path), max_num_seqs=8, num_kv_blocks=16, log_stats=False)
+    _check(preempting, reference * 3, [short, long] * 3, params)
+    assert preempting.engine.scheduler.total_preemptions > 0
+
+    chunked = LLM(str(tmp_path), max_num_batched_tokens=32, log_stats=False)
+    _check(chunked, reference[1:], [long], params)
+    assert _check(chunked, reference[1:], [long], params)[0].num_cached_tokens >= 64
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="Gemma 2's and 3's attention needs the C++ operators")

@@ -1,4 +1,12 @@
-"""Rotary position embedding with a precomputed cos/sin table, indexed by each token's position."""
+"""Rotary position embedding with a precomputed cos/sin table, indexed by each token's row: its position.
+
+A longrope rotary embedding (Phi-3's and Phi-4-mini's long-context models) turns a sequence with its short factors
+while the sequence fits in the original context, and with its long ones once it is longer: transformers' Phi-3
+then drops the cache and computes the whole sequence again with the long factors. The table holds both: rows
+[0, max_positions) the short factors, rows [max_positions, 2 max_positions) the long ones, so that a token's row is
+its position, or its position plus max_positions in a sequence past the switch; the scheduler recomputes a
+sequence that grows past it (engine/scheduler.py), as transformers does.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,16 @@ def rotary_dim(config, head_dim: int) -> int:
     params = getattr(config, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     return head_dim if factor is None else int(head_dim * factor)
+
+
+def long_rope_switch(config) -> int | None:
+    """The length past which a longrope rotary embedding turns a sequence with its long factors
+    (original_max_position_embeddings); None for any other rotary embedding."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    return (params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            or config.max_position_embeddings)
 
 
 def inverse_frequencies(config, head_dim: int, kind: str | None = None) -> tuple[torch.Tensor, float]:
@@ -30,19 +48,28 @@ def inverse_frequencies(config, head_dim: int, kind: str | None = None) -> tuple
     return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=kind)
 
 
+def _angles(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs, freqs), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim, kind)
-        positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = _angles(inv_freq, max_positions)
+        switch = long_rope_switch(config) if kind is None else None
+        if switch is not None:  # the long factors' rows after the short ones' (their attention scaling is the same)
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=switch + 1)
+            emb = torch.cat((emb, _angles(long_inv_freq, max_positions)))
+        self.long_rows = max_positions if switch is not None else None  # where the long factors' rows start
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
         self.fused_ops = None  # the fused operators' row gather (set by use_fused_ops; engine/layers/embedding.py)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [tokens, 1, head_dim], computed once per step and shared by all layers."""
+        """cos/sin of shape [tokens, 1, head_dim] at each token's row, computed once per step and shared by all
+        layers."""
         if self.fused_ops is None:
             return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return (self.fused_ops.gather_rows(self.cos, positions).unsqueeze(1),

@@ -64,10 +64,9 @@ def context_limit(hf_config, asked: int | None) -> int:
     - for a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with
       use_sliding_window), that window: the engine's attention is full over the context, which equals the window's
       only while the context fits in it, as vLLM serves such a model with its sliding window disabled (Gemma 2's and
-      3's windows are computed exactly by the C++ kernel, and bound nothing);
-    - for a longrope rotary embedding (Phi-3's 128k models), the original context: past it transformers switches
-      the whole sequence to the long factors, while the engine's rotary table is computed once, with the short ones.
-    (A dynamic NTK rotary embedding changes its base only past the positions, which bound the context anyway.)
+      3's windows are computed exactly by the C++ kernel, and bound nothing).
+    (A dynamic NTK rotary embedding changes its base only past the positions, which bound the context anyway; a
+    longrope one switches to its long factors past its original context, as the engine does: engine/layers/rotary.py.)
     A max_model_len past the limit is refused with the figures and the reason, never cut to it."""
     limit, why = min(_context_bounds(hf_config), key=lambda bound: bound[0])
     if asked is not None and asked > limit:
@@ -83,11 +82,6 @@ def _context_bounds(hf_config) -> list[tuple[int, str]]:
     if window:
         bounds.append((window, f"its attention slides over {window} tokens, which this engine computes as full "
                                f"attention: exact only within the window"))
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type") == "longrope":
-        original = params.get("original_max_position_embeddings") or positions
-        bounds.append((original, f"its longrope rotary embedding switches to its long factors past {original} "
-                                 f"tokens, which this engine does not: exact only within them"))
     return bounds
 
 

@@ -55,6 +55,7 @@ class GPT2LMHeadModel(nn.Module):
     # HF GPT-2 stores these as Conv1D, [in, out]: transpose into nn.Linear's [out, in].
     conv1d_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
     kernel_only_attention = None  # its attention runs on every path (engine/models/llama.py: Gemma 2's does not)
+    long_rope_rows = None  # learned positions: one row per position
 
     def __init__(self, config, max_positions: int):
         super().__init__()

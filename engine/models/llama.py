@@ -223,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         keys = dict.fromkeys(layer.self_attn.rope_table for layer in self.layers)
         self.rotary = nn.ModuleDict({key: RotaryEmbedding(config, head_dim, max_positions, torch.get_default_dtype(),
                                                           None if key == ONE_TABLE else key) for key in keys})
+        # a longrope model's long factors: a token of a sequence past the switch reads its position + this row
+        self.long_rope_rows = next((r.long_rows for r in self.rotary.values() if r.long_rows is not None), None)
         # the layers in one C++ call where a step allows it (engine/models/decoder_stack.py), set by the runner once
         # the weights and caches are in place
         self.decoder_stack = None
