@@ -43,7 +43,7 @@ from deployments.tools import ToolUse
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError
 from engine.sampling import SamplingParams
-from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
+from lora_cache.adapter_folder import UNAVAILABLE_RETRY_AFTER_S, AdapterCacheUnavailableError, AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
 from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration
@@ -403,19 +403,29 @@ class HttpRoutes:
         base model's tokenizer); another is refused, as a generation request naming it would be."""
         adapter = None if model == self.model_name else model
         _check_scope(tenant, adapter)
-        if adapter is not None and adapter not in await self._adapters(tenant):
+        if adapter is not None and adapter not in await self._residence(tenant):
             raise RequestRefused(f"model {adapter!r} is not served here: tokenizing takes the base model's name "
                                  f"({self.model_name!r}) or a loaded adapter's (GET /v1/models lists them)", 404)
 
     async def _adapters(self, tenant: Tenant) -> dict[str, AdapterResidence]:
+        """_residence, or none while the cache actor restarts or does not answer (a listing still answers)."""
+        try:
+            return await self._residence(tenant)
+        except RequestRefused:
+            return {}
+
+    async def _residence(self, tenant: Tenant) -> dict[str, AdapterResidence]:
         """Adapter id -> residence (object store, replicas' device slots and CPU copies, source loads), of the
-        adapters in the tenant's scope."""
+        adapters in the tenant's scope; a 503 while the cache actor restarts or does not answer."""
         if not self.lora_enabled:
             return {}
         try:
             stats: CacheStats = await self.adapter_cache.cache_stats()
-        except (ray.exceptions.RayActorError, AdapterCacheUnavailableError):  # no residence to tell until it is back
-            return {}
+        except AdapterCacheUnavailableError as exc:
+            raise RequestRefused(str(exc), 503, exc.retry_after_s) from None
+        except ray.exceptions.RayActorError as exc:
+            raise RequestRefused(f"the adapter cache is unavailable: {type(exc).__name__}; retry later", 503,
+                                 UNAVAILABLE_RETRY_AFTER_S) from None
         residence = stats.residence()
         return {adapter: residence[adapter] for adapter in tenant.visible(residence)}
 

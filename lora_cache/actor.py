@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import (UNAVAILABLE_RETRY_AFTER_S, AdapterCacheUnavailableError, AdapterError,
+                                       AdapterNotFoundError)
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
 from lora_cache.merge_spec import MergeSpec, is_merge_key
@@ -45,7 +46,6 @@ MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
 RESIDENCE_TTL_S = 10.0  # a replica that has not reported for this long is gone (replicas report every second)
 ACTOR_TIMEOUT_S = 30.0  # the actor silent this long is unavailable: longer than its restart (5-15 s on 2 cores)
 PING_EVERY_S = 1.0  # while a call is awaited, how often the actor is asked whether it still answers
-UNAVAILABLE_RETRY_AFTER_S = 5.0  # the Retry-After of a request refused for an unavailable cache
 
 
 @dataclass

@@ -9,6 +9,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
+UNAVAILABLE_RETRY_AFTER_S = 5.0  # the Retry-After of a request refused for an unavailable adapter cache
+
 # A registered adapter's key is "name#generation" (lora_cache/registry.py); '#' is never part of a valid id
 SEPARATOR = "#"
 
