@@ -41,7 +41,6 @@ from deployments.peer_view import PeerView
 from deployments.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
 from deployments.request_router import ROUTING_STATS_KEY, router_config
 from deployments.routing import RouteRequest, RoutingPolicy
-from engine.block_manager import prompt_digests
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, TokenBudgetError
 from engine.model_files import resolve_model
@@ -138,7 +137,7 @@ class LLMServer(HttpRoutes):
         if self._peers is None or not self._peers.has_peers:
             return None
         token_ids = params.kept_prompt(self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt)
-        digests = prompt_digests(token_ids, key, self.config.block_size) if self.config.enable_prefix_caching else []
+        digests = self.engine.prompt_digests(token_ids, key)
         # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
         own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,
                                   adapter_requests=self._adapter_requests())

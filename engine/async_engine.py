@@ -79,6 +79,9 @@ class AsyncEngine:
     def cached_prefix_digests(self) -> frozenset[int]:
         return self.engine.cached_prefix_digests()
 
+    def prompt_digests(self, token_ids: list[int], adapter_id: str | None) -> list[int]:
+        return self.engine.prompt_digests(token_ids, adapter_id)
+
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request (of the base model, or of LoRA adapter `adapter`);

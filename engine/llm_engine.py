@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import TokenBudget, TokenBudgetError
@@ -322,6 +322,15 @@ class LLMEngine:
     def cached_prefix_digests(self) -> frozenset[int]:
         """Digests of the prompt blocks in the prefix cache (engine/block_manager.py), for a router."""
         return self.block_manager.cached_digests() if self.block_manager.enable_prefix_caching else frozenset()
+
+    def prompt_digests(self, token_ids: list[int], adapter_id: str | None) -> list[int]:
+        """The digests this engine keys a prompt's leading blocks by, to compare with cached_prefix_digests (none
+        without prefix caching): a longrope model keys a prompt past its switch apart."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        switch = self.scheduler.long_rope_switch
+        return prompt_digests(token_ids, adapter_id, self.block_manager.block_size,
+                              long_rope=switch is not None and len(token_ids) > switch)
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),

@@ -153,6 +153,9 @@ def test_longrope_switches_to_its_long_factors_as_hf_does(tmp_path, tokenizer):
     llm.generate([tokenizer(long).input_ids[:40]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert _check(llm, reference[1:], [long], params)[0].num_cached_tokens == 0  # same tokens, other factors
     assert _check(llm, reference[1:], [long], params)[0].num_cached_tokens >= 64  # its own, with the long ones
+    ids = tokenizer(long).input_ids  # a router's digests of both prompts' blocks, as the engine keyed them
+    long_keys, short_keys = llm.engine.prompt_digests(ids, None), llm.engine.prompt_digests(ids[:40], None)
+    assert set(long_keys + short_keys) <= llm.engine.cached_prefix_digests() and long_keys[:2] != short_keys
     _check(llm, reference[:1], [short], params)
     assert llm.engine.scheduler.total_preemptions == 0
     _check(LLM(str(tmp_path), log_stats=False), reference, [short, long], params)
