@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, Phi3Config, Phi3ForCausalLM, Qwen2Config)
+                          MistralConfig, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention, cpu_ops
@@ -60,29 +60,38 @@ def test_tiny_models_match_hf_queued_and_preempted(request, name):
     assert preempting.engine.scheduler.total_preemptions > 0
 
 
-def test_a_sliding_window_is_the_context(tiny_mistral_path, tiny_llama_path, tokenizer):
-    """Mistral's attention here slides over 64 tokens; the engine's is full, which equals it within the window. So
-    the context is the window: a sequence runs to its end token for token as HF's model scores it, a longer prompt
-    is refused, and so is a max_model_len past it, naming the window; past a model's positions too."""
-    llm = LLM(str(tiny_mistral_path), log_stats=False)
-    assert llm.engine.max_model_len == 64
-    prompt = tokenizer(PROMPTS[0]).input_ids
-    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert len(prompt) + len(out.token_ids) == 64 and out.finish_reason == "length"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_mistral_path)
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
-    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids  # teacher-forced, all 64 positions
+@pytest.mark.skipif(cpu_ops.load() is None, reason="windows past the default context need the C++ operators")
+def test_a_sliding_window_is_the_default_context_and_computed_exactly_past_it(tiny_mistral_path, tiny_llama_path,
+                                                                              tmp_path, tokenizer):
+    """Mistral's attention here slides over 64 tokens, and a Qwen2's second layer over 24. Within its window full
+    attention equals it, so the window is the default context, on every path. A max_model_len past it has the C++
+    kernel compute the windows: greedy equals HF's generate token for token past them, short prompts decoding past
+    and a long one, queued and prefilled in chunks, then again from the prefix cache. Where the kernel cannot serve,
+    such a max_model_len is refused, saying why; one past the positions too."""
+    assert LLM(str(tiny_mistral_path), cpu_kernels=False, log_stats=False).engine.max_model_len == 64
     with pytest.raises(ValueError, match="the limit is 63"):
-        llm.generate([list(range(1, 65))], GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len 65 is past this model's context of 64 tokens .its attention "
-                                         "slides over 64 tokens"):
-        LLM(str(tiny_mistral_path), max_model_len=65, log_stats=False)
-    assert LLM(str(tiny_mistral_path), max_model_len=32, log_stats=False).engine.max_model_len == 32
+        LLM(str(tiny_mistral_path), log_stats=False).generate([list(range(1, 65))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(64 tokens\), which only the C\+\+ CPU attention "
+                                         r"kernel computes, and it cannot serve here: .*cpu_kernels"):
+        LLM(str(tiny_mistral_path), max_model_len=65, cpu_kernels=False, log_stats=False)
     with pytest.raises(ValueError, match="max_model_len 513 is past this model's context of 512 tokens "
                                          ".max_position_embeddings"):
         LLM(str(tiny_llama_path), max_model_len=513, log_stats=False)
+
+    torch.manual_seed(5)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=24,
+        max_window_layers=1, initializer_range=0.2, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = PROMPTS[:3] + [" ".join(PROMPTS)]  # 127 tokens
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    for path in (str(tiny_mistral_path), str(tmp_path)):
+        reference = hf_greedy(path, prompts, params.max_tokens)
+        llm = LLM(path, max_model_len=256, max_num_batched_tokens=48, log_stats=False)
+        _check(llm, reference, prompts, params)
+        assert _check(llm, reference[3:], prompts[3:], params)[0].num_cached_tokens >= 64
 
 
 def test_which_configs_slide():

@@ -13,7 +13,7 @@ from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm
-from engine.models.llama_variants import computes_windows
+from engine.models.llama_variants import attention_window
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -59,42 +59,20 @@ def model_class(hf_config) -> type[nn.Module]:
 
 
 def context_limit(hf_config, asked: int | None) -> int:
-    """The longest context served for this model: `asked` (max_model_len), else the tightest of the model's bounds:
-    - its position limit;
-    - for a model whose attention slides over a window (Mistral 7B v0.1's 4,096 tokens; Qwen2 with
-      use_sliding_window), that window: the engine's attention is full over the context, which equals the window's
-      only while the context fits in it, as vLLM serves such a model with its sliding window disabled (Gemma 2's and
-      3's windows are computed exactly by the C++ kernel, and bound nothing).
-    (A dynamic NTK rotary embedding changes its base only past the positions, which bound the context anyway; a
-    longrope one switches to its long factors past its original context, as the engine does: engine/layers/rotary.py.)
-    A max_model_len past the limit is refused with the figures and the reason, never cut to it."""
-    limit, why = min(_context_bounds(hf_config), key=lambda bound: bound[0])
-    if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len {asked} is past this model's context of {limit} tokens ({why})")
-    return asked or limit
-
-
-def _context_bounds(hf_config) -> list[tuple[int, str]]:
-    """(tokens, why) of each bound on the context; the position limit first, so that it wins a tie."""
+    """The longest context served for this model: `asked` (max_model_len) up to its positions, refused with the
+    figures past them, never cut to them. By default the positions, except for a model whose attention slides over a
+    window in some layers (Mistral 7B v0.1's 4,096 tokens; Qwen2 with use_sliding_window), whose default is that
+    window: within it those layers attend fully, which equals the window, on every path, as vLLM serves such a
+    model with its sliding window disabled. Past it the C++ CPU kernel computes the windows exactly, as it does
+    Gemma 2's and 3's (which default to their positions); elsewhere such a max_model_len is refused, saying why
+    (engine/model_runner.py). (A dynamic NTK rotary embedding changes its base only past the positions, which bound
+    the context anyway; a longrope one switches to its long factors past its original context, as the engine does:
+    engine/layers/rotary.py.)"""
     positions = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
-    bounds = [(positions, "max_position_embeddings")]
-    window = attention_window(hf_config)
-    if window:
-        bounds.append((window, f"its attention slides over {window} tokens, which this engine computes as full "
-                               f"attention: exact only within the window"))
-    return bounds
-
-
-def attention_window(hf_config) -> int | None:
-    """The sliding window that bounds a model's context (None: every layer attends to the whole context, or the
-    engine computes its windows exactly: Gemma 2's and 3's)."""
-    if computes_windows(hf_config):
-        return None
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:  # transformers' per-layer kinds, where the config has them
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(hf_config, "use_sliding_window", True) else None
+    if asked is not None and asked > positions:
+        raise ValueError(f"max_model_len {asked} is past this model's context of {positions} tokens "
+                         f"(max_position_embeddings)")
+    return asked or min(positions, attention_window(hf_config) or positions)
 
 
 @contextlib.contextmanager

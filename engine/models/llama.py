@@ -83,7 +83,7 @@ class LlamaAttention(nn.Module):
         scale = variant.attention_scale
         self.query_scale = None if scale is None else scale * self.head_dim ** 0.5
         self.softcap = variant.attention_softcap  # Gemma 2: scores soft-capped before the softmax
-        self.window = variant.window(layer)  # Gemma 2 and 3: a sliding window, computed exactly
+        self.window = variant.window(layer)  # Gemma 2 and 3, Mistral past its window: a window, computed exactly
         # the key of its rotary table in the model's: Gemma 3's sliding layers turn by a base of their own
         self.rope_table = variant.rope_kind(layer) or ONE_TABLE
         if self.qk_norm:
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        self.variant = variant_of(config)
+        self.variant = variant_of(config, max_positions)
         self.embed_tokens = uninitialized.embedding(config.vocab_size, config.hidden_size)
         # Gemma's embedding scale, rounded to the model dtype as transformers rounds it (sqrt(2048) is 45.25 in bf16)
         scale = self.variant.embed_scale
@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def kernel_only_attention(self) -> str | None:
         """What this model's attention computes that only the C++ CPU attention kernel does (Gemma 2's capped
-        scores, Gemma 2's and 3's sliding windows), or None."""
+        scores, sliding windows: Gemma 2's and 3's, Mistral's and Qwen2's past their window), or None."""
         variant = self.variant
         if variant.attention_softcap is not None:
             return f"soft-capped attention scores (attn_logit_softcapping {variant.attention_softcap})"

@@ -1,7 +1,9 @@
 """How each Llama-family architecture departs from Llama's decoder layers, read once from its config.
 
 One decoder serves them all (engine/models/llama.py); what differs is data, not code paths spread over the model:
-- Llama, Mistral, SmolLM2: the reference.
+- Llama, Mistral, SmolLM2: the reference. Mistral 7B v0.1's layers (and Qwen2's past `max_window_layers`, with
+  `use_sliding_window`) attend over a window: within it full attention equals it, so the window is the default
+  context; a context past it takes Gemma 2's windows below, computed by the C++ kernel alone.
 - Qwen2: biases on q, k and v.
 - Qwen3: each query and key head RMS-normalized before the rotary embedding.
 - Phi-3: q/k/v and gate/up stored fused in its checkpoints (the layout the engine computes in), and its adapters
@@ -71,7 +73,8 @@ class LlamaVariant:
     final_softcap: float | None = None  # Gemma 2's final_logit_softcapping, on the logits
     post_norms_only: bool = False  # OLMo 2: no input norms; attention and MLP outputs normalized before the add
     float32_norm_scale: bool = False  # Gemma, OLMo 2: norms scale the float32 row by a float32 weight, rounding once
-    windows: tuple[int, ...] | None = None  # Gemma 2 and 3: per layer its sliding window, 0 for the whole context
+    # Gemma 2 and 3, and Mistral's or Qwen2's past their window: per layer its sliding window, 0 for the whole context
+    windows: tuple[int, ...] | None = None
     rope_kinds: tuple[str, ...] | None = None  # Gemma 3: per layer the key of its rotary's rope_parameters
 
     def rotates(self, layer: int) -> bool:
@@ -106,8 +109,8 @@ class LlamaVariant:
                 "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
 
 
-def variant_of(config) -> LlamaVariant:
-    """The variant a config describes."""
+def variant_of(config, max_positions: int | None = None) -> LlamaVariant:
+    """The variant a config describes, serving up to max_positions (None: only the config's shapes matter)."""
     kind = config.model_type
     bias = bool(getattr(config, "attention_bias", False))
     gemma = kind in ("gemma", *WINDOWED)
@@ -118,7 +121,8 @@ def variant_of(config) -> LlamaVariant:
                         norm_offset=1.0 if gemma else 0.0,
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
-                        **_granite_scalars(config), **_windowed_gemma_departures(config))
+                        **_granite_scalars(config), **_windowed_gemma_departures(config),
+                        **_context_windows(config, max_positions))
 
 
 def _qk_norm(kind: str) -> Literal["head", "projection"] | None:
@@ -137,9 +141,33 @@ def _granite_scalars(config) -> dict[str, float]:
 
 
 def computes_windows(config) -> bool:
-    """Whether the engine computes this model's sliding windows exactly (Gemma 2 and 3), rather than bounding the
-    context by its window (engine/models/__init__.py)."""
+    """Whether the engine always computes this model's sliding windows exactly (Gemma 2 and 3), rather than
+    defaulting the context to its window (engine/models/__init__.py context_limit)."""
     return getattr(config, "model_type", None) in WINDOWED
+
+
+def attention_window(config) -> int | None:
+    """The sliding window that is the default context of a model whose attention slides over it in some layers
+    (Mistral 7B v0.1, Qwen2 with use_sliding_window); None: every layer attends to the whole context, or the engine
+    always computes the windows (Gemma 2 and 3)."""
+    if computes_windows(config):
+        return None
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # transformers' per-layer kinds, where the config has them
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def _context_windows(config, max_positions: int | None) -> dict:
+    """The windows of a model whose window is only its default context (attention_window), by the variant's field
+    name, where the served context runs past it: then the C++ kernel computes them exactly; within it, none (full
+    attention equals them there, on every path)."""
+    window = attention_window(config)
+    if window is None or max_positions is None or max_positions <= window:
+        return {}
+    kinds = getattr(config, "layer_types", None) or ("sliding_attention",) * config.num_hidden_layers
+    return {"windows": tuple(window if kind == "sliding_attention" else 0 for kind in kinds)}
 
 
 def _windowed_gemma_departures(config) -> dict:
