@@ -37,9 +37,9 @@ def kv_code(adapter_id: str | None, long_rope: bool = False) -> int:
     return (zlib.crc32(adapter_id.encode()) if adapter_id is not None else 0) | (long_rope << 32)
 
 
-def chain_digest(parent: int, tokens: tuple[int, ...], adapter: int) -> int:
-    """A block's digest: the same in every process for the same tokens after the same prefix and adapter."""
-    return hash((parent, tokens, adapter))
+def chain_digest(parent: int, tokens: tuple[int, ...], code: int) -> int:
+    """A block's digest: the same in every process for the same tokens after the same prefix and kv_code."""
+    return hash((parent, tokens, code))
 
 
 def prompt_digests(token_ids: list[int], adapter_id: str | None, block_size: int,

@@ -148,8 +148,9 @@ class LLMEngine:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
         self.adapters: AdapterProvider | None = adapter_provider or (
             self._adapter_cache(config, hf_config) if config.max_loras else None)
+        self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapter_slots, config.max_adapter_wait_s, long_rope_switch(hf_config))
+                                   self.adapter_slots, config.max_adapter_wait_s, self.long_rope_switch)
         self.sampler = Sampler(config.torch_device, config.seed, self.runner.cpu_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
@@ -328,7 +329,7 @@ class LLMEngine:
         without prefix caching): a longrope model keys a prompt past its switch apart."""
         if not self.block_manager.enable_prefix_caching:
             return []
-        switch = self.scheduler.long_rope_switch
+        switch = self.long_rope_switch
         return prompt_digests(token_ids, adapter_id, self.block_manager.block_size,
                               long_rope=switch is not None and len(token_ids) > switch)
 
