@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import TokenBudget, TokenBudgetError
 from engine.grammar import GrammarCompiler, TokenMasks
-from engine.layers.rotary import long_rope_switch
+from engine.layers.rotary import long_rope_switch, runs_long
 from engine.memory import MemoryReport
 from engine.models import context_limit
 from engine.model_files import resolve_model
@@ -329,9 +329,8 @@ class LLMEngine:
         without prefix caching): a longrope model keys a prompt past its switch apart."""
         if not self.block_manager.enable_prefix_caching:
             return []
-        switch = self.long_rope_switch
         return prompt_digests(token_ids, adapter_id, self.block_manager.block_size,
-                              long_rope=switch is not None and len(token_ids) > switch)
+                              long_rope=runs_long(self.long_rope_switch, len(token_ids)))
 
     def adapter_stats(self) -> dict[str, AdapterStats]:
         """Per adapter: requests and tokens, where it resides (device slot, CPU tier, or only its source),

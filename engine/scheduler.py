@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.layers.rotary import runs_long
 from engine.sequence import Sequence, SequenceStatus
 from lora_cache.slots import AdapterSlots
 
@@ -184,7 +185,7 @@ class Scheduler:
 
     def _past_long_rope_switch(self, seq: Sequence) -> bool:
         """Longer than a longrope model's switch, with K/V (if any) turned with the short factors."""
-        return self.long_rope_switch is not None and not seq.long_rope and seq.num_tokens > self.long_rope_switch
+        return not seq.long_rope and runs_long(self.long_rope_switch, seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a finished or aborted sequence and return its blocks at once."""

@@ -34,6 +34,11 @@ def long_rope_switch(config) -> int | None:
             or config.max_position_embeddings)
 
 
+def runs_long(switch: int | None, length: int) -> bool:
+    """Whether a sequence of this length runs on a longrope model's long factors (switch: long_rope_switch)."""
+    return switch is not None and length > switch
+
+
 def inverse_frequencies(config, head_dim: int, kind: str | None = None) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling, as transformers computes them for this config's rope type (over the rotary
     dimensions only, where they are part of each head); kind: the kind of layer whose parameters to take, where the

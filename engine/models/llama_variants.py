@@ -167,7 +167,12 @@ def _context_windows(config, max_positions: int | None) -> dict:
     if window is None or max_positions is None or max_positions <= window:
         return {}
     kinds = getattr(config, "layer_types", None) or ("sliding_attention",) * config.num_hidden_layers
-    return {"windows": tuple(window if kind == "sliding_attention" else 0 for kind in kinds)}
+    return {"windows": _layer_windows(kinds, window)}
+
+
+def _layer_windows(kinds, window: int) -> tuple[int, ...]:
+    """Per layer of these kinds (transformers' layer_types), its sliding window, 0 for the whole context."""
+    return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
 
 
 def _windowed_gemma_departures(config) -> dict:
@@ -180,7 +185,7 @@ def _windowed_gemma_departures(config) -> dict:
     per_kind = set(kinds) <= set(getattr(config, "rope_parameters", None) or {})  # Gemma 3's tables per kind
     return {"sandwich_norms": True, "attention_scale": None if scale == config.head_dim ** -0.5 else scale,
             "attention_softcap": config.attn_logit_softcapping, "final_softcap": config.final_logit_softcapping,
-            "windows": tuple(config.sliding_window if kind == "sliding_attention" else 0 for kind in kinds),
+            "windows": _layer_windows(kinds, config.sliding_window),
             "rope_kinds": kinds if per_kind else None}
 
 
