@@ -5,43 +5,42 @@
 the replica that runs the engine. A separate ingress deployment cost one more process and one more Ray hop per
 event: on 2 cores, serving the routes in the engine replica gave 1.14-1.28x the tokens/s at 32 concurrent
 streams and 1.02-1.08x at 8 (SmolLM2 bf16, streamed /v1/completions x 64 tokens, 3 interleaved rounds).
-Status codes are chosen here, at the edge: the replica says why it refuses (deployments/events.py).
+Status codes are chosen here, at the edge: the replica says why it refuses (deployments/events.py), and
+deployments/error_handlers.py answers what a route raises. The answers' shapes are rendered apart: LoRAX's and TGI's
+in deployments/tgi_render.py, OpenAI's in deployments/openai_render.py and deployments/responses_render.py.
 """
 
 import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray.serve.exceptions import BackPressureError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_protocol as oai
 from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
-from deployments.choice_streams import (Choice, Metered, Started, cancel, mid_stream_status, openai_sse,
-                                         response_events, wholes)
-from deployments.errors import BudgetRefused, RequestRefused, client_message, error_response, lorax_error
-from deployments.event_streams import PeerLost
+from deployments.choice_streams import Choice, Metered, Started, cancel, openai_sse, response_events, wholes
+from deployments.error_handlers import ENGINE_STOPPED_RETRY_AFTER_S, answer_errors
+from deployments.errors import BudgetRefused, RequestRefused, client_message, error_response
 from deployments.events import Refusal, RefusalKind, TokenEvent
 from deployments.gate import GateMiddleware, Tenant
 from deployments.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
                                       usage)
-from deployments.protocol import TGI_FINISH_REASONS, GenerateRequest, TgiTokens
+from deployments.protocol import GenerateRequest
 from deployments.responses_protocol import ResponsesRequest
 from deployments.responses_render import ResponseRenderer
+from deployments.tgi_render import TgiRenderer, TgiTokens
 from deployments.token_texts import TokenTexts
 from deployments.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
                                     tokenize_prompt, tokenize_tgi)
 from deployments.tools import ToolUse
 from engine.config import EngineConfig
-from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError
+from engine.errors import OVERLOADED_RETRY_AFTER_S
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import UNAVAILABLE_RETRY_AFTER_S, AdapterCacheUnavailableError, AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
@@ -51,68 +50,8 @@ from lora_cache.sources import validate_adapter_id
 
 app = FastAPI(title="lora-serve")
 VERSION = importlib.metadata.version("lora-serve")
-# Serve finds a stopped engine at its next health checks (every 10 s, llm_server.py) and starts another replica
-ENGINE_STOPPED_RETRY_AFTER_S = 10
-
-
 app.add_middleware(GateMiddleware)
-
-
-@app.exception_handler(RequestRefused)
-async def _refused_response(request: Request, exc: RequestRefused) -> JSONResponse:
-    return error_response(request.url.path, str(exc), exc.status, exc.retry_after_s, exc.param)
-
-
-@app.exception_handler(EngineDeadError)
-async def _engine_stopped(request: Request, exc: EngineDeadError) -> JSONResponse:
-    """A replica whose engine loop ended fails Serve's health checks and is replaced; until then its requests
-    are told to come back, not given a bare 500."""
-    return error_response(request.url.path, f"this replica's engine stopped ({exc}); it is being replaced, retry",
-                          503, ENGINE_STOPPED_RETRY_AFTER_S)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """FastAPI's own refusals (an unknown path, a wrong method) in the error shape of the path's API, whose
-    clients read the message from it: OpenAI's under /v1/, LoRAX's elsewhere."""
-    response = error_response(request.url.path, str(exc.detail), exc.status_code)
-    response.headers.update(exc.headers or {})
-    return response
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
-    """A body that is not JSON or does not fit the route's model: 400 under /v1/ (as OpenAI answers), 422 on the
-    LoRAX routes (as LoRAX and TGI answer; lorax-client raises its ValidationError with the message). The message
-    names each field and why, not its input, and escapes what UTF-8 cannot encode (a lone surrogate); OpenAI's
-    `param` names the first field."""
-    status = 400 if request.url.path.startswith("/v1/") else 422
-    errors = exc.errors()
-    message = "; ".join(_reason(e) for e in errors).encode("utf-8", "backslashreplace").decode()
-    return error_response(request.url.path, message, status, param=_field(errors[0]) if errors else None)
-
-
-def _location(error: dict) -> str:
-    """Where one of pydantic's errors is: a field's path in the body ("" for the body as a whole), or for a body
-    that is not JSON the character at fault."""
-    return ".".join(str(part) for part in error["loc"][1:])  # the first part is "body"
-
-
-def _field(error: dict) -> str | None:
-    """The field one of pydantic's errors is about, as OpenAI's `param` names it (None: the body as a whole)."""
-    return None if error["type"] == "json_invalid" else _location(error) or None
-
-
-def _reason(error: dict) -> str:
-    """One of pydantic's errors as a client reads it: the field's path in the body, then why."""
-    where = _location(error)
-    if error["type"] == "json_invalid":
-        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])} (at character {where})"
-    if error["type"] == "extra_forbidden":
-        why = "not supported by this server"
-    else:  # a model validator's ValueError comes as "Value error, <its message>"
-        why = error["msg"].removeprefix("Value error, ")
-    return f"{where}: {why}" if where else why
+answer_errors(app)
 
 
 # Module helpers stand above the routes class: Serve captures the class's globals when it is defined.
@@ -266,14 +205,7 @@ class HttpRoutes:
         starter = lambda stream: self._events(request, tenant, stream)  # noqa: E731
         with _max_tokens_named(request.max_tokens_name()):
             lasts = await wholes(await self._start_choices([[starter] * count], stream=False))
-        best = max(lasts, key=lambda last: sum(token.logprob for token in last.entries()))
-        body = {"generated_text": self._full_text(request, best.final.generated_text)}
-        if request.parameters.details:
-            body["details"] = self._details(request, best)
-            if count > 1:
-                body["details"]["best_of_sequences"] = [self._sequence(request, last) for last in lasts
-                                                        if last is not best]
-        return body
+        return TgiRenderer(request, self.tgi).body(lasts)
 
     @app.post("/generate_stream")
     async def generate_stream(self, request: GenerateRequest, http: Request):
@@ -282,7 +214,7 @@ class HttpRoutes:
         events = self._events(request, _tenant(http))
         with _max_tokens_named(request.max_tokens_name()):
             first = await self._first_event(events)
-        return StreamingResponse(self._sse(request, first, events), media_type="text/event-stream")
+        return StreamingResponse(TgiRenderer(request, self.tgi).sse(first, events), media_type="text/event-stream")
 
     @staticmethod
     async def _first_event(events) -> TokenEvent:
@@ -524,49 +456,3 @@ class HttpRoutes:
             choices.append(Choice(lead_first, lead))
             choices += [Choice(next(rest_firsts), events) for events in group]
         return choices
-
-    async def _sse(self, request: GenerateRequest, first: TokenEvent, events) -> AsyncIterator[str]:
-        """TGI's stream: one server-sent event per token; the tokens of one engine event go out in one write."""
-        event = first
-        while True:
-            lines = []
-            tokens = event.entries()
-            for i, token in enumerate(tokens, start=1):
-                payload = {"token": self.tgi.show(token), "generated_text": None, "details": None}
-                if event.final is not None and i == len(tokens):
-                    final = event.final
-                    payload["generated_text"] = self._full_text(request, final.generated_text)
-                    payload["details"] = {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
-                                          "prompt_tokens": event.prompt_tokens,
-                                          "generated_tokens": final.generated_tokens,
-                                          "seed": request.parameters.seed,
-                                          "adapter_version": final.adapter_version}
-                lines.append(f"data:{json.dumps(payload)}\n\n")
-            yield "".join(lines)
-            if event.finished:
-                return
-            try:
-                event = await events.__anext__()
-            except (PeerLost, EngineDeadError) as exc:  # as TGI: an error event ends the stream
-                yield f"data:{json.dumps(lorax_error(str(exc), mid_stream_status(exc)))}\n\n"
-                return
-
-    @staticmethod
-    def _full_text(request: GenerateRequest, generated: str) -> str:
-        return request.inputs + generated if request.parameters.return_full_text else generated
-
-    def _sequence(self, request: GenerateRequest, last: TokenEvent) -> dict:
-        """One of best_of's other sequences, in TGI's BestOfSequence shape."""
-        details = self._details(request, last)
-        return {"generated_text": self._full_text(request, last.final.generated_text),
-                **{key: details[key] for key in ("finish_reason", "generated_tokens", "seed", "prefill", "tokens")}}
-
-    def _details(self, request: GenerateRequest, last: TokenEvent) -> dict:
-        final = last.final
-        prefill = []
-        if request.parameters.decoder_input_details:
-            prefill = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in last.prompt_entries]
-        return {"finish_reason": TGI_FINISH_REASONS[final.finish_reason],
-                "generated_tokens": final.generated_tokens, "prompt_tokens": last.prompt_tokens,
-                "seed": request.parameters.seed, "adapter_version": final.adapter_version, "prefill": prefill,
-                "tokens": [self.tgi.show(token) for token in last.entries()]}

@@ -44,6 +44,7 @@ from deployments.routing import RouteRequest, RoutingPolicy
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, TokenBudgetError
 from engine.model_files import resolve_model
+from engine.outputs import EngineStats
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
 from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
@@ -53,7 +54,6 @@ from lora_cache.replica_report import ReplicaReport
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from engine.llm_engine import EngineStats
 
 REPORT_INTERVAL_S = 1.0
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from ray.serve import metrics
 
+from engine.outputs import EngineStats
+
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats
     from engine.memory import MemoryReport
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]

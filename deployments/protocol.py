@@ -6,10 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deployments.events import TokenEntry
 from deployments.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.strict import StrictModel
-from deployments.token_texts import TokenTexts
 from engine.sampling import REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
 from engine.watermark import Watermark
 from lora_cache.merge_spec import MergeSpec
@@ -125,25 +123,3 @@ class GenerateRequest(StrictModel):
     def max_tokens_name(self) -> str:
         """The parameter a refused token budget is named by."""
         return "max_new_tokens"
-
-
-TGI_FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence", "abort": "abort"}
-
-
-class TgiTokens:
-    """Generated tokens as TGI shows them."""
-
-    def __init__(self, texts: TokenTexts):
-        self.texts = texts
-
-    def show(self, token: TokenEntry) -> dict:
-        """Special tokens (EOS above all) are marked, with their text, which the generated text leaves out; with
-        return_k_alternatives, LoRAX's alternative_tokens."""
-        shown = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": False}
-        if token.id in self.texts.special_ids:
-            shown.update(text=self.texts.piece(token.id), special=True)
-        if token.top_logprobs:  # LoRAX's return_k_alternatives
-            texts = self.texts.texts(token.top_logprobs)
-            shown["alternative_tokens"] = [{"id": i, "text": text, "logprob": logprob}
-                                           for (i, logprob), text in zip(token.top_logprobs.items(), texts)]
-        return shown

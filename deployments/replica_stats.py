@@ -3,7 +3,7 @@
 
 Operators and the serving tests ask a replica through its handle what it runs, holds and forwarded; the answer
 crosses the Ray hop, so it is a dataclass (ReplicaStats) and not a dict: a renamed field fails where it is read.
-It copies the engine's figures (engine.EngineStats; engine.llm_engine.AdapterStats per adapter) with the replica's
+It copies the engine's figures (engine/outputs.py: EngineStats, and AdapterStats per adapter) with the replica's
 identity and routing state beside them. /info turns the prefix-cache and slot counters into JSON at
 the HTTP edge (dataclasses.asdict).
 """
@@ -11,10 +11,8 @@ the HTTP edge (dataclasses.asdict).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine.llm_engine import AdapterStats, EngineStats
+from engine.outputs import AdapterStats, EngineStats
 
 
 @dataclass(frozen=True)

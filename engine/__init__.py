@@ -11,9 +11,9 @@ import importlib
 
 _EXPORTS = {
     "AsyncEngine": "engine.async_engine", "EngineConfig": "engine.config", "EngineDeadError": "engine.errors",
-    "EngineOverloadedError": "engine.errors", "EngineStats": "engine.llm_engine", "LLM": "engine.llm_engine",
+    "EngineOverloadedError": "engine.errors", "EngineStats": "engine.outputs", "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine", "ModelNotFoundError": "engine.model_files",
-    "RequestOutput": "engine.llm_engine", "ResponseFormat": "engine.sampling", "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.outputs", "ResponseFormat": "engine.sampling", "SamplingParams": "engine.sampling",
     "Watermark": "engine.watermark",
 }
 

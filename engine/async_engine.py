@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
-from engine.llm_engine import AdapterStats, EngineStats, LLMEngine, Prompt, RequestOutput, TrackedRequest
+from engine.llm_engine import LLMEngine, Prompt, TrackedRequest
 from engine.memory import MemoryReport
+from engine.outputs import AdapterStats, EngineStats, RequestOutput
 from engine.sampling import SamplingParams
 
 # A base-model prompt up to this many characters, with no grammar to compile, is prepared on the event loop: its

@@ -1,10 +1,9 @@
-"""LLMEngine: step() = schedule -> run the model -> sample -> update; and the offline LLM API."""
+"""LLMEngine: step() = schedule -> run the model -> sample -> update (the offline API over it: engine/llm.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import os
 import threading
 import time
@@ -12,7 +11,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager, prompt_digests
@@ -22,100 +20,21 @@ from engine.errors import TokenBudget, TokenBudgetError
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.layers.rotary import long_rope_switch, runs_long
 from engine.memory import MemoryReport
-from engine.models import context_limit
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
+from engine.models import context_limit
+from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from lora_cache.local_cache import LocalAdapterCache
 from lora_cache.lru import LoadStats
-from lora_cache.merge_spec import MergeSpec
 from lora_cache.provider import AdapterProvider
 from lora_cache.slots import AdapterSlots
 from lora_cache.sources import make_source
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    """One request's state after a step. A step's output carries only what the step added (new_*, delta_text),
-    so streaming costs O(new tokens) per step; the whole-output lists (token_ids, logprobs, top_logprobs) are
-    filled once, in the finished output. Copying them at every step made a request O(length^2)."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str  # all output text so far (a reference, not a copy)
-    delta_text: str  # text released by this step
-    token_ids: list[int]  # all output tokens: filled when finished, empty before
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "length", "stop", "eos", "abort"
-    logprobs: list[float] = field(default_factory=list)  # when finished: per output token, when asked
-    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # when finished
-    new_logprobs: list[float] = field(default_factory=list)  # this step's, when asked
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # this step's, when asked
-    prompt_logprobs: list[float | None] = field(default_factory=list)  # when asked: with the first token, and finished
-    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank (1: the likeliest)
-    ttft: float | None = None  # seconds from arrival to first token
-    latency: float | None = None  # seconds from arrival to finish
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens its first admission read from the prefix cache instead of computing
-
-
-@dataclass
-class EngineStats:
-    waiting: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    preemptions: int
-    waiting_for_adapter: int = 0  # waiting requests whose adapter is not in a device slot yet
-    resident_adapters: list[str] = field(default_factory=list)
-    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests (cumulative)
-    prefix_cache_hit_tokens: int = 0  # of those, read from cached blocks instead of computed
-    prefix_cache_blocks: int = 0  # blocks holding a cached prefix now
-    prefix_cache_evictions: int = 0  # cached blocks reused for other tokens (cumulative)
-    adapter_slot_acquisitions: int = 0  # adapter requests given a device slot (cumulative)
-    adapter_slot_loads: int = 0  # of those, the ones whose adapter had to be copied into the slot
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        queried = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / queried if queried else 0.0
-
-    @property
-    def adapter_slot_hit_rate(self) -> float:
-        """Adapter requests whose adapter was already in a device slot, of all given one."""
-        acquired = self.adapter_slot_acquisitions
-        return (acquired - self.adapter_slot_loads) / acquired if acquired else 0.0
-
-    @property
-    def kv_utilisation(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
-
-@dataclass
-class AdapterUsage:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-
-
-@dataclass
-class AdapterStats:
-    """One adapter's use in this engine and where it resides now: "device" (a slot), "cpu" (the CPU tier) or
-    "source" (neither)."""
-    requests: int
-    prompt_tokens: int
-    generated_tokens: int
-    residence: str
-    source_loads: int
-    mean_load_s: float
-    slot_loads: int  # copies into a device slot
 
 
 @dataclass
@@ -464,47 +383,6 @@ def _record_prompt_logprobs(scores) -> None:
     seq.prompt_logprobs += scores.logprobs[skip:]
     seq.prompt_top_logprobs += scores.top_logprobs[skip:]
     seq.prompt_ranks += scores.ranks[skip:]
-
-
-class LLM:
-    """Offline batch generation: LLM("smollm2-135m-instruct", dtype="bfloat16").generate(prompts, params)."""
-
-    def __init__(self, model: str = "smollm2-135m-instruct", **overrides):
-        self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides))
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
-
-    def merge_adapters(self, spec: MergeSpec) -> str:
-        """An id for `adapters=[...]` that serves the merge of spec's adapters (LoRAX's merged_adapters)."""
-        if self.engine.adapters is None:
-            raise ValueError("merging adapters needs LoRA: start the engine with max_loras > 0")
-        return self.engine.adapters.merge(spec)
-
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, adapters: list[str | None] | None = None) -> list[RequestOutput]:
-        """adapters: one LoRA adapter id (or None for the base model) per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        adapters = adapters or [None] * len(prompts)
-        if len(adapters) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} adapters")
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        prepared = [self.engine.prepare_request(i, prompt, p, a)
-                    for i, prompt, p, a in zip(ids, prompts, params, adapters)]
-        for request in prepared:  # validated all first: a bad prompt leaves nothing behind
-            self.engine.add_prepared(request)
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        return [finished[i] for i in ids]
 
 
 def _freeze_startup_objects() -> None:

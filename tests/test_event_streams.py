@@ -19,6 +19,7 @@ from deployments.events import TokenEvent
 from deployments.ingress import HttpRoutes
 from deployments.openai_render import CompletionRenderer
 from deployments.protocol import GenerateRequest
+from deployments.tgi_render import TgiRenderer
 from deployments.responses_protocol import ResponsesRequest
 from deployments.responses_render import ResponseRenderer
 from engine import EngineConfig
@@ -65,7 +66,8 @@ def _event(tokenizer, text: str) -> TokenEvent:
 
 def test_a_tgi_stream_ends_with_an_error_event(routes, tokenizer):
     events = _PeerDiesAfter([_event(tokenizer, " world")])
-    lines = asyncio.run(_lines(routes._sse(GenerateRequest(inputs="Hello"), _event(tokenizer, "Hello"), events)))
+    render = TgiRenderer(GenerateRequest(inputs="Hello"), routes.tgi)
+    lines = asyncio.run(_lines(render.sse(_event(tokenizer, "Hello"), events)))
     payloads = [json.loads(chunk.removeprefix("data:")) for chunk in "".join(lines).split("\n\n") if chunk]
     assert [p["token"]["text"] for p in payloads[:2]] == ["Hello", " world"]
     assert payloads[2] == {"error": "the replica serving this request stopped before it finished; retry the "
@@ -98,8 +100,8 @@ def test_an_engine_that_stops_mid_stream_ends_it_with_a_503_event(routes, tokeni
     from engine import EngineDeadError
 
     stopped = EngineDeadError("engine loop died: boom")
-    tgi = asyncio.run(_lines(routes._sse(GenerateRequest(inputs="Hello"), _event(tokenizer, "Hello"),
-                                         _PeerDiesAfter([], error=stopped))))
+    render = TgiRenderer(GenerateRequest(inputs="Hello"), routes.tgi)
+    tgi = asyncio.run(_lines(render.sse(_event(tokenizer, "Hello"), _PeerDiesAfter([], error=stopped))))
     assert json.loads(tgi[-1].removeprefix("data:")) == {"error": "engine loop died: boom", "error_type": "overloaded"}
     request = oai.CompletionRequest(model=routes.model_name, prompt="Hello", stream=True, max_tokens=8)
     lines = asyncio.run(_lines(openai_sse(request, CompletionRenderer(request, routes.token_texts), "cmpl-test",
@@ -142,7 +144,7 @@ def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
     it after failed health checks), each in its API's error shape, not a bare 500."""
     from starlette.requests import Request
 
-    from deployments.ingress import _engine_stopped
+    from deployments.error_handlers import _engine_stopped
     from engine import EngineDeadError
 
     def request(path: str) -> Request:

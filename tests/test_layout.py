@@ -19,7 +19,7 @@ def loaded_packages(modules: str, among: tuple[str, ...]) -> list[str]:
 
 
 def test_the_engine_imports_no_ray_and_no_http():
-    modules = "engine, engine.llm_engine, engine.async_engine, lora_cache.local_cache"
+    modules = "engine, engine.llm_engine, engine.llm, engine.async_engine, lora_cache.local_cache"
     assert loaded_packages(modules, ("ray", "fastapi", "starlette", "aiohttp")) == []
 
 
@@ -42,7 +42,7 @@ def test_the_engine_package_loads_its_names_on_use():
     assert loaded_packages("engine.config, engine.sampling, engine.errors, engine.block_manager", TORCH_SIDE) == []
     code = "from engine import LLM, SamplingParams; print(LLM.__module__, SamplingParams.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["engine.llm_engine", "engine.sampling"]
+    assert out.stdout.split() == ["engine.llm", "engine.sampling"]
     missing = subprocess.run([sys.executable, "-c", "import engine; engine.NoSuchName"], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 1 and "module 'engine' has no attribute 'NoSuchName'" in missing.stderr

@@ -791,7 +791,7 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
 
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
     from deployments.events import TokenEntry
-    from deployments.protocol import TgiTokens
+    from deployments.tgi_render import TgiTokens
     from deployments.token_texts import TokenTexts
 
     tgi = TgiTokens(TokenTexts(tokenizer))
