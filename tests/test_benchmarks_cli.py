@@ -128,8 +128,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_the_serve_load_share_is_taken_against_the_offline_runs_beside_each_server():
-    """Each lora-serve server's share against the runs that bracket it and the run beside it while it idled, not
-    another server's; the idle server's own cores, not the offline engine's ("outside" its tree)."""
+    """Each server's share against its own engine's runs that bracket it and the run beside it while it idled, not
+    another server's or another engine's; the idle server's own cores, not the offline engine's ("outside" its
+    tree)."""
     from benchmarks.serve.run_serve_load import IDLE_SERVER, STOPPED_SERVER, cpu_table, offline_name, share_table
 
     def run(system, tok_s, concurrency=32, beside=None, cores=None):
@@ -138,8 +139,10 @@ def test_the_serve_load_share_is_taken_against_the_offline_runs_beside_each_serv
 
     bracket, idle = offline_name(32, 64), offline_name(32, 64, IDLE_SERVER)
     stopped = offline_name(32, 64, STOPPED_SERVER)
-    raw = {"requests": 64, "concurrency": [32], "systems": ["lora-serve", "lora-serve direct"],
-           "offline": [offline_name(64, 64), bracket, stopped, idle],
+    vllm_bracket, vllm_idle, vllm_stopped = (offline_name(32, 64, state, "vLLM")
+                                             for state in ("", IDLE_SERVER, STOPPED_SERVER))
+    raw = {"requests": 64, "concurrency": [32], "systems": ["lora-serve", "lora-serve direct", "vLLM"],
+           "offline": [offline_name(64, 64), bracket, stopped, idle, vllm_bracket, vllm_stopped, vllm_idle],
            "scenarios": [run(offline_name(64, 64), 1200.0, 64),
                          run(bracket, 1000.0, beside="lora-serve"), run(bracket, 900.0, beside="lora-serve"),
                          run(idle, 860.0, beside="lora-serve", cores={"engine replica": 0.1, "outside": 1.8}),
@@ -150,7 +153,11 @@ def test_the_serve_load_share_is_taken_against_the_offline_runs_beside_each_serv
                          run(idle, 700.0, beside="lora-serve direct", cores={"raylet": 0.02, "outside": 1.9}),
                          run(stopped, 740.0, beside="lora-serve direct"),
                          run(stopped, 780.0, beside="lora-serve direct"),
-                         run("lora-serve direct", 700.0, cores={"engine replica": 1.8})]}
+                         run("lora-serve direct", 700.0, cores={"engine replica": 1.8}),
+                         run(vllm_bracket, 700.0, beside="vLLM"), run(vllm_bracket, 660.0, beside="vLLM"),
+                         run(vllm_idle, 650.0, beside="vLLM", cores={"vLLM API server": 0.15, "outside": 1.8}),
+                         run(vllm_stopped, 690.0, beside="vLLM"), run(vllm_stopped, 670.0, beside="vLLM"),
+                         run("vLLM", 612.0, cores={"vLLM worker": 1.8})]}
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[5].strip()
             for line in share_table(raw).splitlines()[2:]}
     assert rows[("lora-serve", offline_name(64, 64))] == "71%"  # 855 / 1200
@@ -159,8 +166,12 @@ def test_the_serve_load_share_is_taken_against_the_offline_runs_beside_each_serv
     assert rows[("lora-serve", stopped)] == "90%"  # 855 / the mean of 940 and 960
     assert rows[("lora-serve direct", stopped)] == "92%"  # 700 / the mean of 740 and 780
     assert rows[("lora-serve direct", bracket)] == "88%" and rows[("lora-serve direct", idle)] == "100%"
+    assert rows[("vLLM", vllm_bracket)] == "90%" and rows[("vLLM", vllm_stopped)] == "90%"  # 612 / 680
+    assert rows[("vLLM", vllm_idle)] == "94%"  # 612 / 650
+    assert {system for system, _ in rows} == {"lora-serve", "lora-serve direct", "vLLM"}
+    assert not [name for system, name in rows if (system == "vLLM") != name.startswith("vLLM offline")]
     idle_cores = [line.split("|")[4].strip() for line in cpu_table(raw).splitlines()[2:]]
-    assert idle_cores == ["0.100", "0.020"]
+    assert idle_cores == ["0.100", "0.020", "0.150"]
 
 
 def test_a_stopped_server_takes_no_cpu_and_runs_again_after(tmp_path):

@@ -79,10 +79,10 @@ class VLLMWorker:
     (a single stream ran 50x slower beside idle vLLM workers)."""
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, max_model_len: int, adapter_dirs: list[Path],
-                 log: Path, kv_cache_gib: int):
+                 log: Path, kv_cache_gib: int, max_num_seqs: int = 64):
         self.env = vllm_env(python, kv_cache_gib)
         command = [str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model_dir), dtype,
-                   str(max_model_len), *map(str, adapter_dirs)]
+                   str(max_model_len), str(max_num_seqs), *map(str, adapter_dirs)]
         self.log = log.open("w")
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         stderr=subprocess.STDOUT, env=self.env, cwd=log.parent,

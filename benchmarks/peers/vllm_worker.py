@@ -7,7 +7,7 @@ vLLM's engine the way lora-serve's are (benchmarks/peers/peer_timing.py): the ti
 is recorded, so a workload's prefill (until the last first token) and its decode (after it) are timed apart
 from one run.
 
-    python vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN [ADAPTER_DIR ...]
+    python vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN MAX_NUM_SEQS [ADAPTER_DIR ...]
 """
 
 import json
@@ -45,11 +45,12 @@ def _run(llm, loras, job):
 
 
 def main():
-    model, dtype, max_model_len, adapter_dirs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    model, dtype, adapter_dirs = sys.argv[1], sys.argv[2], sys.argv[5:]
+    max_model_len, max_num_seqs = int(sys.argv[3]), int(sys.argv[4])
     from vllm import LLM
 
     lora = dict(enable_lora=True, max_loras=8, max_lora_rank=8) if adapter_dirs else {}
-    llm = LLM(model=model, dtype=dtype, max_num_seqs=64, max_model_len=max_model_len, **lora)
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **lora)
     loras = _lora_requests(adapter_dirs)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

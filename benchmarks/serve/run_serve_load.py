@@ -16,13 +16,14 @@ starts every server in turn, alone on the machine (who goes first alternates), r
 stops it, so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured
 (an idle vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores
 of throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
-(tokens - 1). The offline engine (lora-serve's LLM.generate, both cores, with the engine args of the config's
-application: the same LoRA slots and KV cache as the server) runs the same requests all at once at the start of
-every round, and at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one
-in, as a closed loop of 32 clients does) right before each lora-serve server starts and right after it stops.
-Once more, 32 at a time, while each lora-serve server is up and warm but serves nothing, right before its 32
-streams: what the server's processes (Ray's, Serve's, the replica's) cost the engine by running beside it. And
-twice with every process of the warm server stopped (SIGSTOP; Server.stopped), right before and right after its
+(tokens - 1). Each server's own engine runs offline on the same requests (benchmarks/serve/offline_engines.py):
+lora-serve's LLM.generate (both cores, with the engine args of the config's application: the same LoRA slots and KV
+cache as the server) all at once at the start of every round; and each server's engine, lora-serve's or vLLM's
+LLM, at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one in, as a
+closed loop of 32 clients does) right before the server starts and right after it stops. Once more, 32 at a time,
+while the server is up and warm but serves nothing, right before its 32 streams: what the server's processes
+(Ray's, Serve's, the replica's; vLLM's API server and engine core) cost the engine by running beside it. And twice
+with every process of the warm server stopped (SIGSTOP; Server.stopped), right before and right after its
 32 streams: the engine alone on the machine, seconds from the HTTP run instead of a server start or stop away.
 HTTP share = HTTP tok/s at 32 concurrent / offline tok/s: against all at once (that round's) it counts the larger
 batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server, or
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -62,13 +64,13 @@ from benchmarks.common import (benchmark_args, environment, markdown_table, repo
                                save_results, value_range)
 from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
                                            start_lora_serve, start_vllm, steal_seconds, with_dtype)
+from benchmarks.serve.offline_engines import LORA_SERVE, VLLM, LoraServeOffline, VllmOffline  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-LORA_SERVE = "lora-serve"
 IDLE_SERVER = ", beside the idle server"
 STOPPED_SERVER = ", server stopped"
 
@@ -171,30 +173,33 @@ def _steal_share(steal_before: float, seconds: float) -> float:
     return (steal_seconds() - steal_before) / seconds / os.cpu_count()
 
 
-def offline_name(concurrency: int, requests: int, server_state: str = "") -> str:
-    """server_state: "" (no server up), IDLE_SERVER or STOPPED_SERVER."""
-    name = f"{LORA_SERVE} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
+def offline_name(concurrency: int, requests: int, server_state: str = "", engine: str = LORA_SERVE) -> str:
+    """server_state: "" (no server up), IDLE_SERVER or STOPPED_SERVER; engine: LORA_SERVE or VLLM."""
+    name = f"{engine} offline, " + ("all at once" if concurrency >= requests else f"{concurrency} at a time")
     return name + server_state
 
 
-def offline(llm: LLM, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
+def engine_of(system: str) -> str:
+    """The engine a server runs: every lora-serve server (its ports, its variants) lora-serve's, vLLM's vLLM's."""
+    return LORA_SERVE if system.startswith(LORA_SERVE) else VLLM
+
+
+def offline(engine: LoraServeOffline | VllmOffline, concurrency: int, prompts: list[str], max_tokens: int, rnd: int,
             beside: str | None = None, server: Server | None = None, server_state: str = "") -> Scenario:
     """The offline engine on the same requests, at most `concurrency` (its max_num_seqs) running at once; beside:
     the server it runs next to. With that server up, server_state IDLE_SERVER: while it serves nothing, recording
     its processes' cores; STOPPED_SERVER: with every process of it stopped, right before and right after its top
     concurrency, seconds from it, so that the share does not take the machine's drift for the serving path's."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     idle_server = server if server_state == IDLE_SERVER else None
     before = sample(idle_server.tree()) if idle_server is not None else None
     with server.stopped() if server_state == STOPPED_SERVER else contextlib.nullcontext():
-        start, stolen = time.perf_counter(), steal_seconds()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        steal = _steal_share(stolen, seconds)
+        stolen = steal_seconds()
+        done = engine.run(prompts, max_tokens)
+        steal = _steal_share(stolen, done.seconds)
     cores = cores_by_role(before, sample(idle_server.tree())) if idle_server is not None else None
-    return Scenario(offline_name(concurrency, len(prompts), server_state), concurrency, rnd, len(prompts),
-                    len(outputs), seconds, sum(len(o.token_ids) for o in outputs) / seconds,
-                    statistics.median(o.ttft * 1000 for o in outputs), None, cores=cores, beside=beside, steal=steal)
+    return Scenario(offline_name(concurrency, len(prompts), server_state, engine.engine), concurrency, rnd,
+                    len(prompts), done.requests, done.seconds, done.tok_s, done.ttft_ms_p50, None, cores=cores,
+                    beside=beside, steal=steal)
 
 
 @dataclass(frozen=True)
@@ -224,10 +229,10 @@ def server_specs(args) -> list[ServerSpec]:
 
 
 def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, list[str]], tokens: int,
-               bar, offline_llm: LLM | None = None) -> list[Scenario]:
-    """Start one server, warm it, run every concurrency on it, stop it; with offline_llm, that offline engine runs
-    the top concurrency's requests while the server idles, then with the server stopped right before and right
-    after the server runs them."""
+               bar, offline_engine: LoraServeOffline | VllmOffline | None = None) -> list[Scenario]:
+    """Start one server, warm it, run every concurrency on it, stop it; with offline_engine (the server's engine,
+    offline), that runs the top concurrency's requests while the server idles, then with the server stopped right
+    before and right after the server runs them."""
     tmp.mkdir(parents=True, exist_ok=True)
     server = spec.start(args, tmp)
     try:
@@ -236,13 +241,15 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
         asyncio.run(closed_loop(server, warm, 8, 8))  # warm-up
         scenarios = []
         for c, prompts in loads.items():
-            brackets = offline_llm is not None and c == max(loads)
+            brackets = offline_engine is not None and c == max(loads)
             if brackets:
-                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, IDLE_SERVER))
-                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, STOPPED_SERVER))
+                scenarios.append(offline(offline_engine, c, prompts, tokens, rnd, server.name, server, IDLE_SERVER))
+                scenarios.append(offline(offline_engine, c, prompts, tokens, rnd, server.name, server,
+                                         STOPPED_SERVER))
             scenarios.append(run_scenario(server, prompts, tokens, c, rnd, profile=c == max(loads)))
             if brackets:
-                scenarios.append(offline(offline_llm, c, prompts, tokens, rnd, server.name, server, STOPPED_SERVER))
+                scenarios.append(offline(offline_engine, c, prompts, tokens, rnd, server.name, server,
+                                         STOPPED_SERVER))
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
         if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks
@@ -258,34 +265,58 @@ def run(args) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
     loads = {c: single if c == 1 else prompts for c in concurrency}
+    specs, top = server_specs(args), max(concurrency)
+    engines = offline_engines(args, top)
+    all_at_once = LoraServeOffline(_lora_serve_llm(args, n)) if n != top else None
+    for engine in [*engines.values(), all_at_once]:
+        if engine is not None:
+            engine.run(prompts[:8], 4)  # warm-up
     results: list[Scenario] = []
-    engine = served_engine(args.config, args.dtype)
-    engines = {c: LLM(**{**engine, "max_num_seqs": c, "log_stats": False})
-               for c in sorted({len(prompts), max(concurrency)}, reverse=True)}
-    for llm in engines.values():
-        llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    specs = server_specs(args)
-    top = max(concurrency)
-    with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
-            tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
-        for rnd in range(args.rounds):
-            results += [offline(llm, c, prompts, tokens, rnd) for c, llm in engines.items() if c != top]
-            order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
-            for spec in order:
-                # lora-serve's share is taken against the offline engine run right before the server starts and
-                # right after it stops: the machine's speed drifts by a fifth within minutes (see share_table)
-                brackets = spec.config is not None
-                if brackets:
-                    results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
-                results += run_server(spec, args, Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar,
-                                      engines[top] if brackets else None)
-                if brackets:
-                    results.append(offline(engines[top], top, prompts, tokens, rnd, spec.name))
+    try:
+        with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
+                tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
+            for rnd in range(args.rounds):
+                if all_at_once is not None:
+                    results.append(offline(all_at_once, n, prompts, tokens, rnd))
+                order = specs[rnd % len(specs):] + specs[:rnd % len(specs)]  # who goes first alternates
+                for spec in order:
+                    results += _server_round(spec, engines.get(engine_of(spec.name)), args,
+                                             Path(folder) / f"round-{rnd}", rnd, loads, tokens, bar)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    names = [offline_name(n, n)] if all_at_once is not None else []
+    for engine in engines:
+        names += [offline_name(top, n, state, engine) for state in ("", STOPPED_SERVER, IDLE_SERVER)]
     return {"requests": n, "new_tokens": tokens, "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype,
-            "offline": [offline_name(c, n) for c in engines] + [offline_name(top, n, state)
-                                                                for state in (STOPPED_SERVER, IDLE_SERVER)],
-            "concurrency": list(concurrency), "systems": [s.name for s in specs],
+            "offline": names, "concurrency": list(concurrency), "systems": [s.name for s in specs],
             "scenarios": [asdict(r) for r in results]}
+
+
+def offline_engines(args, top: int) -> dict[str, LoraServeOffline | VllmOffline]:
+    """Each server kind's engine offline, at most `top` requests at a time: lora-serve's, and vLLM's when its
+    python is given."""
+    engines: dict[str, LoraServeOffline | VllmOffline] = {LORA_SERVE: LoraServeOffline(_lora_serve_llm(args, top))}
+    if args.vllm_python:
+        args.out.mkdir(parents=True, exist_ok=True)
+        engines[VLLM] = VllmOffline(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"),
+                                    args.vllm_dtype or args.dtype, top, args.out / "vllm-offline.log")
+    return engines
+
+
+def _lora_serve_llm(args, max_num_seqs: int) -> LLM:
+    return LLM(**{**served_engine(args.config, args.dtype), "max_num_seqs": max_num_seqs, "log_stats": False})
+
+
+def _server_round(spec: ServerSpec, engine: LoraServeOffline | VllmOffline | None, args, tmp: Path, rnd: int,
+                  loads: dict[int, list[str]], tokens: int, bar) -> list[Scenario]:
+    """One server's turn in a round. Its own engine runs offline right before the server starts and right after
+    it stops (and beside it: run_server): the machine's speed drifts by a fifth within minutes (see share_table)."""
+    top = max(loads)
+    bracket = [offline(engine, top, loads[top], tokens, rnd, spec.name)] if engine is not None else []
+    served = run_server(spec, args, tmp, rnd, loads, tokens, bar, engine)
+    after = [offline(engine, top, loads[top], tokens, rnd, spec.name)] if engine is not None else []
+    return bracket + served + after
 
 
 def served_engine(config: Path, dtype: str | None) -> dict:
@@ -326,15 +357,20 @@ def share_table(raw: dict) -> str:
     beside the idle server."""
     top = max(raw["concurrency"])
     rows = []
-    for system in [s for s in raw["systems"] if s.startswith(LORA_SERVE)]:
+    for system in raw["systems"]:
         http = _of(raw, system, top)
-        for name in raw["offline"]:
+        for name in _own_offline(raw, system):
             offline_tok_s = [_offline_tok_s(raw, name, system, h["round"]) for h in http]
             shares = [h["tok_s"] / o for h, o in zip(http, offline_tok_s)]
             rows.append([system, name, value_range(offline_tok_s), value_range([h["tok_s"] for h in http]),
                          _percents(shares), _percents([h.get("steal") for h in http], 1)])
     return markdown_table(["server", "offline run (same requests)", "offline tok/s", f"HTTP tok/s at {top}",
                            "HTTP share, round by round", "hypervisor steal during HTTP"], rows)
+
+
+def _own_offline(raw: dict, system: str) -> list[str]:
+    """The offline runs of the server's own engine (none for vLLM in results from before it ran offline)."""
+    return [name for name in raw["offline"] if name.startswith(f"{engine_of(system)} offline")]
 
 
 def _percents(shares: list[float | None], digits: int = 0) -> str:
@@ -364,7 +400,7 @@ def cpu_table(raw: dict) -> str:
 def _idle_cores(raw: dict, system: str) -> str:
     """The server's processes' cores (its own, not the offline engine's: that runs "outside" its tree) while it
     idled beside the offline engine in the first round; "-" where it did not."""
-    name = offline_name(max(raw["concurrency"]), raw["requests"], IDLE_SERVER)
+    name = offline_name(max(raw["concurrency"]), raw["requests"], IDLE_SERVER, engine_of(system))
     runs = [s for s in _of(raw, name) if s.get("beside") == system and s["round"] == 0 and s["cores"]]
     if not runs:
         return "-"
@@ -382,9 +418,11 @@ def plot(raw: dict):
         for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
             values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
-    for name, style in zip(raw["offline"], ("--", ":", "-.", (0, (5, 1)))):
+    styles = itertools.cycle(("--", ":", "-.", (0, (5, 1))))
+    for name, style in zip(raw["offline"], styles):
         offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
-        axes[0].axhline(offline_tok_s, color="gray", linestyle=style, label=name)
+        color = "gray" if name.startswith(LORA_SERVE) else "tan"
+        axes[0].axhline(offline_tok_s, color=color, linestyle=style, label=name)
     for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
