@@ -10,7 +10,8 @@ unlike the hash of a string, is the same in every process: a router computes a p
 the cached blocks of its longest matching prefix by reference instead of recomputing them. A block
 whose last owner finishes goes back to the free list but keeps its key, so it can still be matched
 until its space is needed; the free list hands out the least recently freed block first (and frees
-a sequence's tail blocks before its head, which more sequences share).
+a sequence's tail blocks before its head, which more sequences share). In a model whose every layer slides over a
+window, a running sequence gives back the blocks behind it as it goes (`release_behind`), the same way.
 """
 
 from __future__ import annotations
@@ -169,11 +170,29 @@ class BlockManager:
                 del self.cached[key]
                 self.prefix_stats.evictions += 1
 
+    def release_behind(self, seq: Sequence, window: int) -> None:
+        """Give back the blocks whose every key lies behind the window of the sequence's next token, in a model
+        whose every layer attends over `window` keys: no query reads them again (the attention kernel starts at
+        a window's first block). Their entries stay in the block table, so that later blocks keep their index;
+        a keyed block stays in the prefix cache until it is reused. Call it after cache_computed_blocks, whose
+        digests chain through the block table."""
+        first_key = seq.num_computed_tokens - window + 1  # the next query's window: keys first_key .. its position
+        behind = max(0, first_key) // self.block_size
+        if self.enable_prefix_caching:  # the next block keyed chains from the last keyed one's digest: keep that
+            behind = max(0, min(behind, seq.num_hashed_blocks - 1))
+        for block in seq.block_table[seq.num_released_blocks:behind]:
+            self._unref(block)
+        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+
     def free(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None  # most recently freed: reused last
+        for block in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._unref(block)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None  # most recently freed: reused last

@@ -68,6 +68,7 @@ class LLMEngine:
         self.adapters: AdapterProvider | None = adapter_provider or (
             self._adapter_cache(config, hf_config) if config.max_loras else None)
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
+        self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapter_slots, config.max_adapter_wait_s, self.long_rope_switch)
         self.sampler = Sampler(config.torch_device, config.seed, self.runner.cpu_ops)
@@ -281,6 +282,8 @@ class LLMEngine:
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed_blocks(s.seq)
+            if self.kv_window is not None:
+                self.block_manager.release_behind(s.seq, self.kv_window)
         if not step.sampling:
             return []
         result = self.sampler(step.logits, [s.seq for s in step.sampling], masks.result() if masks else None)

@@ -123,6 +123,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
         self.long_rope_rows = self.model.long_rope_rows  # None, or where a longrope model's long factors start
+        self.kv_window = self.model.kv_window  # None, or the window every layer attends over
         self.layout = self._kv_layout(config)
         self.huge_pages = config.huge_pages and self.device.type == "cpu" and huge_pages.supported()
         self.kv_caches = self._allocate_kv_cache()

@@ -33,6 +33,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading full blocks keyed for prefix caching (block_manager.py)
+    num_released_blocks: int = 0  # leading blocks behind every layer's window, given back (block_manager.py)
     num_cached_tokens: int = 0  # prompt tokens its first admission took from cached blocks (usage's cached_tokens)
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)

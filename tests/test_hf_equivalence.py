@@ -94,6 +94,28 @@ def test_a_sliding_window_is_the_default_context_and_computed_exactly_past_it(ti
         assert _check(llm, reference[3:], prompts[3:], params)[0].num_cached_tokens >= 64
 
 
+@pytest.mark.skipif(cpu_ops.load() is None, reason="windows past the default context need the C++ operators")
+def test_blocks_behind_every_layers_window_are_given_back(tiny_mistral_path):
+    """Past Mistral's window (64 tokens here) no query reads a key older than it, so each sequence gives back the
+    blocks behind its next token's window as it goes: 4 sequences of about 190 tokens (12 blocks each) run at once
+    in 28 blocks, without a preemption, and greedy equals HF's generate token for token. Every block is free at the
+    end, each given back once; a sequence holds at most the window's blocks and two more."""
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    reference = hf_greedy(str(tiny_mistral_path), prompts, params.max_tokens)
+    llm = LLM(str(tiny_mistral_path), max_model_len=256, num_kv_blocks=28, max_num_batched_tokens=48,
+              log_stats=False)
+    _check(llm, reference, prompts, params)
+    assert llm.engine.scheduler.total_preemptions == 0
+    assert set(llm.engine.block_manager.ref_counts) == {0}
+    _check(llm, reference, prompts, params)  # again, from what the prefix cache kept
+    seq, held = llm.engine.add_request("held", prompts[0], params), []
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        held.append(len(seq.block_table) - seq.num_released_blocks)
+    assert max(held) <= 64 // 16 + 2  # the window's blocks, the one being written, the last keyed one
+
+
 def test_which_configs_slide():
     """Mistral 7B v0.1's window bounds its context; Qwen2's only with use_sliding_window; Llama's never; Gemma 2's
     and 3's neither, since the C++ kernel computes their windows."""

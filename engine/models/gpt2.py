@@ -56,6 +56,7 @@ class GPT2LMHeadModel(nn.Module):
     conv1d_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
     kernel_only_attention = None  # its attention runs on every path (engine/models/llama.py: Gemma 2's does not)
     long_rope_rows = None  # learned positions: one row per position
+    kv_window = None  # every key stays in reach
 
     def __init__(self, config, max_positions: int):
         super().__init__()

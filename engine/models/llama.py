@@ -264,6 +264,13 @@ class LlamaForCausalLM(nn.Module):
         windows = {layer.self_attn.window for layer in self.layers} - {None}
         return f"sliding-window layers ({min(windows)} tokens)" if windows else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends over (Mistral's, and an all-sliding Qwen2's, past their default context),
+        or None where any layer attends further back: then no key older than it is read again."""
+        windows = {layer.self_attn.window for layer in self.layers}
+        return windows.pop() if len(windows) == 1 else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.variant.logits_scaling is not None:  # Granite
