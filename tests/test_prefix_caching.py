@@ -82,6 +82,25 @@ def _engines(path, adapters_root, **options):
     return LLM(str(path), **common), LLM(str(path), enable_prefix_caching=False, **common)
 
 
+def test_blocks_behind_a_window_go_back_but_the_chain_s_last_keyed_block_stays():
+    """release_behind gives back a sequence's blocks behind its next token's window, each once, and keeps them keyed;
+    but never the last keyed block, whose digest the next block chains from through the block table: reused by
+    another sequence first, it would key the chain under that sequence's prefix."""
+    bm = BlockManager(num_blocks=8, block_size=16)
+    seq = _seq(BASE[:39])
+    _run(bm, seq)  # 39 tokens: blocks 0 and 1 full and keyed, block 2 partial
+    bm.release_behind(seq, window=16)  # the next token (position 39) sees keys 24..39: block 0 is behind it
+    assert seq.num_released_blocks == 1 and bm.ref_counts[seq.block_table[0]] == 0
+    assert bm.ref_counts[seq.block_table[1]] == 1 and bm.num_cached_blocks == 2  # released, still matchable
+    bm.release_behind(seq, window=16)  # again: nothing given back twice
+    assert bm.ref_counts[seq.block_table[0]] == 0 and bm.num_free_blocks == 6
+    seq.num_computed_tokens += 8  # position 47's window starts at key 32: block 1 is behind it, but is the last keyed
+    bm.release_behind(seq, window=16)
+    assert seq.num_released_blocks == 1 and bm.ref_counts[seq.block_table[1]] == 1
+    bm.free(seq)
+    assert set(bm.ref_counts) == {0} and bm.num_free_blocks == 8
+
+
 @pytest.mark.parametrize("adapters", [[None] * 5, ["alpha", "alpha", None, "beta", "alpha"]], ids=["base", "mixed"])
 def test_outputs_equal_caching_off_for_shared_prefixes(tiny_llama_path, tokenizer, adapters_root, adapters):
     cached, uncached = _engines(tiny_llama_path, adapters_root)
