@@ -267,12 +267,12 @@ def run(args) -> dict:
     loads = {c: single if c == 1 else prompts for c in concurrency}
     specs, top = server_specs(args), max(concurrency)
     engines = offline_engines(args, top)
-    all_at_once = LoraServeOffline(_lora_serve_llm(args, n)) if n != top else None
-    for engine in [*engines.values(), all_at_once]:
-        if engine is not None:
-            engine.run(prompts[:8], 4)  # warm-up
     results: list[Scenario] = []
-    try:
+    try:  # vLLM's worker process ends whatever happens
+        all_at_once = LoraServeOffline(_lora_serve_llm(args, n)) if n != top else None
+        for engine in [*engines.values(), all_at_once]:
+            if engine is not None:
+                engine.run(prompts[:8], 4)  # warm-up
         with tempfile.TemporaryDirectory(prefix="sl-", dir="/tmp") as folder, \
                 tqdm(total=args.rounds * len(specs) * len(concurrency), desc="HTTP load", unit="scenario") as bar:
             for rnd in range(args.rounds):
