@@ -99,7 +99,8 @@ def test_blocks_behind_every_layers_window_are_given_back(tiny_mistral_path):
     """Past Mistral's window (64 tokens here) no query reads a key older than it, so each sequence gives back the
     blocks behind its next token's window as it goes: 4 sequences of about 190 tokens (12 blocks each) run at once
     in 28 blocks, without a preemption, and greedy equals HF's generate token for token. Every block is free at the
-    end, each given back once; a sequence holds at most the window's blocks and two more."""
+    end, each given back once; a sequence holds at most the window's blocks and two more. In 16 blocks, sequences
+    are preempted and recomputed, and greedy still equals HF's."""
     prompts = PROMPTS[:4]
     params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     reference = hf_greedy(str(tiny_mistral_path), prompts, params.max_tokens)
@@ -114,6 +115,10 @@ def test_blocks_behind_every_layers_window_are_given_back(tiny_mistral_path):
         llm.engine.step()
         held.append(len(seq.block_table) - seq.num_released_blocks)
     assert max(held) <= 64 // 16 + 2  # the window's blocks, the one being written, the last keyed one
+    preempting = LLM(str(tiny_mistral_path), max_model_len=256, num_kv_blocks=16, max_num_batched_tokens=48,
+                     log_stats=False)
+    _check(preempting, reference, prompts, params)  # too few blocks even so: preempted sequences start over
+    assert preempting.engine.scheduler.total_preemptions > 0 and set(preempting.engine.block_manager.ref_counts) == {0}
 
 
 def test_which_configs_slide():
