@@ -17,7 +17,6 @@ import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Callable
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray.serve.exceptions import BackPressureError
@@ -42,7 +41,7 @@ from deployments.tools import ToolUse
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S
 from engine.sampling import SamplingParams
-from lora_cache.adapter_folder import UNAVAILABLE_RETRY_AFTER_S, AdapterCacheUnavailableError, AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
 from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration
@@ -355,9 +354,6 @@ class HttpRoutes:
             stats: CacheStats = await self.adapter_cache.cache_stats()
         except AdapterCacheUnavailableError as exc:
             raise RequestRefused(str(exc), 503, exc.retry_after_s) from None
-        except ray.exceptions.RayActorError as exc:
-            raise RequestRefused(f"the adapter cache is unavailable: {type(exc).__name__}; retry later", 503,
-                                 UNAVAILABLE_RETRY_AFTER_S) from None
         residence = stats.residence()
         return {adapter: residence[adapter] for adapter in tenant.visible(residence)}
 

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from lora_cache.adapter_folder import (UNAVAILABLE_RETRY_AFTER_S, AdapterCacheUnavailableError, AdapterError,
-                                       AdapterNotFoundError)
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterError, AdapterNotFoundError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
 from lora_cache.merge_spec import MergeSpec, is_merge_key
@@ -216,8 +215,7 @@ def _awaited(name: str, not_after: float) -> None:
     it must not land once a silent actor runs again. A call that starts earlier answers the caller's next ping in
     time, so that the caller waits for it (RayAdapterCache._answer)."""
     if time.time() > not_after:
-        raise AdapterCacheUnavailableError(name, "the change reached it after the replica had stopped waiting",
-                                           UNAVAILABLE_RETRY_AFTER_S)
+        raise AdapterCacheUnavailableError(name, "the change reached it after the replica had stopped waiting")
 
 
 def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
@@ -313,7 +311,7 @@ class RayAdapterCache(HeldAdapters):
                 heard, ping = time.monotonic(), self._actor.ping.remote()
             elif time.monotonic() - heard > self.timeout_s:
                 raise AdapterCacheUnavailableError(adapter_id, f"its actor ({ACTOR_NAME}) has answered nothing for "
-                                                   f"{self.timeout_s:g} s", UNAVAILABLE_RETRY_AFTER_S)
+                                                   f"{self.timeout_s:g} s")
         return ray.get(ref)
 
     def _watch(self) -> None:
@@ -359,16 +357,19 @@ class RayAdapterCache(HeldAdapters):
                 raise exc.as_instanceof_cause() from None
             except ray.exceptions.GetTimeoutError:
                 raise AdapterCacheUnavailableError(adapter_id, f"its copy in Ray's object store did not arrive in "
-                                                   f"{self.timeout_s:g} s", UNAVAILABLE_RETRY_AFTER_S) from None
+                                                   f"{self.timeout_s:g} s") from None
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
                 if attempt:
-                    raise AdapterCacheUnavailableError(adapter_id, f"{type(exc).__name__} twice",
-                                                       UNAVAILABLE_RETRY_AFTER_S) from None
+                    raise AdapterCacheUnavailableError(adapter_id, f"{type(exc).__name__} twice") from None
         raise AssertionError("unreachable")
 
     async def cache_stats(self) -> CacheStats:
-        """The cache actor's stats: its tier's adapters and each adapter's residence across the replicas."""
-        return await self._call(self._actor.stats.remote(), None)
+        """The cache actor's stats: its tier's adapters and each adapter's residence across the replicas;
+        AdapterCacheUnavailableError while the actor restarts or answers nothing."""
+        try:
+            return await self._call(self._actor.stats.remote(), None)
+        except ray.exceptions.RayActorError as exc:
+            raise AdapterCacheUnavailableError(None, type(exc).__name__) from None
 
     def held(self) -> tuple[str, ...]:
         """The adapter keys in this replica's CPU copy."""

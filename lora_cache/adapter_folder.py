@@ -41,13 +41,13 @@ class AdapterNotFoundError(AdapterError):
 class AdapterCacheUnavailableError(RuntimeError):
     """The cluster's adapter cache (a Ray actor) has stopped answering: the request can be retried later (HTTP 503
     with Retry-After), and other requests go on."""
+    retry_after_s = UNAVAILABLE_RETRY_AFTER_S
 
-    def __init__(self, adapter_id: str | None, reason: str, retry_after_s: float):
+    def __init__(self, adapter_id: str | None, reason: str):
         what = f"adapter {key_name(adapter_id)!r}: " if adapter_id is not None else ""
         super().__init__(f"{what}the adapter cache is unavailable: {reason}; retry later")
         self.adapter_id = adapter_id
         self.reason = reason
-        self.retry_after_s = retry_after_s
 
     def __reduce__(self):
-        return type(self), (self.adapter_id, self.reason, self.retry_after_s)
+        return type(self), (self.adapter_id, self.reason)

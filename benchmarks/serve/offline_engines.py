@@ -37,7 +37,7 @@ class OfflineRun:
 
 class LoraServeOffline:
     """lora-serve's offline engine, with the engine args of the server's application."""
-    engine = LORA_SERVE
+    name = LORA_SERVE  # its runs are named "lora-serve offline, ..."
 
     def __init__(self, llm: LLM):
         self.llm = llm
@@ -57,7 +57,7 @@ class LoraServeOffline:
 class VllmOffline:
     """vLLM's offline engine in a worker process, with its server's model, dtype and context; a smaller KV cache
     (1 GiB: these requests take a few MiB), so that it and the server fit in memory together."""
-    engine = VLLM
+    name = VLLM
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, max_num_seqs: int, log: Path):
         self.worker = VLLMWorker(python, model_dir, dtype, 1024, [], log, kv_cache_gib=1, max_num_seqs=max_num_seqs)

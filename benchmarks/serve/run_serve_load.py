@@ -197,7 +197,7 @@ def offline(engine: LoraServeOffline | VllmOffline, concurrency: int, prompts: l
         done = engine.run(prompts, max_tokens)
         steal = _steal_share(stolen, done.seconds)
     cores = cores_by_role(before, sample(idle_server.tree())) if idle_server is not None else None
-    return Scenario(offline_name(concurrency, len(prompts), server_state, engine.engine), concurrency, rnd,
+    return Scenario(offline_name(concurrency, len(prompts), server_state, engine.name), concurrency, rnd,
                     len(prompts), done.requests, done.seconds, done.tok_s, done.ttft_ms_p50, None, cores=cores,
                     beside=beside, steal=steal)
 
