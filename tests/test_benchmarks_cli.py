@@ -97,6 +97,39 @@ def test_the_contention_cell_refuses_a_busy_loop_and_wakers_together():
     assert refused.returncode == 2 and "--duty and --wakers measure different things" in refused.stderr
 
 
+def test_the_contention_cell_refuses_a_busy_loop_placed_without_its_duty():
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.serve.contention_worker", "--busy-in", "engine"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--busy-in engine places the busy loop: give its --duty" in refused.stderr
+
+
+def test_a_busy_thread_of_this_process_takes_its_duty_of_a_core_and_is_measured_alone():
+    from benchmarks.serve.busy_loop import start_busy_thread
+    from benchmarks.serve.contention_worker import _cpu_seconds
+
+    thread = start_busy_thread(0.3)
+    before, start = _cpu_seconds(thread.native_id), time.perf_counter()
+    time.sleep(1.0)
+    cores = (_cpu_seconds(thread.native_id) - before) / (time.perf_counter() - start)
+    assert 0.15 < cores < 0.45  # the spin's 30% of every 10 ms; this test's own thread sleeps meanwhile
+
+
+def test_the_contention_table_sets_each_place_of_the_busy_loop_against_the_same_engine_alone():
+    from benchmarks.serve.run_contention import table
+
+    def cell(duty, busy_in, tok_s, rnd=0):
+        return {"round": rnd, "threads": 2, "duty": duty, "busy_in": busy_in, "other_cores": duty, "tok_s": tok_s,
+                "tpot_ms_p50": 30.0}
+
+    raw = {"environment": {"cpu_count": 2}, "cells": [
+        cell(0.0, "none", 1000.0), cell(0.0, "none", 1000.0, 1), cell(0.1, "other", 900.0),
+        cell(0.1, "other", 900.0, 1), cell(0.1, "engine", 800.0), cell(0.1, "engine", 850.0, 1)]}
+    rows = [line.split(" | ") for line in table(raw).splitlines()[2:]]
+    assert [row[1] for row in rows] == ["-", "another process", "the engine's process"]
+    assert rows[1][4:6] == ["90%", "900.0 / 900.0"] and rows[1][7].rstrip(" |") == "2.0"
+    assert rows[2][3:6] == ["825.0", "82%", "800.0 / 850.0"] and rows[2][7].rstrip(" |") == "3.5"
+
+
 def test_the_wakers_process_wakes_about_once_a_period_per_thread_and_takes_little_cpu():
     """3 threads waking every 2 ms: about 1,500 voluntary context switches a second, and a small share of a core."""
     wakers = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", "--wakers", "3", "0.002"],

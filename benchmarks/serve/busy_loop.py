@@ -1,5 +1,6 @@
-"""Another process's CPU, in short bursts: spin for `duty` of every PERIOD_S, sleep for the rest; or Python threads
-that wake and take the GIL many times a second, almost for free.
+"""CPU in short bursts: spin for `duty` of every PERIOD_S, sleep for the rest, in another process or as a thread of
+the engine's (where the spin holds the GIL); or Python threads that wake and take the GIL many times a second,
+almost for free.
 
     python -m benchmarks.serve.busy_loop 0.25
     python -m benchmarks.serve.busy_loop --wakers 3 0.003     # 3 threads, each waking every 3 ms
@@ -20,6 +21,17 @@ PERIOD_S = 0.01
 
 def busy_loop(duty: float) -> None:
     print("ready", flush=True)
+    _spin_forever(duty)
+
+
+def start_busy_thread(duty: float) -> threading.Thread:
+    """The busy loop as a daemon thread of this process: its spins hold the GIL, as a replica's event loops do."""
+    thread = threading.Thread(target=_spin_forever, args=(duty,), daemon=True, name="busy-loop")
+    thread.start()
+    return thread
+
+
+def _spin_forever(duty: float) -> None:
     while True:
         start = time.perf_counter()
         while time.perf_counter() - start < duty * PERIOD_S:

@@ -2,10 +2,13 @@
 takes a share of a core, or while threads that wake and take the GIL run beside it.
 
     python -m benchmarks.serve.contention_worker --threads 2 --duty 0.25     # prints one JSON line
+    python -m benchmarks.serve.contention_worker --duty 0.1 --busy-in engine  # the busy loop takes the GIL too
     python -m benchmarks.serve.contention_worker --concurrency 1 --requests 8 --wakers 3 --wakers-in engine
 
 The engine is an AsyncEngine (its step loop on its own thread, as in a replica), with no Ray and no HTTP, so what
-it loses here comes only from the CPU that the other process takes. The other process is benchmarks/serve/busy_loop.py.
+it loses here comes only from the CPU that the other process takes. The other process is benchmarks/serve/busy_loop.py;
+with --busy-in engine the same loop runs as a thread of the engine's process, where it also takes the GIL that the
+engine's step thread needs between its ops, as a replica's event loops do.
 Run it with the replica's OpenMP runtime (run_contention preloads it).
 """
 
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from benchmarks.serve.busy_loop import start_wakers
+from benchmarks.serve.busy_loop import start_busy_thread, start_wakers
 from benchmarks.workloads import PROMPTS
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -38,6 +41,7 @@ class Cell:
     concurrency: int = 32
     wakers: int = 0
     wakers_in: str = "none"  # "engine": threads of the engine's process; "other": of another process
+    busy_in: str = "other"  # the busy loop in "other" (another process) or "engine" (a thread of its own); "none"
 
 
 async def stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> float:
@@ -69,10 +73,13 @@ def _start_busy_loop(*args: str) -> subprocess.Popen:
     return other
 
 
-def _cpu_seconds(process: subprocess.Popen | None) -> float:
-    if process is None:
+def _cpu_seconds(other: subprocess.Popen | int | None) -> float:
+    """CPU seconds of the other process, or of a thread of this one (by its native id)."""
+    if other is None:
         return 0.0
-    times = psutil.Process(process.pid).cpu_times()
+    if isinstance(other, int):
+        return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == other)
+    times = psutil.Process(other.pid).cpu_times()
     return times.user + times.system
 
 
@@ -89,16 +96,19 @@ def run(args) -> Cell:
         seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
         other_cores = (_cpu_seconds(other) - before) / seconds
     finally:  # a busy loop left running would skew every later measurement on the machine
-        if other is not None:
+        if isinstance(other, subprocess.Popen):
             other.kill()
         engine.shutdown()
     return Cell(args.threads, args.duty, other_cores, args.requests * args.tokens / seconds,
                 statistics.median(tpots) * 1000, args.concurrency, args.wakers,
-                args.wakers_in if args.wakers else "none")
+                args.wakers_in if args.wakers else "none", args.busy_in if args.duty > 0 else "none")
 
 
-def _start_other(args) -> subprocess.Popen | None:
-    """The busy loop, or the wakers: in another process, or as threads of this one (then None is returned)."""
+def _start_other(args) -> subprocess.Popen | int | None:
+    """The busy loop, or the wakers: in another process, or as threads of this one (the busy thread's native id is
+    returned, to take its CPU; None for the wakers)."""
+    if args.duty > 0 and args.busy_in == "engine":
+        return start_busy_thread(args.duty).native_id
     if args.duty > 0:
         return _start_busy_loop(str(args.duty))
     if args.wakers and args.wakers_in == "other":
@@ -113,6 +123,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--duty", type=float, default=0.0)
+    parser.add_argument("--busy-in", choices=("other", "engine"), default="other",
+                        help="the busy loop in another process, or as a thread of the engine's (taking its GIL)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -123,6 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.duty > 0 and args.wakers:
         parser.error("--duty and --wakers measure different things: give one of them")
+    if args.busy_in == "engine" and not args.duty > 0:
+        parser.error("--busy-in engine places the busy loop: give its --duty too")
     print(json.dumps(asdict(run(args))), flush=True)
 
 

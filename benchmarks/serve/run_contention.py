@@ -7,7 +7,9 @@ threads that take the GIL cost it at one stream, in its own process or in anothe
 Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
 tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime, while a busy loop in another
 process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
-and Ray processes do.
+and Ray processes do; and, with 2 engine threads, the same loop as a thread of the engine's own process, where its
+spins also hold the GIL that the step thread needs between ops, as a replica's event loops do (what running the
+engine in a process of its own, apart from the replica's event loops, could win).
 On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op. On OpenMP's loops
 the other one waited for it at the op's end, and the engine lost 2.5-3.8 times the CPU the other process took; on
 the C++ operators' own loop (engine/kernels/cpu/work_pool.cpp) it takes the preempted thread's chunks, and the
@@ -42,6 +44,7 @@ from deployments.openmp import replica_env_vars  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
+IN_ENGINE_DUTIES = (0.1, 0.3)  # the busy loop as a thread of the engine's process, with 2 engine threads
 WAKERS = 3
 WAKER_PERIOD_MS = 3
 WAKERS_IN = ("none", "engine", "other")
@@ -54,8 +57,9 @@ def cell(*options: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def busy_cell(threads: int, duty: float, requests: int) -> dict:
-    return cell("--threads", str(threads), "--duty", str(duty), "--requests", str(requests))
+def busy_cell(threads: int, duty: float, requests: int, busy_in: str = "other") -> dict:
+    where = ["--busy-in", busy_in] if duty > 0 else []
+    return cell("--threads", str(threads), "--duty", str(duty), "--requests", str(requests), *where)
 
 
 def waker_cell(wakers_in: str, requests: int) -> dict:
@@ -66,14 +70,14 @@ def waker_cell(wakers_in: str, requests: int) -> dict:
 
 def run(args) -> dict:
     requests, single = (32, 4) if args.quick else (96, 8)
-    busy = [(t, d) for t in THREADS for d in DUTIES]
+    busy = [(t, d, "other") for t in THREADS for d in DUTIES] + [(2, d, "engine") for d in IN_ENGINE_DUTIES]
     cells, wakes = [], []
     with tqdm(total=args.rounds * (len(busy) + len(WAKERS_IN)), desc="contention", unit="cell") as bar:
         for rnd in range(args.rounds):
-            for threads, duty in busy:
-                cells.append({"round": rnd, **busy_cell(threads, duty, requests)})
+            for threads, duty, busy_in in (busy if rnd % 2 == 0 else busy[::-1]):
+                cells.append({"round": rnd, **busy_cell(threads, duty, requests, busy_in)})
                 bar.update()
-                tqdm.write(f"round {rnd} threads={threads} duty={duty}: {cells[-1]['tok_s']:.1f} tok/s")
+                tqdm.write(f"round {rnd} threads={threads} duty={duty} in {busy_in}: {cells[-1]['tok_s']:.1f} tok/s")
             order = WAKERS_IN if rnd % 2 == 0 else WAKERS_IN[::-1]
             for wakers_in in order:
                 wakes.append({"round": rnd, **waker_cell(wakers_in, single)})
@@ -82,8 +86,10 @@ def run(args) -> dict:
     return {"requests": requests, "single_requests": single, "rounds": args.rounds, "cells": cells, "wakes": wakes}
 
 
-def _cells(raw: dict, threads: int, duty: float) -> list[dict]:
-    return [c for c in raw["cells"] if c["threads"] == threads and c["duty"] == duty]
+def _cells(raw: dict, threads: int, duty: float, busy_in: str = "other") -> list[dict]:
+    """A setting's cells; the cells with no busy loop serve as the baseline of both places."""
+    return [c for c in raw["cells"] if c["threads"] == threads and c["duty"] == duty
+            and (duty == 0 or c.get("busy_in", "other") == busy_in)]
 
 
 def wakes_table(raw: dict) -> str:
@@ -106,18 +112,22 @@ def _median(cells: list[dict], key: str) -> float:
 
 
 def table(raw: dict) -> str:
-    """Per engine threads and busy-loop share: tok/s, TPOT, and engine throughput lost per core taken."""
-    cores, rows = raw["environment"]["cpu_count"], []
-    for threads in THREADS:
-        alone = _median(_cells(raw, threads, 0.0), "tok_s")
-        for duty in DUTIES:
-            cells = _cells(raw, threads, duty)
-            taken, tok_s = _median(cells, "other_cores"), _median(cells, "tok_s")
-            lost = (1 - tok_s / alone) * cores  # the engine's throughput lost, in cores of this machine
-            rows.append([threads, fmt(taken, 2), fmt(tok_s, 1), f"{tok_s / alone:.0%}",
-                         fmt(_median(cells, "tpot_ms_p50"), 1), fmt(lost / taken, 1) if taken else "-"])
-    return markdown_table(["engine threads", "busy loop (cores)", "tok/s", "of alone", "TPOT p50 ms",
-                           "engine cores lost per core taken"], rows)
+    """Per engine threads, busy-loop share and place: tok/s, TPOT, and engine throughput lost per core taken."""
+    settings = [(t, d, "other") for t in THREADS for d in DUTIES] + [(2, d, "engine") for d in IN_ENGINE_DUTIES]
+    rows = [_row(raw, *setting) for setting in settings if _cells(raw, *setting)]
+    return markdown_table(["engine threads", "busy loop in", "busy loop (cores)", "tok/s", "of alone", "per round",
+                           "TPOT p50 ms", "engine cores lost per core taken"], rows)
+
+
+def _row(raw: dict, threads: int, duty: float, busy_in: str) -> list:
+    cores, alone = raw["environment"]["cpu_count"], _median(_cells(raw, threads, 0.0), "tok_s")
+    cells = _cells(raw, threads, duty, busy_in)
+    taken, tok_s = _median(cells, "other_cores"), _median(cells, "tok_s")
+    lost = (1 - tok_s / alone) * cores  # the engine's throughput lost, in cores of this machine
+    place = "-" if duty == 0 else {"other": "another process", "engine": "the engine's process"}[busy_in]
+    return [threads, place, fmt(taken, 2), fmt(tok_s, 1), f"{tok_s / alone:.0%}",
+            " / ".join(fmt(c["tok_s"], 1) for c in cells), fmt(_median(cells, "tpot_ms_p50"), 1),
+            fmt(lost / taken, 1) if taken else "-"]
 
 
 def plot(raw: dict):
@@ -125,8 +135,14 @@ def plot(raw: dict):
     for threads in THREADS:
         xs = [_median(_cells(raw, threads, d), "other_cores") for d in DUTIES]
         ys = [_median(_cells(raw, threads, d), "tok_s") for d in DUTIES]
-        ax.plot(xs, ys, marker="o", label=f"{threads} engine thread{'s' if threads > 1 else ''}")
-    ax.set_xlabel("CPU taken by another process (cores)")
+        ax.plot(xs, ys, marker="o", label=f"{threads} engine thread{'s' if threads > 1 else ''}, busy loop in "
+                                          f"another process")
+    if all(_cells(raw, 2, d, "engine") for d in IN_ENGINE_DUTIES):
+        duties = (0.0,) + IN_ENGINE_DUTIES
+        ax.plot([_median(_cells(raw, 2, d, "engine"), "other_cores") for d in duties],
+                [_median(_cells(raw, 2, d, "engine"), "tok_s") for d in duties], marker="s", linestyle="--",
+                label="2 engine threads, busy loop in the engine's process (GIL)")
+    ax.set_xlabel("CPU taken by the busy loop (cores)")
     ax.set_ylabel("generated tokens / s (32 streams)")
     ax.set_title(f"Engine beside a busy loop: SmolLM2 bf16, 2 cores, median of {raw['rounds']} rounds",
                  fontsize=10)
@@ -144,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, **run(args)}
     method = (f"Method: AsyncEngine in-process (no Ray, no HTTP), SmolLM2 bf16, Intel OpenMP, {raw['requests']} "
-              f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop in another process spins for a share "
-              f"of every 10 ms; {raw['rounds']} interleaved rounds, medians.")
+              f"closed-loop requests x 64 tokens at 32 concurrent; a busy loop spins for a share of every 10 ms, in "
+              f"another process or as a thread of the engine's; {raw['rounds']} interleaved rounds (each in the "
+              f"other's order), medians.")
     wakes = (f"One stream ({raw['single_requests']} requests x 64 tokens, 2 engine threads) beside {WAKERS} Python "
              f"threads that each wake every {WAKER_PERIOD_MS} ms and do nothing else, in the engine's process or in "
              f"another one:")
