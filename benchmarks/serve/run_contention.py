@@ -20,7 +20,7 @@ The second part runs one stream (8 requests of 64 tokens) with 3 threads that ea
 a second, about what a replica's Ray main thread and event loops make under one stream) and do nothing else: in
 the engine's own process, where each wake-up takes the GIL that the engine's step thread needs between its ops,
 or in another process, where they take only CPU. Rounds are interleaved. Writes
-benchmarks/results/contention.md, .json, .png.
+benchmarks/results/contention.md, .json, .png (or under --out).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def plot(raw: dict):
     ax.set_title(f"Engine beside a busy loop: SmolLM2 bf16, 2 cores, median of {raw['rounds']} rounds",
                  fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 0.08), fontsize=8)
     return fig
 
 
