@@ -105,12 +105,12 @@ def test_the_contention_cell_refuses_a_busy_loop_placed_without_its_duty():
 
 def test_a_busy_thread_of_this_process_takes_its_duty_of_a_core_and_is_measured_alone():
     from benchmarks.serve.busy_loop import start_busy_thread
-    from benchmarks.serve.contention_worker import _cpu_seconds
+    from benchmarks.serve.contention_worker import BusyThread
 
-    thread = start_busy_thread(0.3)
-    before, start = _cpu_seconds(thread.native_id), time.perf_counter()
+    thread = BusyThread(start_busy_thread(0.3).native_id)
+    before, start = thread.cpu_seconds(), time.perf_counter()
     time.sleep(1.0)
-    cores = (_cpu_seconds(thread.native_id) - before) / (time.perf_counter() - start)
+    cores = (thread.cpu_seconds() - before) / (time.perf_counter() - start)
     assert 0.15 < cores < 0.45  # the spin's 30% of every 10 ms; this test's own thread sleeps meanwhile
 
 

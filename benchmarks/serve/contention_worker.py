@@ -66,21 +66,36 @@ async def closed_loop(engine: AsyncEngine, prompts: list[str], params: SamplingP
     return time.perf_counter() - start, tpots
 
 
-def _start_busy_loop(*args: str) -> subprocess.Popen:
-    other = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", *args], stdout=subprocess.PIPE,
-                             text=True)
-    assert other.stdout.readline().strip() == "ready"
-    return other
+@dataclass
+class OtherProcess:
+    """The busy loop or the wakers in another process (benchmarks/serve/busy_loop.py), started once it loops."""
+    process: subprocess.Popen
+
+    @classmethod
+    def start(cls, *args: str) -> OtherProcess:
+        process = subprocess.Popen([sys.executable, "-m", "benchmarks.serve.busy_loop", *args],
+                                   stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "ready"
+        return cls(process)
+
+    def cpu_seconds(self) -> float:
+        times = psutil.Process(self.process.pid).cpu_times()
+        return times.user + times.system
+
+    def stop(self) -> None:
+        self.process.kill()
 
 
-def _cpu_seconds(other: subprocess.Popen | int | None) -> float:
-    """CPU seconds of the other process, or of a thread of this one (by its native id)."""
-    if other is None:
-        return 0.0
-    if isinstance(other, int):
-        return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == other)
-    times = psutil.Process(other.pid).cpu_times()
-    return times.user + times.system
+@dataclass
+class BusyThread:
+    """The busy loop as a thread of the engine's process; a daemon, it ends with the cell."""
+    native_id: int
+
+    def cpu_seconds(self) -> float:
+        return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == self.native_id)
+
+    def stop(self) -> None:
+        pass
 
 
 def run(args) -> Cell:
@@ -92,27 +107,27 @@ def run(args) -> Cell:
     asyncio.run(closed_loop(engine, prompts[:8], SamplingParams(max_tokens=4), 8))  # warm-up
     other = _start_other(args)
     try:
-        before = _cpu_seconds(other)
+        before = other.cpu_seconds() if other is not None else 0.0
         seconds, tpots = asyncio.run(closed_loop(engine, prompts, params, args.concurrency))
-        other_cores = (_cpu_seconds(other) - before) / seconds
+        other_cores = (other.cpu_seconds() - before) / seconds if other is not None else 0.0
     finally:  # a busy loop left running would skew every later measurement on the machine
-        if isinstance(other, subprocess.Popen):
-            other.kill()
+        if other is not None:
+            other.stop()
         engine.shutdown()
     return Cell(args.threads, args.duty, other_cores, args.requests * args.tokens / seconds,
                 statistics.median(tpots) * 1000, args.concurrency, args.wakers,
                 args.wakers_in if args.wakers else "none", args.busy_in if args.duty > 0 else "none")
 
 
-def _start_other(args) -> subprocess.Popen | int | None:
-    """The busy loop, or the wakers: in another process, or as threads of this one (the busy thread's native id is
-    returned, to take its CPU; None for the wakers)."""
+def _start_other(args) -> OtherProcess | BusyThread | None:
+    """The busy loop, or the wakers: in another process, or as threads of this one (None for the wakers, whose CPU
+    is not taken)."""
     if args.duty > 0 and args.busy_in == "engine":
-        return start_busy_thread(args.duty).native_id
+        return BusyThread(start_busy_thread(args.duty).native_id)
     if args.duty > 0:
-        return _start_busy_loop(str(args.duty))
+        return OtherProcess.start(str(args.duty))
     if args.wakers and args.wakers_in == "other":
-        return _start_busy_loop("--wakers", str(args.wakers), str(args.waker_period_ms / 1000))
+        return OtherProcess.start("--wakers", str(args.wakers), str(args.waker_period_ms / 1000))
     if args.wakers:
         start_wakers(args.wakers, args.waker_period_ms / 1000)
     return None
