@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,15 +104,18 @@ def test_the_contention_cell_refuses_a_busy_loop_placed_without_its_duty():
     assert refused.returncode == 2 and "--busy-in engine places the busy loop: give its --duty" in refused.stderr
 
 
-def test_a_busy_thread_of_this_process_takes_its_duty_of_a_core_and_is_measured_alone():
-    from benchmarks.serve.busy_loop import start_busy_thread
+def test_a_busy_thread_of_this_process_takes_its_duty_of_a_core_is_measured_alone_and_stops():
     from benchmarks.serve.contention_worker import BusyThread
 
-    thread = BusyThread(start_busy_thread(0.3).native_id)
-    before, start = thread.cpu_seconds(), time.perf_counter()
-    time.sleep(1.0)
-    cores = (thread.cpu_seconds() - before) / (time.perf_counter() - start)
+    busy = BusyThread(0.3)
+    try:
+        before, start = busy.cpu_seconds(), time.perf_counter()
+        time.sleep(1.0)
+        cores = (busy.cpu_seconds() - before) / (time.perf_counter() - start)
+    finally:
+        busy.stop()  # left spinning, it would take a third of a core and the GIL from every later test
     assert 0.15 < cores < 0.45  # the spin's 30% of every 10 ms; this test's own thread sleeps meanwhile
+    assert "busy-loop" not in {thread.name for thread in threading.enumerate()}
 
 
 def test_the_contention_table_sets_each_place_of_the_busy_loop_against_the_same_engine_alone():

@@ -21,18 +21,19 @@ PERIOD_S = 0.01
 
 def busy_loop(duty: float) -> None:
     print("ready", flush=True)
-    _spin_forever(duty)
+    _spin(duty, threading.Event())
 
 
-def start_busy_thread(duty: float) -> threading.Thread:
-    """The busy loop as a daemon thread of this process: its spins hold the GIL, as a replica's event loops do."""
-    thread = threading.Thread(target=_spin_forever, args=(duty,), daemon=True, name="busy-loop")
+def start_busy_thread(duty: float, stop: threading.Event) -> threading.Thread:
+    """The busy loop as a daemon thread of this process, until `stop` is set: its spins hold the GIL, as a replica's
+    event loops do."""
+    thread = threading.Thread(target=_spin, args=(duty, stop), daemon=True, name="busy-loop")
     thread.start()
     return thread
 
 
-def _spin_forever(duty: float) -> None:
-    while True:
+def _spin(duty: float, stop: threading.Event) -> None:
+    while not stop.is_set():
         start = time.perf_counter()
         while time.perf_counter() - start < duty * PERIOD_S:
             pass

@@ -20,6 +20,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -86,16 +87,19 @@ class OtherProcess:
         self.process.kill()
 
 
-@dataclass
 class BusyThread:
-    """The busy loop as a thread of the engine's process; a daemon, it ends with the cell."""
-    native_id: int
+    """The busy loop as a thread of the engine's process, spinning until stopped."""
+
+    def __init__(self, duty: float):
+        self._stop = threading.Event()
+        self._thread = start_busy_thread(duty, self._stop)
 
     def cpu_seconds(self) -> float:
-        return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == self.native_id)
+        return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == self._thread.native_id)
 
     def stop(self) -> None:
-        pass
+        self._stop.set()
+        self._thread.join()
 
 
 def run(args) -> Cell:
@@ -123,7 +127,7 @@ def _start_other(args) -> OtherProcess | BusyThread | None:
     """The busy loop, or the wakers: in another process, or as threads of this one (None for the wakers, whose CPU
     is not taken)."""
     if args.duty > 0 and args.busy_in == "engine":
-        return BusyThread(start_busy_thread(args.duty).native_id)
+        return BusyThread(args.duty)
     if args.duty > 0:
         return OtherProcess.start(str(args.duty))
     if args.wakers and args.wakers_in == "other":
