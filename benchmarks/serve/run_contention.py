@@ -45,6 +45,9 @@ from deployments.openmp import replica_env_vars  # noqa: E402
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
 IN_ENGINE_DUTIES = (0.1, 0.3)  # the busy loop as a thread of the engine's process, with 2 engine threads
+# every (engine threads, busy loop's duty, where it runs) a round measures, in the table's order
+BUSY_SETTINGS = tuple((t, d, "other") for t in THREADS for d in DUTIES) + tuple((2, d, "engine")
+                                                                                 for d in IN_ENGINE_DUTIES)
 WAKERS = 3
 WAKER_PERIOD_MS = 3
 WAKERS_IN = ("none", "engine", "other")
@@ -70,11 +73,10 @@ def waker_cell(wakers_in: str, requests: int) -> dict:
 
 def run(args) -> dict:
     requests, single = (32, 4) if args.quick else (96, 8)
-    busy = [(t, d, "other") for t in THREADS for d in DUTIES] + [(2, d, "engine") for d in IN_ENGINE_DUTIES]
     cells, wakes = [], []
-    with tqdm(total=args.rounds * (len(busy) + len(WAKERS_IN)), desc="contention", unit="cell") as bar:
+    with tqdm(total=args.rounds * (len(BUSY_SETTINGS) + len(WAKERS_IN)), desc="contention", unit="cell") as bar:
         for rnd in range(args.rounds):
-            for threads, duty, busy_in in (busy if rnd % 2 == 0 else busy[::-1]):
+            for threads, duty, busy_in in (BUSY_SETTINGS if rnd % 2 == 0 else BUSY_SETTINGS[::-1]):
                 cells.append({"round": rnd, **busy_cell(threads, duty, requests, busy_in)})
                 bar.update()
                 tqdm.write(f"round {rnd} threads={threads} duty={duty} in {busy_in}: {cells[-1]['tok_s']:.1f} tok/s")
@@ -113,8 +115,7 @@ def _median(cells: list[dict], key: str) -> float:
 
 def table(raw: dict) -> str:
     """Per engine threads, busy-loop share and place: tok/s, TPOT, and engine throughput lost per core taken."""
-    settings = [(t, d, "other") for t in THREADS for d in DUTIES] + [(2, d, "engine") for d in IN_ENGINE_DUTIES]
-    rows = [_row(raw, *setting) for setting in settings if _cells(raw, *setting)]
+    rows = [_row(raw, *setting) for setting in BUSY_SETTINGS if _cells(raw, *setting)]
     return markdown_table(["engine threads", "busy loop in", "busy loop (cores)", "tok/s", "of alone", "per round",
                            "TPOT p50 ms", "engine cores lost per core taken"], rows)
 
