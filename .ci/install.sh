@@ -13,3 +13,6 @@ python -c "from engine.kernels import cpu_ops; raise SystemExit(cpu_ops.load() i
 # The adapter that ships with lora-serve, into the adapters root that serve_config.yaml names
 mkdir -p "$HOME/.cache/lora-serve/lora-adapters"
 cp -r examples/adapters/. "$HOME/.cache/lora-serve/lora-adapters/"
+
+# The HAProxy launcher that serve_config.yaml names: HAProxy dies with the Serve process that started it
+python -m deployments.haproxy_launcher

@@ -57,7 +57,7 @@ def build_app(args: dict | None = None) -> Application:
         engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
         gate = parsed.gate()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
-        raise ValueError(f"invalid lora-serve application args: {exc}") from exc
+        raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
     server = LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
@@ -65,6 +65,15 @@ def build_app(args: dict | None = None) -> Application:
     if not haproxy_enabled():
         return server
     return with_ingress_router(server, engine.model)
+
+
+def _reason(exc: Exception) -> str:
+    """Why the args were refused, without the values given: pydantic's own text repeats each input, and an input
+    may be a secret (an api key written in clear, which is refused)."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
+                     for e in exc.errors(include_input=False, include_url=False))
 
 
 def with_ingress_router(server: Application, model_name: str) -> Application:

@@ -1,10 +1,15 @@
 """API keys: who may call, and what each key reaches.
 
 With no keys configured the server is open, as vLLM without --api-key. With keys, every route but /health
-needs `Authorization: Bearer <key>`. A key is kept only as the SHA-256 of its text (a key file holds nothing
-else), and a presented key is hashed and compared with every stored hash in constant time (hmac.compare_digest,
-no early exit), so neither the answer's timing nor a log line gives a key away: keys never reach a log or an
-error message.
+needs `Authorization: Bearer <key>`. A key is kept only as the SHA-256 of its text, and a presented key is hashed
+and compared with every stored hash in constant time (hmac.compare_digest, no early exit), so neither the answer's
+timing nor a log line gives a key away: keys never reach a log or an error message.
+
+The serve config never holds a key in clear: Ray Serve logs an application's arguments when it builds the app
+(the controller's build log, `serve run`'s output) and keeps the config it was given. A key entry gives the key
+as its hash (`key_sha256`), or names where the key is: an environment variable of the process that builds the app
+(`key_env`) or a file (`key_file`, e.g. a mounted secret), both read once, at build, and hashed there. An entry
+with `key` in clear is refused at start, saying how to write it.
 
 A key may be scoped (no peer offers per-adapter tenancy): `adapters` are glob patterns (fnmatch) over adapter
 ids; `base_model: false` keeps the key off the base model; `manage_adapters` lets it load and unload adapters
@@ -19,6 +24,7 @@ import fnmatch
 import hashlib
 import hmac
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +71,22 @@ class ApiKey:
 OPEN = ApiKey("anonymous", b"", KeyScope(manage_adapters=True))  # every caller of a server without keys
 
 
+MIN_KEY_LENGTH = 16
+CLEAR_KEY_REFUSED = ("a key in clear in the serve config reaches Ray's logs and stored config; give key_sha256 (python "
+                     "-m deployments.auth <key> prints it), key_env (an environment variable holding the key) or "
+                     "key_file (a file holding it) instead")
+
+
 class ApiKeyConfig(StrictModel):
-    """One entry of `api_keys` in the app args or of an `api_keys_file` (YAML or JSON list)."""
+    """One entry of `api_keys` in the app args or of an `api_keys_file` (YAML or JSON list): the key as its hash, or
+    where to read it, exactly one of them."""
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    key: str | None = Field(None, min_length=16, description="the key itself (app args only)")
+    key: str | None = Field(None, description="refused: " + CLEAR_KEY_REFUSED)
     key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                description="an environment variable of the process that builds the app")
+    key_file: str | None = Field(None, min_length=1, description="a file holding the key (surrounding whitespace "
+                                 "is dropped)")
     adapters: list[str] = Field(default_factory=lambda: ["*"], max_length=256)
     base_model: bool = True
     manage_adapters: bool = False
@@ -80,15 +97,38 @@ class ApiKeyConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_secret(self):
-        if (self.key is None) == (self.key_sha256 is None):
-            raise ValueError(f"api key {self.name!r}: give key or key_sha256, exactly one")
+        if self.key is not None:
+            raise ValueError(f"api key {self.name!r}: {CLEAR_KEY_REFUSED}")
+        if [self.key_sha256, self.key_env, self.key_file].count(None) != 2:
+            raise ValueError(f"api key {self.name!r}: give key_sha256, key_env or key_file, exactly one")
         return self
 
     def to_key(self) -> ApiKey:
-        digest = bytes.fromhex(self.key_sha256) if self.key_sha256 else hash_key(self.key)
+        """The key as the server keeps it: its hash, read from where the entry says (ValueError if it cannot)."""
+        digest = bytes.fromhex(self.key_sha256) if self.key_sha256 else hash_key(self._read_secret())
         return ApiKey(self.name, digest, KeyScope(tuple(self.adapters), self.base_model, self.manage_adapters,
                                                    self.min_priority),
                       KeyLimits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent))
+
+    def _read_secret(self) -> str:
+        if self.key_env is not None:
+            secret, where = os.environ.get(self.key_env), f"environment variable {self.key_env}"
+        else:
+            secret, where = _read_key_file(Path(self.key_file).expanduser()), f"key_file {self.key_file}"
+        if secret is None:
+            raise ValueError(f"api key {self.name!r}: {where} is not set")
+        if len(secret.strip()) < MIN_KEY_LENGTH:
+            raise ValueError(f"api key {self.name!r}: the key in {where} is shorter than {MIN_KEY_LENGTH} characters")
+        return secret.strip()
+
+
+def _read_key_file(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # its text is the path and the reason, never the file's content
+        raise ValueError(f"key_file {path} cannot be read: {exc.strerror}") from None
 
 
 def hash_key(key: str) -> bytes:
@@ -131,16 +171,11 @@ class KeyRing:
 
 
 def load_key_file(path: Path) -> list[ApiKeyConfig]:
-    """A YAML or JSON list of keys, each given by its key_sha256 (a file holds no keys in clear)."""
+    """A YAML or JSON list of key entries, as `api_keys` holds them (no key in clear)."""
     entries = yaml.safe_load(path.read_text()) or []
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: an api key file is a list of keys")
-    parsed = [ApiKeyConfig(**entry) for entry in entries]
-    clear = [entry.name for entry in parsed if entry.key is not None]
-    if clear:
-        raise ValueError(f"{path}: keys {clear} are in clear; a key file holds key_sha256 only "
-                         f"(python -m deployments.auth <key> prints it)")
-    return parsed
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError(f"{path}: an api key file is a list of key entries")
+    return [ApiKeyConfig(**entry) for entry in entries]
 
 
 if __name__ == "__main__":

@@ -113,9 +113,10 @@ class LLMServer(HttpRoutes):
                 stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         """Served here, unless a peer ranks better for this request (deployments/peer_view.py): then forwarded
         through Serve's router, and served here after all if that peer dies before its first event
-        (deployments/event_streams.py). The adapter travels as its current key (lora_cache/registry.py): the name, or a
-        new key once it was loaded at run time."""
-        key = self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
+        (deployments/event_streams.py). The engine knows the adapter by its current key (lora_cache/registry.py: the
+        name, or a new key once it was loaded at run time); a forwarded request names it as routing does, by name
+        and content id, and its target resolves the key itself."""
+        key = self._key(adapter)
         route = self._forward_route(prompt, params, key)
         if route is not None:
             if self._peer_handle is None:
@@ -124,6 +125,10 @@ class LLMServer(HttpRoutes):
             return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream),
                                    lambda: self._serve_here(prompt, params, key, stream))
         return self._serve_here(prompt, params, key, stream)
+
+    def _key(self, adapter: str | None) -> str | None:
+        """The key the engine knows adapter `adapter` by now; None for the base model."""
+        return self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
 
     def _serve_here(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                     stream: bool) -> LocalEvents:
@@ -141,12 +146,19 @@ class LLMServer(HttpRoutes):
         # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
         own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,
                                   adapter_requests=self._adapter_requests())
-        return self._peers.choose(RouteRequest(key, tuple(digests)), own)
+        return self._peers.choose(self._route_request(key, digests), own)
+
+    def _route_request(self, key: str | None, digests: list[int]) -> RouteRequest:
+        """What routing knows of a request for this key: the adapter's name and, once this replica holds it, the
+        content id of its weights."""
+        if key is None:
+            return RouteRequest(None, None, tuple(digests))
+        return RouteRequest(key_name(key), self.adapter_cache.content_id(key), tuple(digests))
 
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
                         stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
         """A request another replica forwarded here (Serve's router reads `route`: deployments/request_router.py)."""
-        async for event in self._generate(uuid.uuid4().hex, prompt, params, route.adapter, stream):
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream):
             yield event
 
     async def _register(self, name: str, lora_path: str) -> Registration:
@@ -275,14 +287,20 @@ class LLMServer(HttpRoutes):
                     self._peers.update(view.peers if view is not None else None)
 
     def _build_report(self, s: EngineStats) -> ReplicaReport:
-        cpu = self.adapter_cache.held() if self.adapter_cache is not None else ()
-        return ReplicaReport(self.replica, tuple(s.resident_adapters), cpu, self._node_store,
-                             self.engine.cached_prefix_digests(), s.running, s.waiting, s.kv_utilisation,
-                             self._adapter_requests())
+        """This replica's report: its adapters by name and content id, current versions only
+        (lora_cache/replica_report.py)."""
+        cache = self.adapter_cache
+        device, cpu = (cache.versions(s.resident_adapters), cache.versions(cache.held())) if cache else ((), ())
+        return ReplicaReport(self.replica, device, cpu, self._node_store, self.engine.cached_prefix_digests(),
+                             s.running, s.waiting, s.kv_utilisation, self._adapter_requests())
 
     def _adapter_requests(self) -> dict[str, int]:
-        """Each adapter's requests in flight here now (the base model's are not counted)."""
-        return {a: n for a, n in dict(self._in_flight).items() if a is not None and n > 0}
+        """Each adapter's requests in flight here now, by name (the base model's are not counted)."""
+        counts: Counter[str] = Counter()
+        for key, n in dict(self._in_flight).items():
+            if key is not None and n > 0:
+                counts[key_name(key)] += n
+        return dict(counts)
 
     def _engine_running(self) -> bool:
         return self.engine.is_healthy

@@ -32,7 +32,7 @@ class PeerView:
 
     def held_by_peers(self) -> dict[str, list[str]]:
         """Each peer's adapters in its device slots or CPU copy, as this replica last heard: what it routes by."""
-        return {r.replica: sorted(set(r.device) | set(r.cpu)) for r in self._reports}
+        return {r.replica: r.held() for r in self._reports}
 
     def update(self, reports: list[ReplicaReport] | None) -> None:
         """The peers' latest reports (None while the cache actor restarts: serve everything here until then)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.outputs import AdapterStats, EngineStats
+from lora_cache.adapter_folder import key_name
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,12 @@ class ReplicaStats:
     peer_adapters: dict[str, list[str]]  # per peer replica: the adapters it holds, as this one last heard
 
     def adapter_requests(self, adapter: str) -> int:
-        """The requests this replica has run for an adapter."""
-        usage = self.adapters.get(adapter)
-        return usage.requests if usage is not None else 0
+        """The requests this replica has run for the adapter of this name, in any of its versions (its keys)."""
+        return sum(usage.requests for key, usage in self.adapters.items() if key_name(key) == adapter)
+
+    def holds_on_device(self, adapter: str) -> bool:
+        """Whether a version of the adapter of this name is in one of its device slots."""
+        return any(key_name(key) == adapter for key in self.resident_adapters)
 
     @classmethod
     def of(cls, replica: str, node_id: str, s: EngineStats, adapters: dict[str, AdapterStats], forwarded: int,

@@ -29,7 +29,8 @@ from lora_cache.replica_report import AdapterTier, ReplicaReport
 @dataclass(frozen=True)
 class RouteRequest:
     """What routing knows of a request."""
-    adapter: str | None = None  # the adapter's key (lora_cache/registry.py), None for the base model
+    adapter: str | None = None  # the adapter's name, None for the base model
+    content_id: str | None = None  # the version of it wanted, when the asker knows (lora_cache/replica_report.py)
     prompt_digests: tuple[int, ...] = ()  # engine/block_manager.py prompt_digests, empty when not tokenized
     target: str | None = None  # the replica a forwarding replica chose; the router sends it there if it can
 
@@ -61,16 +62,21 @@ def rank(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPol
     return _ranks(request, near, policy) + [[r] for r in far]
 
 
-def is_hot(adapter: str | None, reports: list[ReplicaReport], policy: RoutingPolicy) -> bool:
-    holders = [r for r in reports if adapter is not None and r.tier(adapter) >= AdapterTier.CPU]
+def is_hot(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> bool:
+    adapter = request.adapter
+    holders = [r for r in reports if adapter is not None and _tier(r, request) >= AdapterTier.CPU]
     return bool(holders) and min(r.adapter_requests.get(adapter, 0) for r in holders) >= policy.hot_adapter_requests
 
 
+def _tier(report: ReplicaReport, request: RouteRequest) -> AdapterTier:
+    return report.tier(request.adapter, request.content_id)
+
+
 def _ranks(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> list[list[ReplicaReport]]:
-    hot = is_hot(request.adapter, reports, policy)
+    hot = is_hot(request, reports, policy)
     groups: dict[tuple[int, int], list[ReplicaReport]] = {}
     for r in reports:
-        tier = AdapterTier.COLD if hot else r.tier(request.adapter)
+        tier = AdapterTier.COLD if hot else _tier(r, request)
         groups.setdefault((-tier, -r.cached_blocks(request.prompt_digests)), []).append(r)
     return [_two_at_random(groups[score]) for score in sorted(groups)]
 

@@ -213,8 +213,8 @@ class EngineConfig:
         """Where the adapter caches read adapters from, and how they download them."""
         disk_cache = self.adapter_disk_cache or str(default_cache_dir() / "adapters")
         return SourceConfig(self.adapter_source, self.adapters_root, self.hub_cache, disk_cache,
-                            self.adapter_disk_cache_bytes, self.max_adapter_bytes, self.adapter_download_timeout_s,
-                            self.adapter_download_retries)
+                            self.adapter_disk_cache_bytes, self.max_adapter_bytes, self.max_lora_rank,
+                            self.adapter_download_timeout_s, self.adapter_download_retries)
 
     @property
     def model_cache_dir(self) -> Path:

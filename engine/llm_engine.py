@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from lora_cache.adapter_folder import AdapterError
 from lora_cache.local_cache import LocalAdapterCache
 from lora_cache.lru import LoadStats
 from lora_cache.provider import AdapterProvider
@@ -91,7 +92,8 @@ class LLMEngine:
 
     @staticmethod
     def _adapter_cache(config: EngineConfig, hf_config) -> LocalAdapterCache:
-        return LocalAdapterCache(make_source(config.adapter_sources()), hf_config, config.max_adapter_bytes)
+        return LocalAdapterCache(make_source(config.adapter_sources()), hf_config, config.max_adapter_bytes,
+                                 max_rank=config.max_lora_rank)
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
@@ -170,9 +172,9 @@ class LLMEngine:
             raise ValueError(f"adapter {adapter_id!r} requested but LoRA is disabled: "
                              f"start the engine with max_loras > 0")
         adapter = self.adapters.get(adapter_id)  # AdapterError (a ValueError) names the adapter and the reason
-        if adapter.rank > self.config.max_lora_rank:
-            raise ValueError(f"adapter {adapter_id!r} has rank {adapter.rank}, above this engine's max_lora_rank "
-                             f"{self.config.max_lora_rank}")
+        if adapter.rank > self.config.max_lora_rank:  # a provider's reader refuses these at load already
+            raise AdapterError(adapter_id, f"rank {adapter.rank} is above this server's max_lora_rank "
+                                           f"{self.config.max_lora_rank}")
 
     def add_prepared(self, request: TrackedRequest) -> None:
         seq = request.seq

@@ -33,7 +33,7 @@ from lora_cache.lru import LRUByBytes
 from lora_cache.merge_spec import MergeSpec, is_merge_key
 from lora_cache.provider import HeldAdapters
 from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
-from lora_cache.replica_report import ClusterView, ReplicaReport
+from lora_cache.replica_report import AdapterVersion, ClusterView, ReplicaReport
 from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
                                 validate_adapter_id)
 
@@ -61,7 +61,7 @@ class LoRACacheActor:
         # actor before it imports them itself (lora_cache/reader.py)
         from lora_cache.reader import AdapterReader
 
-        self.reader = AdapterReader.for_base(base_config, sources.max_adapter_bytes)
+        self.reader = AdapterReader.for_base(base_config, sources.max_adapter_bytes, sources.max_lora_rank)
         self.sources = sources
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
@@ -187,7 +187,12 @@ class LoRACacheActor:
         deployments/routing.py)."""
         self.residence[report.replica] = dataclasses.replace(report, reported_at=time.monotonic())
         peers = [v for r, v in self._live_residence().items() if r != report.replica]
-        return ClusterView(peers, frozenset(self.entries.keys()), self.node_id)
+        return ClusterView(peers, self._stored(), self.node_id)
+
+    def _stored(self) -> frozenset[AdapterVersion]:
+        """The adapters in the object store tier, as routing knows them (only current keys are kept there)."""
+        entries = self.entries.snapshot()
+        return frozenset(AdapterVersion(key_name(key), entry.content_id) for key, entry in entries.items())
 
     def _live_residence(self) -> dict[str, ReplicaReport]:
         """The reports of the replicas that reported within RESIDENCE_TTL_S (the others are dropped)."""
@@ -196,7 +201,8 @@ class LoRACacheActor:
         return self.residence
 
     def _replicas(self) -> dict[str, ReplicaHolding]:
-        return {r: ReplicaHolding(tuple(v.device), tuple(v.cpu)) for r, v in self._live_residence().items()}
+        return {r: ReplicaHolding(tuple(a.name for a in v.device), tuple(a.name for a in v.cpu))
+                for r, v in self._live_residence().items()}
 
     def stats(self) -> CacheStats:
         entries, loads = self.entries.snapshot(), self.entries.load_stats()
@@ -274,8 +280,15 @@ class RayAdapterCache(HeldAdapters):
             return self._latest
 
     def content_id(self, key: str) -> str | None:
-        adapter = self._adapters.get(key)
+        """The content id of the key's weights, if this replica holds them (its LRU order unchanged)."""
+        adapter = self._adapters.peek(key)
         return adapter.content_id if adapter is not None else None
+
+    def versions(self, keys: list[str] | tuple[str, ...]) -> tuple[AdapterVersion, ...]:
+        """The current ones of these keys as routing knows them, by name and content id: a key a reload replaced
+        is left out (lora_cache/replica_report.py)."""
+        view = self._view()
+        return tuple(AdapterVersion(key_name(k), self.content_id(k) or "") for k in keys if view.is_current(k))
 
     async def register(self, name: str, lora_path: str) -> Registration:
         """Load `name` from `lora_path` in the cache actor; returns once every live replica serves the new key."""

@@ -75,11 +75,14 @@ def target_module_shapes(hf_config) -> dict[str, tuple[int, int]]:
     return lora_shapes(hf_config)
 
 
-def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 << 30) -> LoRAAdapter:
-    """Read and validate the adapter in `folder` against the base model described by `hf_config`."""
+def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 << 30,
+                 max_rank: int | None = None) -> LoRAAdapter:
+    """Read and validate the adapter in `folder` against the base model described by `hf_config`, its weights file
+    at most `max_bytes` and its rank at most `max_rank` (the server's max_lora_rank). Messages name the adapter and
+    never the folder: it is a server path (an adapters root, a download cache)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise AdapterNotFoundError(adapter_id, f"folder {folder} not found")
+        raise AdapterNotFoundError(adapter_id, "its folder was not found")
     config = _read_config(adapter_id, folder)
     _check_features(adapter_id, config)
     weights_file = _weights_file(adapter_id, folder, max_bytes)
@@ -91,9 +94,12 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
     for (layer, key), (name, pair) in sorted(modules.items()):
         layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes[key])
     weights = [w for modules_of_layer in layers.values() for w in modules_of_layer.values()]
+    rank = max(w.lora_a.shape[0] for w in weights)
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
     return LoRAAdapter(
         adapter_id=adapter_id,
-        rank=max(w.lora_a.shape[0] for w in weights),
+        rank=rank,
         target_modules=tuple(sorted({key for _, key in modules})),
         layers=layers,
         nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in weights),
@@ -115,7 +121,7 @@ def content_id(folder: Path) -> str:
 def _read_config(adapter_id: str, folder: Path) -> dict:
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise AdapterError(adapter_id, f"{CONFIG_FILE} not found in {folder}")
+        raise AdapterError(adapter_id, f"{CONFIG_FILE} not found in its folder")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -150,10 +156,11 @@ def _weights_file(adapter_id: str, folder: Path, max_bytes: int) -> Path:
         if pickled:
             raise AdapterError(adapter_id, f"pickled weights are refused ({', '.join(pickled)}); "
                                            "convert to safetensors")
-        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} not found in {folder}")
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} not found in its folder")
     size = path.stat().st_size
     if size > max_bytes:
-        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes} bytes")
+        raise AdapterError(adapter_id, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes} bytes "
+                                       "(max_adapter_bytes)")
     return path
 
 

@@ -24,7 +24,7 @@ class CachedAdapter:
 
 @dataclass(frozen=True)
 class ReplicaHolding:
-    """The adapter keys a live replica reported holding."""
+    """The adapters (by name, their current versions) a live replica reported holding."""
     device: tuple[str, ...]  # in its device slots
     cpu: tuple[str, ...]  # in its process-local copy
 
@@ -56,17 +56,18 @@ class CacheStats:
     def residence(self) -> dict[str, AdapterResidence]:
         """Per adapter name the cache knows, for its current key, sorted by key."""
         view = RegistryView(generations=self.generations)
-        known = set(self.adapters) | set(self.load_counts)
+        known = {k for k in set(self.adapters) | set(self.load_counts) if view.is_current(k)}
+        names = set(self.registered)
         for holding in self.replicas.values():
-            known |= set(holding.device) | set(holding.cpu)
-        known = {k for k in known if view.is_current(k)} | {view.key(n) for n in self.registered}
+            names |= set(holding.device) | set(holding.cpu)
+        known |= {view.key(n) for n in names}
         return {key_name(k): self._residence(k) for k in sorted(known)}
 
     def _residence(self, key: str) -> AdapterResidence:
-        cached = self.adapters.get(key)
+        cached, name = self.adapters.get(key), key_name(key)
         return AdapterResidence(
             content_id=cached.content_id if cached is not None else None,
-            lora_path=self.registered.get(key_name(key)), object_store=cached is not None,
-            device_replicas=tuple(sorted(r for r, h in self.replicas.items() if key in h.device)),
-            cpu_replicas=tuple(sorted(r for r, h in self.replicas.items() if key in h.cpu)),
+            lora_path=self.registered.get(name), object_store=cached is not None,
+            device_replicas=tuple(sorted(r for r, h in self.replicas.items() if name in h.device)),
+            cpu_replicas=tuple(sorted(r for r, h in self.replicas.items() if name in h.cpu)),
             source_loads=self.load_counts.get(key, 0))

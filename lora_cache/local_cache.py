@@ -19,9 +19,10 @@ from lora_cache.sources import AdapterSource, validate_adapter_id
 class LocalAdapterCache(HeldAdapters):
     """An AdapterProvider (lora_cache/provider.py); its load counts are reads from the source."""
 
-    def __init__(self, source: AdapterSource, hf_config, max_adapter_bytes: int, capacity_bytes: int = 4 << 30):
+    def __init__(self, source: AdapterSource, hf_config, max_adapter_bytes: int, capacity_bytes: int = 4 << 30,
+                 max_rank: int | None = None):
         self.source = source
-        self.reader = AdapterReader(hf_config, max_adapter_bytes)
+        self.reader = AdapterReader(hf_config, max_adapter_bytes, max_rank)
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, capacity_bytes)
         self.merges: dict[str, MergeSpec] = {}
         self._lock = threading.RLock()  # one load at a time: concurrent requests for one adapter load it once

@@ -48,6 +48,11 @@ class LRUByBytes(Generic[V]):
                 self._entries.move_to_end(key)
             return value
 
+    def peek(self, key: str) -> V | None:
+        """The entry, its place in the LRU order left as it is; None when absent."""
+        with self._lock:
+            return self._entries.get(key)
+
     def get_or_load(self, key: str, load: Callable[[], V]) -> V:
         """The entry; on a miss, load() it (timed, without holding the lock: a load may read other entries)."""
         value = self.get(key)

@@ -18,17 +18,21 @@ from lora_cache.merge_spec import MergeSpec
 
 
 class AdapterReader:
-    def __init__(self, hf_config: PretrainedConfig, max_adapter_bytes: int):
+    def __init__(self, hf_config: PretrainedConfig, max_adapter_bytes: int, max_rank: int | None = None):
+        """Every adapter read is refused unless it fits the base model, its weights file is at most
+        max_adapter_bytes and its rank at most max_rank (the engines' max_lora_rank): a load through the lifecycle
+        API is refused there, before anything is registered, not at its first request."""
         self.hf_config = hf_config
         self.max_adapter_bytes = max_adapter_bytes
+        self.max_rank = max_rank
 
     @classmethod
-    def for_base(cls, base_config: dict, max_adapter_bytes: int) -> AdapterReader:
+    def for_base(cls, base_config: dict, max_adapter_bytes: int, max_rank: int | None = None) -> AdapterReader:
         """From the base model's config as a dict: the cache actor may live on a node without the model's files."""
-        return cls(AutoConfig.for_model(**base_config), max_adapter_bytes)
+        return cls(AutoConfig.for_model(**base_config), max_adapter_bytes, max_rank)
 
     def read(self, key: str, folder: Path) -> LoRAAdapter:
-        return load_adapter(key, folder, self.hf_config, self.max_adapter_bytes)
+        return load_adapter(key, folder, self.hf_config, self.max_adapter_bytes, self.max_rank)
 
     def merge(self, key: str, parts: list[LoRAAdapter], spec: MergeSpec) -> LoRAAdapter:
         return merge_adapters(key, parts, spec, list(target_module_shapes(self.hf_config)))

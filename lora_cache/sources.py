@@ -81,7 +81,8 @@ def _check_contained(adapter_id: str, folder: Path, root: Path) -> Path:
     paths = [folder] + [folder / f for f in (CONFIG_FILE, WEIGHTS_FILE) if (folder / f).exists()]
     for path in paths:
         if not _inside(path, root):
-            raise AdapterError(adapter_id, f"{path} resolves outside {root}")
+            raise AdapterError(adapter_id, "a file of its folder resolves outside the folder it was looked for in "
+                                           "(a symbolic link?)")
     return folder
 
 
@@ -101,9 +102,9 @@ class LocalSource:
             raise AdapterError(adapter_id, "a local adapter has no revisions ('@'); revisions are for the hub source")
         folder = self.root / name
         if not _inside(folder, self.root):
-            raise AdapterError(adapter_id, f"{folder} resolves outside the adapters root {self.root}")
+            raise AdapterError(adapter_id, "its folder resolves outside the adapters root")
         if not folder.is_dir():
-            raise AdapterNotFoundError(adapter_id, f"not found in {self.root}")
+            raise AdapterNotFoundError(adapter_id, "not found in the adapters root")
         return _check_contained(adapter_id, folder, self.root)
 
 
@@ -132,7 +133,7 @@ class HubCacheSource:
         repo = self.cache_dir / ("models--" + name.replace("/", "--"))
         snapshot = self._snapshot(adapter_id, repo, revision)
         if snapshot is None or not snapshot.is_dir():
-            raise AdapterNotFoundError(adapter_id, f"not found in the Hugging Face cache {self.cache_dir}")
+            raise AdapterNotFoundError(adapter_id, "not found in the Hugging Face cache")
         return _check_contained(adapter_id, snapshot, repo)  # snapshot files link into repo/blobs
 
     @staticmethod
@@ -145,11 +146,13 @@ class HubCacheSource:
         if ref.is_file():
             commit = ref.read_text(encoding="utf-8").strip()
             if not _ID_PART.fullmatch(commit) or commit in (".", ".."):
-                raise AdapterError(adapter_id, f"{ref} does not hold a commit hash")
+                raise AdapterError(adapter_id, f"its Hugging Face cache ref {revision or 'main'!r} does not hold a "
+                                               "commit hash")
             return repo / "snapshots" / commit
         snapshots = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir())
         if len(snapshots) > 1:
-            raise AdapterError(adapter_id, f"{repo} has {len(snapshots)} snapshots and no refs/main to choose one")
+            raise AdapterError(adapter_id, f"its Hugging Face cache has {len(snapshots)} snapshots and no refs/main "
+                                           "to choose one")
         return snapshots[0] if snapshots else None
 
 
@@ -158,13 +161,15 @@ SOURCES = ("hub", "local", "s3")
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Where a cache reads adapters from, and how it downloads them (the engine's adapter_* options)."""
+    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets (the
+    engine's adapter_* options, max_adapter_bytes and max_lora_rank)."""
     kind: str = "local"  # "local", "hub" or "s3"
     adapters_root: str | None = None  # local: a folder; s3: s3://bucket/prefix
     hub_cache: str | None = None  # hub offline (HF_HUB_OFFLINE) or unreachable: this Hugging Face cache
     disk_cache: str | None = None  # the disk tier of downloaded adapters
     disk_cache_bytes: int = 8 << 30
     max_adapter_bytes: int = 1 << 30
+    max_lora_rank: int | None = None
     download_timeout_s: float = 30.0
     download_retries: int = 3
 

@@ -31,7 +31,7 @@ METRICS = {}
 # ---- units: keys and buckets ----
 
 def test_a_key_ring_finds_the_key_presented_and_refuses_others():
-    ring = KeyRing([ApiKeyConfig(name="a", key="a" * 20).to_key(),
+    ring = KeyRing([ApiKeyConfig(name="a", key_sha256=hash_key("a" * 20).hex()).to_key(),
                     ApiKeyConfig(name="b", key_sha256=hash_key("b" * 20).hex(), adapters=["b-*"]).to_key()])
     assert ring.authenticate("Bearer " + "a" * 20).name == "a"
     assert ring.authenticate("bearer " + "b" * 20).scope.allows_adapter("b-1")
@@ -45,19 +45,57 @@ def test_a_key_ring_finds_the_key_presented_and_refuses_others():
 
 def test_bad_key_configs_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="unique"):
-        KeyRing([ApiKeyConfig(name="a", key="a" * 20).to_key(), ApiKeyConfig(name="a", key="b" * 20).to_key()])
+        KeyRing([_hashed("a", "a" * 20), _hashed("a", "b" * 20)])
     with pytest.raises(ValueError, match="exactly one"):
         ApiKeyConfig(name="a")
     with pytest.raises(ValueError, match="min_priority"):
-        ApiKeyConfig(name="a", key="a" * 20, min_priority=2 ** 40)
+        ApiKeyConfig(name="a", key_sha256=hash_key("a" * 20).hex(), min_priority=2 ** 40)
     clear = tmp_path / "keys.yaml"
     clear.write_text(json.dumps([{"name": "a", "key": "a" * 20}]))
     with pytest.raises(ValueError, match="in clear"):
         load_key_file(clear)
+    clear.write_text(json.dumps({"name": "a"}))
+    with pytest.raises(ValueError, match="a list of key entries"):
+        load_key_file(clear)
+
+
+def _hashed(name: str, secret: str):
+    return ApiKeyConfig(name=name, key_sha256=hash_key(secret).hex()).to_key()
+
+
+def test_a_key_is_read_from_its_environment_variable_or_file_and_kept_as_its_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORA_SERVE_TEST_KEY", ADMIN)
+    (tmp_path / "team-a.key").write_text(TEAM_A + "\n")  # as a mounted secret ends: the newline is not the key's
+    ring = KeyRing([ApiKeyConfig(name="env", key_env="LORA_SERVE_TEST_KEY").to_key(),
+                    ApiKeyConfig(name="file", key_file=str(tmp_path / "team-a.key")).to_key()])
+    assert ring.authenticate(f"Bearer {ADMIN}").name == "env" and ring.authenticate(f"Bearer {TEAM_A}").name == "file"
+    assert ADMIN not in repr(ring.keys) and TEAM_A not in repr(ring.keys)
+    for entry, words in [({"key_env": "LORA_SERVE_UNSET"}, "environment variable LORA_SERVE_UNSET is not set"),
+                         ({"key_file": str(tmp_path / "absent")}, "is not set"),
+                         ({"key_env": "LORA_SERVE_SHORT"}, "shorter than 16 characters"),
+                         ({"key_env": "NOT-A-NAME"}, "key_env"),
+                         ({"key_env": "LORA_SERVE_TEST_KEY", "key_sha256": hash_key(ADMIN).hex()}, "exactly one")]:
+        monkeypatch.setenv("LORA_SERVE_SHORT", "short")
+        with pytest.raises(ValueError, match=words):
+            ApiKeyConfig(name="k", **entry).to_key()
+
+
+def test_a_key_in_clear_is_refused_at_build_saying_how_to_write_it_and_not_repeated(tmp_path):
+    from deployments.app import build_app
+
+    clear = tmp_path / "keys.yaml"
+    clear.write_text(json.dumps([{"name": "a", "key": TEAM_A}]))
+    for args in ({"api_keys": [{"name": "ops", "key": ADMIN}]}, {"api_keys_file": str(clear)}):
+        with pytest.raises(ValueError) as refused:
+            build_app(args)
+        message = str(refused.value)
+        assert "in clear" in message and "key_sha256" in message and "key_env" in message, message
+        assert ADMIN not in message and TEAM_A not in message, message
 
 
 def test_token_buckets_refill_with_time_and_carry_debt():
-    limiter = KeyLimiter(ApiKeyConfig(name="k", key="k" * 20, requests_per_minute=600, tokens_per_minute=6000,
+    limiter = KeyLimiter(ApiKeyConfig(name="k", key_sha256=hash_key("k" * 20).hex(), requests_per_minute=600,
+                                      tokens_per_minute=6000,
                                       max_concurrent=2).to_key().limits)
     limiter.admit()
     limiter.admit()
@@ -116,12 +154,18 @@ def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(root),
               "max_model_len": 512, "max_tokens_limit": 400,
               "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier"))}
-    keys = [{"name": "admin", "key": ADMIN, "manage_adapters": True},
-            {"name": "slow", "key": SLOW, "requests_per_minute": 2},
-            {"name": "frugal", "key": FRUGAL, "tokens_per_minute": 40},
-            {"name": "single", "key": SINGLE, "max_concurrent": 1}]
-    app = build_app({"engine": engine, "api_keys": keys, "api_keys_file": str(key_file),
-                     "max_request_bytes": 64 * 1024})
+    secrets = tmp_path_factory.mktemp("secrets")
+    (secrets / "slow.key").write_text(SLOW)
+    # each way of giving a key: an environment variable, a file, a hash inline, a file of hashes (above)
+    keys = [{"name": "admin", "key_env": "LORA_SERVE_ADMIN_KEY", "manage_adapters": True},
+            {"name": "slow", "key_file": str(secrets / "slow.key"), "requests_per_minute": 2},
+            {"name": "frugal", "key_sha256": hash_key(FRUGAL).hex(), "tokens_per_minute": 40},
+            {"name": "single", "key_env": "LORA_SERVE_SINGLE_KEY", "max_concurrent": 1}]
+    with pytest.MonkeyPatch.context() as patch:  # read by build_app, in this process: a replica never needs them
+        patch.setenv("LORA_SERVE_ADMIN_KEY", ADMIN)
+        patch.setenv("LORA_SERVE_SINGLE_KEY", SINGLE)
+        app = build_app({"engine": engine, "api_keys": keys, "api_keys_file": str(key_file),
+                         "max_request_bytes": 64 * 1024})
     with serving(serve_cluster, app) as url:
         yield url
 
@@ -274,8 +318,9 @@ def test_per_key_usage_is_exported_and_keys_never_logged(server, tiny_llama_path
     assert 'outcome="unauthorized"' in text or 'tenant="unauthenticated"' in text
     logs = [p for p in Path(METRICS["temp"]).rglob("*") if p.is_file() and p.suffix in (".log", ".out", ".err")]
     assert logs
-    for secret in (ADMIN, TEAM_A, SLOW):
+    for secret in (ADMIN, TEAM_A, SLOW, FRUGAL, SINGLE):
         assert not [p for p in logs if secret in p.read_text(errors="ignore")], "a key reached a log"
+        assert secret not in text, "a key reached the metrics"
 
 
 @pytest.mark.slow

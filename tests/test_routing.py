@@ -9,9 +9,13 @@ from deployments.peer_view import PeerView
 from deployments.routing import RouteRequest, RoutingPolicy, rank
 from engine import LLM, SamplingParams
 from engine.block_manager import prompt_digests
-from lora_cache.replica_report import AdapterTier, ClusterView, ReplicaReport
+from lora_cache.replica_report import AdapterTier, AdapterVersion, ClusterView, ReplicaReport
 
 POLICY = RoutingPolicy(imbalance=8, hot_adapter_requests=4)
+
+
+def _held(*names: str) -> tuple[AdapterVersion, ...]:
+    return tuple(AdapterVersion(name, f"content-of-{name}") for name in names)
 
 
 def _names(ranks: list[list[ReplicaReport]]) -> list[set[str]]:
@@ -19,12 +23,22 @@ def _names(ranks: list[list[ReplicaReport]]) -> list[set[str]]:
 
 
 def test_adapter_tier_orders_slot_then_cpu_then_node_store_then_cold():
-    reports = [ReplicaReport("cold"), ReplicaReport("cpu", cpu=("a",)), ReplicaReport("slot", device=("a",)),
-               ReplicaReport("store", node_store=frozenset({"a"}))]
+    reports = [ReplicaReport("cold"), ReplicaReport("cpu", cpu=_held("a")), ReplicaReport("slot", device=_held("a")),
+               ReplicaReport("store", node_store=frozenset(_held("a")))]
     assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"slot"}, {"cpu"}, {"store"}, {"cold"}]
     assert reports[1].tier("a") is AdapterTier.CPU and reports[0].tier(None) is AdapterTier.SLOT
-    view = ClusterView([], frozenset({"a"}), "node-1")
-    assert view.node_store("node-1") == {"a"} and view.node_store("node-2") == frozenset()
+    view = ClusterView([], frozenset(_held("a")), "node-1")
+    assert view.node_store("node-1") == set(_held("a")) and view.node_store("node-2") == frozenset()
+
+
+def test_residence_is_one_identity_a_name_and_its_content_id():
+    """Reports name adapters as clients do, whatever key a replica's engine runs them under; a request that knows the
+    version it wants ranks the replica holding that version first."""
+    reports = [ReplicaReport("old", device=(AdapterVersion("a", "v1"),)),
+               ReplicaReport("new", cpu=(AdapterVersion("a", "v2"),)), ReplicaReport("none")]
+    assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"old"}, {"new"}, {"none"}]
+    assert _names(rank(RouteRequest("a", "v2"), reports, POLICY)) == [{"new"}, {"old", "none"}]
+    assert reports[0].held() == ["a"] and reports[2].tier("a#1") is AdapterTier.COLD
 
 
 def test_longest_cached_prefix_ranks_first_after_residence():
@@ -32,30 +46,30 @@ def test_longest_cached_prefix_ranks_first_after_residence():
     reports = [ReplicaReport("one", prefix_digests=frozenset({11})),
                ReplicaReport("two", prefix_digests=frozenset({11, 12, 99})),
                ReplicaReport("gap", prefix_digests=frozenset({12, 13})),  # no first block: nothing usable
-               ReplicaReport("slot", device=("a",))]
-    assert _names(rank(RouteRequest(None, digests), reports, POLICY)) == [{"two"}, {"one"}, {"gap", "slot"}]
-    assert _names(rank(RouteRequest("a", digests), reports, POLICY))[0] == {"slot"}  # residence before prefix
+               ReplicaReport("slot", device=_held("a"))]
+    assert _names(rank(RouteRequest(None, prompt_digests=digests), reports, POLICY)) == [{"two"}, {"one"}, {"gap", "slot"}]
+    assert _names(rank(RouteRequest("a", prompt_digests=digests), reports, POLICY))[0] == {"slot"}  # residence before prefix
 
 
 def test_load_band_puts_overloaded_replicas_last_least_loaded_first():
-    reports = [ReplicaReport("holder", device=("a",), running=20), ReplicaReport("idle"),
+    reports = [ReplicaReport("holder", device=_held("a"), running=20), ReplicaReport("idle"),
                ReplicaReport("busy", running=30), ReplicaReport("near", running=8)]
     assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"idle", "near"}, {"holder"}, {"busy"}]
 
 
 def test_a_replica_with_a_full_kv_cache_ranks_last():
-    reports = [ReplicaReport("holder", device=("a",), kv_utilisation=0.95), ReplicaReport("other", running=3)]
+    reports = [ReplicaReport("holder", device=_held("a"), kv_utilisation=0.95), ReplicaReport("other", running=3)]
     assert _names(rank(RouteRequest("a"), reports, POLICY)) == [{"other"}, {"holder"}]
     full = [ReplicaReport("a", running=2, kv_utilisation=0.97), ReplicaReport("b", running=1, kv_utilisation=0.99)]
     assert _names(rank(RouteRequest(), full, POLICY)) == [{"b"}, {"a"}]  # all full: least loaded first
 
 
 def test_hot_adapter_loses_its_residence_preference():
-    cool = [ReplicaReport("holder", device=("a",), running=3, adapter_requests={"a": 3}), ReplicaReport("other")]
+    cool = [ReplicaReport("holder", device=_held("a"), running=3, adapter_requests={"a": 3}), ReplicaReport("other")]
     assert _names(rank(RouteRequest("a"), cool, POLICY))[0] == {"holder"}
-    hot = [ReplicaReport("holder", device=("a",), running=4, adapter_requests={"a": 4}), ReplicaReport("other")]
+    hot = [ReplicaReport("holder", device=_held("a"), running=4, adapter_requests={"a": 4}), ReplicaReport("other")]
     assert _names(rank(RouteRequest("a"), hot, POLICY)) == [{"holder", "other"}]
-    two_holders = hot + [ReplicaReport("second", cpu=("a",), running=1, adapter_requests={"a": 1})]
+    two_holders = hot + [ReplicaReport("second", cpu=_held("a"), running=1, adapter_requests={"a": 1})]
     assert _names(rank(RouteRequest("a"), two_holders, POLICY))[0] == {"holder"}  # one holder is not busy
 
 
@@ -70,7 +84,7 @@ def test_a_rank_of_equals_is_cut_to_two_at_random():
 
 
 def test_target_goes_first_unless_outside_the_band():
-    reports = [ReplicaReport("slot", device=("a",)), ReplicaReport("chosen", running=2)]
+    reports = [ReplicaReport("slot", device=_held("a")), ReplicaReport("chosen", running=2)]
     assert _names(rank(RouteRequest("a", target="chosen"), reports, POLICY))[0] == {"chosen"}
     reports[1] = ReplicaReport("chosen", running=40)
     assert _names(rank(RouteRequest("a", target="chosen"), reports, POLICY)) == [{"slot"}, {"chosen"}]
@@ -79,12 +93,12 @@ def test_target_goes_first_unless_outside_the_band():
 def test_serve_probes_a_target_several_times_before_the_other_ranks():
     from deployments.request_router import TARGET_PROBES, probe_order
 
-    reports = [ReplicaReport("sender"), ReplicaReport("holder", cpu=("a",))]
+    reports = [ReplicaReport("sender"), ReplicaReport("holder", cpu=_held("a"))]
     ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)
     assert _names(probe_order(RouteRequest("a", target="holder"), ranks)) == [{"holder"}] * TARGET_PROBES + [{"sender"}]
     untargeted = rank(RouteRequest("a"), reports, POLICY)
     assert probe_order(RouteRequest("a"), untargeted) == untargeted
-    reports[1] = ReplicaReport("holder", cpu=("a",), running=40)  # outside the band: not first, not repeated
+    reports[1] = ReplicaReport("holder", cpu=_held("a"), running=40)  # outside the band: not first, not repeated
     ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)
     assert _names(probe_order(RouteRequest("a", target="holder"), ranks)) == [{"sender"}, {"holder"}]
 
@@ -100,7 +114,7 @@ def test_peer_view_serves_here_when_among_the_best_and_spreads_a_burst():
     view = PeerView(POLICY)
     own = ReplicaReport("me")
     assert view.choose(RouteRequest("a"), own) is None  # no peers yet
-    view.update([ReplicaReport("peer", cpu=("a",), node_store=frozenset({"a", "b"}))])
+    view.update([ReplicaReport("peer", cpu=_held("a"), node_store=frozenset(_held("a", "b")))])
     assert view.choose(RouteRequest("c"), own) is None  # nobody holds c: equal, served here
     targets = [view.choose(RouteRequest("a"), own) for _ in range(12)]
     forwarded = [t for t in targets if t is not None]

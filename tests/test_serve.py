@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import torch
 
 from engine import LLM, SamplingParams
 from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 METRICS = {}  # the Ray metrics endpoint of the module's server
+MAX_ADAPTER_BYTES = 100_000  # the tiny model's rank-4 attention adapters take 30 KB, a rank-16 one on every module 130
 
 
 def _poll(condition, timeout=30.0, interval=0.5):
@@ -40,7 +42,8 @@ def server(serve_cluster, tiny_llama_path, adapters_root, tmp_path_factory):
 
     METRICS["url"] = serve_cluster.metrics_url
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_loras": 2, "adapters_root": str(adapters_root),
-              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier")), "adapter_cache_timeout_s": 3}
+              "adapter_disk_cache": str(tmp_path_factory.mktemp("disk-tier")), "adapter_cache_timeout_s": 3,
+              "max_adapter_bytes": MAX_ADAPTER_BYTES}
     with serving(serve_cluster, build_app({"engine": engine})) as url:
         yield url
 
@@ -1113,3 +1116,47 @@ def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_lla
 
     rest = [json.loads(line[5:]) for line in base_lines if line.startswith(b"data:")]
     assert rest[-1]["details"]["generated_tokens"] == 400  # the base stream ran through it all
+
+
+def _bad_adapters(tiny_llama_path, folder):
+    """lora_name -> (its folder, words its refusal states): one adapter for each thing checked at load."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    narrow = AutoConfig.from_pretrained(tiny_llama_path, hidden_size=32, intermediate_size=64)
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    bad = {"too-big-rank": (write_random_adapter(folder / "rank", config, rank=32, targets=("q_proj",)),
+                            "rank 32 is above this server's max_lora_rank 16"),
+           "mis-shaped": (write_random_adapter(folder / "shape", narrow, rank=4), "different base model"),
+           "integer-weights": (write_random_adapter(folder / "dtype", config, rank=4), "must be a 2-D float tensor"),
+           "oversized": (write_random_adapter(folder / "size", config, rank=16, targets=every),
+                         f"over the limit of {MAX_ADAPTER_BYTES} bytes (max_adapter_bytes)")}
+    weights = folder / "dtype" / "adapter_model.safetensors"
+    save_file({name: t.to(torch.int8) for name, t in load_file(weights).items()}, weights)
+    return bad
+
+
+def test_bad_adapters_are_refused_at_load_naming_the_problem_and_nothing_registers(server, tiny_llama_path,
+                                                                                   adapters_root, tmp_path):
+    """Rank, shapes, dtype and size are checked when the adapter is loaded: a 400 that names the adapter and the
+    limit, with no internal key and no server path; the name is then not served. Asking for or unloading an adapter
+    that does not exist names no path either."""
+    for name, (folder, words) in _bad_adapters(tiny_llama_path, tmp_path).items():
+        r = requests.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)},
+                          timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and f"adapter {name!r}" in message and words in message, (name, r.text)
+        assert "#" not in message and str(tmp_path) not in message, message
+        used = requests.post(f"{server}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
+                             timeout=60)
+        assert used.status_code == 404, used.text
+        assert name not in {m["id"] for m in requests.get(f"{server}/v1/models", timeout=10).json()["data"]}
+    missing = [requests.post(f"{server}/v1/completions", json={"model": "absent", "prompt": "hi"}, timeout=60),
+               requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"adapter_id": "absent"}},
+                             timeout=60),
+               requests.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "absent"}, timeout=60)]
+    for r in missing:
+        assert r.status_code == 404 and "'absent'" in r.text and str(adapters_root) not in r.text, r.text
