@@ -42,9 +42,9 @@ class AppArgs(StrictModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
                                          "the server is open (deployments/auth.py)")
-    api_keys_file: str | None = Field(None, description="a YAML or JSON list of keys given by key_sha256")
+    api_keys_file: str | None = Field(None, description="a YAML or JSON file holding a list of api_keys entries")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1024, description="a larger request body gets 413")
-    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    routing: RoutingArgs = Field(default_factory=RoutingArgs, description="which replica serves a request (below)")
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys

@@ -80,20 +80,25 @@ CLEAR_KEY_REFUSED = ("a key in clear in the serve config reaches Ray's logs and 
 class ApiKeyConfig(StrictModel):
     """One entry of `api_keys` in the app args or of an `api_keys_file` (YAML or JSON list): the key as its hash, or
     where to read it, exactly one of them."""
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="what operators and the metrics' tenant label see; never the key")
     key: str | None = Field(None, description="refused: " + CLEAR_KEY_REFUSED)
-    key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="the key's SHA-256, in hex "
+                                   "(python -m deployments.auth <key> prints it)")
     key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                 description="an environment variable of the process that builds the app")
     key_file: str | None = Field(None, min_length=1, description="a file holding the key (surrounding whitespace "
                                  "is dropped)")
-    adapters: list[str] = Field(default_factory=lambda: ["*"], max_length=256)
-    base_model: bool = True
-    manage_adapters: bool = False
-    min_priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
+    adapters: list[str] = Field(default_factory=lambda: ["*"], max_length=256,
+                                description="glob patterns of the adapter ids the key reaches")
+    base_model: bool = Field(True, description="whether the key reaches the base model")
+    manage_adapters: bool = Field(False, description="whether the key may load and unload adapters (within "
+                                  "`adapters`)")
+    min_priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+                                     description="the most urgent vLLM priority its requests may ask for")
+    requests_per_minute: int | None = Field(None, ge=1, description="a token bucket of requests")
+    tokens_per_minute: int | None = Field(None, ge=1, description="a token bucket of prompt and generated tokens")
+    max_concurrent: int | None = Field(None, ge=1, description="requests in flight at once, streams included")
 
     @model_validator(mode="after")
     def _one_secret(self):

@@ -40,7 +40,7 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = "smollm2-135m-instruct"  # a local Hugging Face model folder, or the embedded default's name
     dtype: str = "float32"  # the compute dtype; with quantization, that of everything not quantized
     quantization: str = "none"  # "none", "int8" or "nf4" (bitsandbytes) for the decoder layers' linears
     # "auto" picks CUDA when present, else CPU; $LORA_SERVE_DEVICE overrides the default (the test suite runs on
@@ -60,40 +60,40 @@ class EngineConfig:
     # CUDA: fused Triton element-wise operators (engine/kernels/cuda_ops.py: the residual addition with RMSNorm,
     # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)
     cuda_fused_ops: bool = True
-    block_size: int = 16
+    block_size: int = 16  # tokens per paged KV cache block (and per prefix-cache digest)
     kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
     # the KV cache's dtype: "auto" is the model's dtype (vLLM's meaning). Where a bf16 model computes in float32 (a
     # CPU without bf16 matrix math), "float32" keeps its keys and values unrounded at twice the bytes
     kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float | None = None  # overrides kv_cache_bytes: this share of free device memory
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests use it to force preemption)
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # sequences running at once; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks of an already computed prefix
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
     max_model_len: int | None = None  # defaults to the model's context length
     max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
     num_threads: int | None = None  # torch CPU threads; None = all cores
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # where converted models live; default $LORA_SERVE_CACHE, else ~/.cache/lora-serve
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
     max_loras: int = 0
-    max_lora_rank: int = 16
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds; a larger adapter is refused at load
     adapters_root: str | None = None  # "local": a folder of adapters; "s3": s3://bucket/prefix
     adapter_source: str = "local"  # "local", "hub" (the Hugging Face Hub, HF_ENDPOINT) or "s3" (AWS_ENDPOINT_URL)
     hub_cache: str | None = None  # a Hugging Face cache read when HF_HUB_OFFLINE is set or the Hub is unreachable
     adapter_disk_cache: str | None = None  # downloaded adapters (hub, s3); default <cache dir>/adapters
     adapter_disk_cache_bytes: int = 8 << 30  # LRU by bytes beyond this
     adapter_download_timeout_s: float = 30.0  # per connection and per read
-    adapter_download_retries: int = 3
+    adapter_download_retries: int = 3  # further tries of a failed download (hub, s3)
     max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
     adapter_cache_timeout_s: float = 30.0  # in serving, the cache actor silent this long: adapter requests get 503
     max_adapter_wait_s: float = 1.0  # after this, a request whose adapter has no slot stops being passed
     # Loaded into the CPU tier and device slots when the engine starts (so into every replica added by scale-up):
     # their first requests find them warm. Pinned adapters also keep their slots for good.
     preload_adapters: tuple[str, ...] = ()
-    pinned_adapters: tuple[str, ...] = ()
-    seed: int = 0
-    log_stats: bool = True
+    pinned_adapters: tuple[str, ...] = ()  # preloaded, and holding their device slots for good
+    seed: int = 0  # the seed of the generator that sampled requests without a seed of their own share
+    log_stats: bool = True  # print the model's memory plan when the engine starts
 
     @classmethod
     def from_overrides(cls, model: str | None = None, **overrides) -> "EngineConfig":

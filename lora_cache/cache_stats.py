@@ -57,11 +57,16 @@ class CacheStats:
         """Per adapter name the cache knows, for its current key, sorted by key."""
         view = RegistryView(generations=self.generations)
         known = {k for k in set(self.adapters) | set(self.load_counts) if view.is_current(k)}
-        names = set(self.registered)
-        for holding in self.replicas.values():
-            names |= set(holding.device) | set(holding.cpu)
-        known |= {view.key(n) for n in names}
+        known |= {view.key(n) for n in set(self.registered) | self._held_names() if self._served(n)}
         return {key_name(k): self._residence(k) for k in sorted(known)}
+
+    def _held_names(self) -> set[str]:
+        return {n for holding in self.replicas.values() for n in holding.device + holding.cpu}
+
+    def _served(self, name: str) -> bool:
+        """Whether a name is served now: registered, or never registered (its source's). A report that still names
+        an adapter unloaded since does not bring it back."""
+        return name in self.registered or not self.generations.get(name, 0)
 
     def _residence(self, key: str) -> AdapterResidence:
         cached, name = self.adapters.get(key), key_name(key)

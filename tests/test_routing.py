@@ -140,3 +140,18 @@ def test_engine_reports_the_digests_a_router_computes_for_its_prompt(tiny_llama_
     kept = prompt_digests(cut.kept_prompt(long), None, 4)
     assert kept and set(kept) <= llm.engine.cached_prefix_digests()
     assert not set(prompt_digests(long, None, 4)) & llm.engine.cached_prefix_digests()
+
+
+def test_the_residence_published_is_of_current_versions_only():
+    """/v1/models' residence: a replica's report that still names an adapter unloaded since does not list it again;
+    one that names an adapter of the source the cache actor no longer holds (a restarted actor) still lists it."""
+    from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
+
+    stats = CacheStats(adapters={"late#2": CachedAdapter(10, "v2")}, registered={"late": "/adapters/late"},
+                       generations={"late": 2, "gone": 3},
+                       replicas={"r1": ReplicaHolding(("late", "gone"), ("root",))}, nbytes=10, capacity_bytes=None,
+                       hits=0, misses=0, load_counts={}, load_seconds={})
+    residence = stats.residence()
+    assert sorted(residence) == ["late", "root"]
+    assert residence["late"].content_id == "v2" and residence["late"].device_replicas == ("r1",)
+    assert residence["root"].cpu_replicas == ("r1",) and residence["root"].content_id is None

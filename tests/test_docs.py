@@ -1,0 +1,49 @@
+"""The reference docs that are generated from the code: docs/configuration.md holds every engine option and every
+build_app argument, each with a meaning, as docs/generate.py writes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments.app import AppArgs, RoutingArgs
+from deployments.auth import ApiKeyConfig
+from engine.config import EngineConfig
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_the_configuration_reference_is_what_the_script_writes():
+    check = subprocess.run([sys.executable, "docs/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode == 0, check.stderr
+
+
+def test_every_option_has_an_entry():
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    names += [*AppArgs.model_fields, *RoutingArgs.model_fields, *ApiKeyConfig.model_fields]
+    assert not [name for name in names if f"| `{name}` |" not in text]
+
+
+def test_an_option_without_a_meaning_fails_the_script():
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+
+    @dataclasses.dataclass
+    class Options:
+        documented: int = 1  # what it does
+        silent: int = 2
+
+    comments = generate.field_comments(Options)
+    assert comments == {"documented": "what it does", "silent": ""}
+    rows = [(name, "int", "1", meaning) for name, meaning in comments.items()]
+    with pytest.raises(generate.MissingMeaning, match="silent"):
+        generate.table("Options", "", rows)
