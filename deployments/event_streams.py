@@ -52,9 +52,11 @@ class ForwardedEvents:
     """The events of a request forwarded to a peer (a Serve response stream); served here instead, from the start,
     if the peer dies before its first event."""
 
-    def __init__(self, forwarded, serve_here: Callable[[], LocalEvents]):
+    def __init__(self, forwarded, serve_here: Callable[[], LocalEvents], on_end: Callable[[], None] = lambda: None):
+        """on_end: called once when the request ends, however it ends (the sender counts its forwards in flight)."""
         self._events = forwarded
         self._serve_here = serve_here
+        self._on_end = on_end
         self._started = False  # an event came back: the client may have it
 
     def __aiter__(self):
@@ -62,7 +64,16 @@ class ForwardedEvents:
 
     async def __anext__(self) -> TokenEvent | Refusal:
         try:
-            event = await self._events.__anext__()
+            event = await self._next()
+        except BaseException:
+            self._end()
+            raise
+        self._started = True
+        return event
+
+    async def _next(self) -> TokenEvent | Refusal:
+        try:
+            return await self._events.__anext__()
         except RayActorError as exc:
             if self._started:
                 raise PeerLost() from exc
@@ -70,9 +81,12 @@ class ForwardedEvents:
                         "here", type(exc).__name__)
             self._events.cancel()
             self._events = self._serve_here()
-            event = await self._events.__anext__()
-        self._started = True
-        return event
+            return await self._events.__anext__()
 
     def cancel(self) -> None:
+        self._end()
         self._events.cancel()
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, lambda: None
+        on_end()

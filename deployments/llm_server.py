@@ -123,7 +123,8 @@ class LLMServer(HttpRoutes):
                 self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
             self._forwarded += 1
             return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream),
-                                   lambda: self._serve_here(prompt, params, key, stream))
+                                   lambda: self._serve_here(prompt, params, key, stream),
+                                   lambda: self._peers.finished(route))
         return self._serve_here(prompt, params, key, stream)
 
     def _key(self, adapter: str | None) -> str | None:

@@ -6,8 +6,8 @@ the router's ranking (deployments/routing.py) and serves the request itself when
 saves the Ray hop per event that forwarding costs; otherwise it forwards the request to the best peer.
 
 Peers' reports come from the cache actor once a report interval. A replica that forwards requests between two
-reports counts them onto the peer's load, so a burst does not all go to the peer that looked idle at the last
-report. Its own load, and each adapter's requests, it counts as it goes (requests in flight here), so a flood for
+reports counts those still in flight onto the peer's load, so a burst does not all go to the peer that looked idle
+at the last report, while requests that have already ended do not push a holder out of the load band. Its own load, and each adapter's requests, it counts as it goes (requests in flight here), so a flood for
 one adapter spreads as soon as the holder runs `hot_adapter_requests` of them, not a report later.
 """
 
@@ -24,7 +24,8 @@ class PeerView:
     def __init__(self, policy: RoutingPolicy):
         self.policy = policy
         self._reports: list[ReplicaReport] = []
-        self._sent: Counter[str] = Counter()  # requests forwarded to each peer since its last report
+        self._sent: Counter[str] = Counter()  # requests forwarded to each peer since its last report, in flight
+        self._counted: set[int] = set()  # the id()s of the forwards counted in _sent
 
     @property
     def has_peers(self) -> bool:
@@ -36,7 +37,7 @@ class PeerView:
 
     def update(self, reports: list[ReplicaReport] | None) -> None:
         """The peers' latest reports (None while the cache actor restarts: serve everything here until then)."""
-        self._reports, self._sent = list(reports or ()), Counter()
+        self._reports, self._sent, self._counted = list(reports or ()), Counter(), set()
 
     def choose(self, request: RouteRequest, own: ReplicaReport) -> RouteRequest | None:
         """None to serve the request here; else the request with the peer chosen for it as its target."""
@@ -49,4 +50,12 @@ class PeerView:
             return None
         choice = min(best, key=lambda r: r.load)
         sent[choice.replica] += 1
-        return dataclasses.replace(request, target=choice.replica)
+        route = dataclasses.replace(request, target=choice.replica)
+        self._counted.add(id(route))
+        return route
+
+    def finished(self, route: RouteRequest) -> None:
+        """A forwarded request ended: it leaves its peer's counted load (a report since counts it no more)."""
+        if id(route) in self._counted:
+            self._counted.discard(id(route))
+            self._sent[route.target] -= 1

@@ -124,6 +124,25 @@ def test_peer_view_serves_here_when_among_the_best_and_spreads_a_burst():
     assert view.choose(RouteRequest("a"), own) is None
 
 
+def test_peer_view_counts_only_the_forwards_still_in_flight():
+    """Requests forwarded one after another, each ended before the next, keep going to the holder: only a burst in
+    flight pushes it out of the load band."""
+    view = PeerView(POLICY)
+    own = ReplicaReport("me")
+    view.update([ReplicaReport("holder", device=_held("a"), running=4)])
+    for _ in range(3 * POLICY.imbalance):
+        route = view.choose(RouteRequest("a"), own)
+        assert route is not None and route.target == "holder"
+        view.finished(route)
+    burst = [view.choose(RouteRequest("a"), own) for _ in range(POLICY.imbalance)]
+    assert burst.count(None) == 3  # 4 running there and 5 more in flight fill the band (the floor 0 plus 8)
+    view.update([ReplicaReport("holder", device=_held("a"), running=8)])
+    for route in burst:  # ended after a report that counted them: not taken off twice
+        if route is not None:
+            view.finished(route)
+    assert view.choose(RouteRequest("a"), own) is not None
+
+
 def test_engine_reports_the_digests_a_router_computes_for_its_prompt(tiny_llama_path):
     llm = LLM(str(tiny_llama_path), block_size=4, log_stats=False)
     prompt = list(range(5, 31))  # 26 tokens: 6 full blocks that a later prompt can take
