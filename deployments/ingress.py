@@ -168,6 +168,7 @@ class HttpRoutes:
 
     @app.get("/health")
     async def health(self, http: Request):
+        """200 while the engine loop runs, else 503 with Retry-After (no API key needed)."""
         if not self._engine_running():
             return error_response(http.url.path, "engine loop is not running", 503, ENGINE_STOPPED_RETRY_AFTER_S)
         return {"status": "ok"}
@@ -191,6 +192,7 @@ class HttpRoutes:
 
     @app.post("/")
     async def root(self, request: GenerateRequest, http: Request):
+        """TGI's root route: /generate_stream when `stream` is set, else /generate's answer in a list."""
         if request.stream:
             return await self.generate_stream(request, http)
         response = await self.generate(request, http)
@@ -208,6 +210,7 @@ class HttpRoutes:
 
     @app.post("/generate_stream")
     async def generate_stream(self, request: GenerateRequest, http: Request):
+        """LoRAX's streamed generation: one server-sent event per token, the last with the whole text."""
         if request.parameters.sequences > 1:
             raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
         events = self._events(request, _tenant(http))
@@ -295,6 +298,7 @@ class HttpRoutes:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: oai.UnloadLoRAAdapterRequest, http: Request) -> dict:
+        """vLLM's route: stop serving what load_lora_adapter loaded under `lora_name`."""
         _tenant(http).check_manage(request.lora_name)
         await _lifecycle(self._unregister(request.lora_name))
         return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
@@ -323,6 +327,7 @@ class HttpRoutes:
 
     @app.post("/detokenize")
     async def detokenize_ids(self, request: Detokenize, http: Request) -> dict:
+        """vLLM's: the text of a list of token ids."""
         await self._check_tokenizer_model(request.model, _tenant(http))
         try:
             return detokenize(self.tokenizer, request.tokens)
@@ -359,11 +364,13 @@ class HttpRoutes:
 
     @app.post("/v1/completions")
     async def completions(self, request: oai.CompletionRequest, http: Request):
+        """OpenAI's completions, streamed or not; `model` names the base model or an adapter."""
         renderer = CompletionRenderer(request, self.token_texts)
         return await self._openai(request, http, request.prompts, renderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: oai.ChatRequest, http: Request):
+        """OpenAI's chat completions through the model's chat template, tools included, streamed or not."""
         prompt = self._chat_prompt(request.messages, request.tool_use(), request.template_options())
         return await self._openai(request, http, [prompt], ChatRenderer(request, self.token_texts))
 
@@ -375,6 +382,7 @@ class HttpRoutes:
 
     @app.post("/v1/responses")
     async def responses(self, request: ResponsesRequest, http: Request):
+        """OpenAI's Responses API (stateless: store false), streamed as its typed events or not."""
         prompt = self._chat_prompt(request.messages(), request.tool_use(), TemplateOptions())
         render = ResponseRenderer(request, self.token_texts)
         started = await self._begin(request, http, [prompt], render.default_max_tokens)

@@ -58,10 +58,10 @@ class S3Source:
             return self.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in _MISSING:
-                raise AdapterNotFoundError(adapter_id, f"not found: s3://{bucket}/{key}") from None
-            raise AdapterError(adapter_id, f"S3 refused s3://{bucket}/{key}: {exc}") from None
+                raise AdapterNotFoundError(adapter_id, f"{_file(key)} not found in S3") from None
+            raise AdapterError(adapter_id, f"S3 refused {_file(key)}: {_code(exc)}") from None
         except BotoCoreError as exc:
-            raise AdapterError(adapter_id, f"S3 did not answer for s3://{bucket}/{key}: {exc}") from None
+            raise AdapterError(adapter_id, f"S3 did not answer for {_file(key)}: {type(exc).__name__}") from None
 
     def _download(self, adapter_id: str, bucket: str, keys: dict, heads: dict, open_file) -> None:
         for file in FILES:
@@ -71,5 +71,15 @@ class S3Source:
                     for chunk in body.iter_chunks(CHUNK_BYTES):
                         out.write(chunk)
                 except (ClientError, BotoCoreError) as exc:
-                    raise AdapterError(adapter_id, f"download of s3://{bucket}/{keys[file]} failed: {exc}") from None
+                    raise AdapterError(adapter_id, f"download of {file} from S3 failed: {type(exc).__name__}") \
+                        from None
                 out.finish(heads[file]["ContentLength"])
+
+
+# A refusal reaches the client: it names the adapter's file, never the bucket and prefix the operator configured
+def _file(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def _code(exc: ClientError) -> str:
+    return exc.response.get("Error", {}).get("Code") or "an error"

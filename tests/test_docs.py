@@ -1,5 +1,6 @@
-"""The reference docs that are generated from the code: docs/configuration.md holds every engine option and every
-build_app argument, each with a meaning, as docs/generate.py writes it."""
+"""The reference docs that are generated from the code, as docs/generate.py writes them: docs/configuration.md holds
+every engine option and every build_app argument, each with a meaning; docs/api.md every route and the fields of its
+API's client that it refuses by name."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def test_an_option_without_a_meaning_fails_the_script():
     rows = [(name, "int", "1", meaning) for name, meaning in comments.items()]
     with pytest.raises(generate.MissingMeaning, match="silent"):
         generate.table("Options", "", rows)
+
+
+def test_the_api_reference_names_every_route_and_what_it_refuses():
+    text = (ROOT / "docs" / "api.md").read_text()
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /generate",
+                  "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "GET /v1/models", "POST /tokenize"):
+        assert f"| `{route}` |" in text, route
+    completions = text.split("### CompletionRequest")[1].split("###")[0]
+    assert "`suffix`" in completions.split("Refused by name")[1]  # OpenAI's, refused: tests/test_serve.py sends it
