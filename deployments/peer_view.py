@@ -7,8 +7,9 @@ saves the Ray hop per event that forwarding costs; otherwise it forwards the req
 
 Peers' reports come from the cache actor once a report interval. A replica that forwards requests between two
 reports counts those still in flight onto the peer's load, so a burst does not all go to the peer that looked idle
-at the last report, while requests that have already ended do not push a holder out of the load band. Its own load, and each adapter's requests, it counts as it goes (requests in flight here), so a flood for
-one adapter spreads as soon as the holder runs `hot_adapter_requests` of them, not a report later.
+at the last report, while requests that have already ended do not push a holder out of the load band. Its own
+load, and each adapter's requests, it counts as it goes (requests in flight here), so a flood for one adapter
+spreads as soon as the holder runs `hot_adapter_requests` of them, not a report later.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def route_index(declared: list) -> str:
     lines = ["## Routes", "", "| route | body | what it does |", "|---|---|---|"]
     for route in routes(declared):
         models = ", ".join(f"`{m.__name__}`" for m in body_models(route)) or "none"
-        lines.append(f"| `{' '.join(sorted(route.methods))} {route.path}` | {models} | {_cell(summary(route))} |")
+        lines.append(f"| `{' '.join(sorted(route.methods))} {route.path}` | {models} | {cell(summary(route))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -81,7 +81,7 @@ def model_section(model: type[BaseModel], clients: dict[str, set[str]]) -> str:
     if doc:
         lines += [doc, ""]
     lines += ["| field | type | default |", "|---|---|---|"]
-    lines += [f"| `{name}` | `{_cell(type_name(info.annotation))}` | `{_cell(_default(info))}` |"
+    lines += [f"| `{name}` | `{cell(type_name(info.annotation))}` | `{cell(_default(info))}` |"
               for name, info in model.model_fields.items()]
     refused = sorted(clients.get(model.__name__, set()) - set(model.model_fields))
     if refused:
@@ -112,7 +112,8 @@ def _default(info) -> str:
     return "required" if value is PydanticUndefined else repr(value)
 
 
-def _cell(text: str) -> str:
+def cell(text: str) -> str:
+    """Text safe in a Markdown table cell."""
     return text.replace("|", "\\|").replace("\n", " ")
 
 

@@ -117,13 +117,10 @@ def table(title: str, intro: str, rows: list[tuple[str, str, str, str]]) -> str:
     if missing:
         raise MissingMeaning(f"{title}: no comment or description for {', '.join(missing)}")
     lines = [f"## {title}", "", intro, "", "| option | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{name}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(meaning)} |"
+    cell = api_reference.cell
+    lines += [f"| `{name}` | `{cell(kind)}` | `{cell(default)}` | {cell(meaning)} |"
               for name, kind, default, meaning in rows]
     return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
 
 
 def reference() -> str:

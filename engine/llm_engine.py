@@ -28,7 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from lora_cache.adapter_folder import AdapterError
+from lora_cache.adapter import check_rank
 from lora_cache.local_cache import LocalAdapterCache
 from lora_cache.lru import LoadStats
 from lora_cache.provider import AdapterProvider
@@ -172,9 +172,8 @@ class LLMEngine:
             raise ValueError(f"adapter {adapter_id!r} requested but LoRA is disabled: "
                              f"start the engine with max_loras > 0")
         adapter = self.adapters.get(adapter_id)  # AdapterError (a ValueError) names the adapter and the reason
-        if adapter.rank > self.config.max_lora_rank:  # a provider's reader refuses these at load already
-            raise AdapterError(adapter_id, f"rank {adapter.rank} is above this server's max_lora_rank "
-                                           f"{self.config.max_lora_rank}")
+        # a provider's reader refuses these at load already; one shared by servers of other limits may not
+        check_rank(adapter_id, adapter.rank, self.config.max_lora_rank)
 
     def add_prepared(self, request: TrackedRequest) -> None:
         seq = request.seq

@@ -95,8 +95,7 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
         layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes[key])
     weights = [w for modules_of_layer in layers.values() for w in modules_of_layer.values()]
     rank = max(w.lora_a.shape[0] for w in weights)
-    if max_rank is not None and rank > max_rank:
-        raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
+    check_rank(adapter_id, rank, max_rank)
     return LoRAAdapter(
         adapter_id=adapter_id,
         rank=rank,
@@ -106,6 +105,12 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
         base_model_name_or_path=config.get("base_model_name_or_path"),
         content_id=content_id(folder),
     )
+
+
+def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:
+    """AdapterError unless the rank fits the server's max_lora_rank (None: no limit)."""
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
 
 
 def content_id(folder: Path) -> str:

@@ -57,7 +57,7 @@ class S3Source:
         try:
             return self.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in _MISSING:
+            if _code(exc) in _MISSING:
                 raise AdapterNotFoundError(adapter_id, f"{_file(key)} not found in S3") from None
             raise AdapterError(adapter_id, f"S3 refused {_file(key)}: {_code(exc)}") from None
         except BotoCoreError as exc:
@@ -82,4 +82,5 @@ def _file(key: str) -> str:
 
 
 def _code(exc: ClientError) -> str:
+    """S3's error code (NoSuchKey, AccessDenied, ...)."""
     return exc.response.get("Error", {}).get("Code") or "an error"
