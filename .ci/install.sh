@@ -15,4 +15,4 @@ mkdir -p "$HOME/.cache/lora-serve/lora-adapters"
 cp -r examples/adapters/. "$HOME/.cache/lora-serve/lora-adapters/"
 
 # The HAProxy launcher that serve_config.yaml names: HAProxy dies with the Serve process that started it
-python -m deployments.haproxy_launcher
+python -m deployments.routing.haproxy_launcher

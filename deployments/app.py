@@ -8,20 +8,20 @@ from pydantic import Field, ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.auth import ApiKeyConfig, KeyRing
-from deployments.direct_ingress import direct_ingress_env, haproxy_enabled
-from deployments.gate import MAX_REQUEST_BYTES, GateConfig
-from deployments.ingress_router import AdapterRouter
-from deployments.llm_server import LLMServer
-from deployments.openmp import replica_env_vars
-from deployments.request_router import router_config
-from deployments.routing import RoutingPolicy
-from deployments.strict import StrictModel
+from deployments.gate.auth import ApiKeyConfig, KeyRing
+from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabled
+from deployments.gate.gate import MAX_REQUEST_BYTES, GateConfig
+from deployments.routing.ingress_router import AdapterRouter
+from deployments.replica.llm_server import LLMServer
+from deployments.replica.openmp import replica_env_vars
+from deployments.routing.request_router import router_config
+from deployments.routing.policy import RoutingPolicy
+from deployments.api.strict import StrictModel
 from engine.config import EngineConfig
 
 
 class RoutingArgs(StrictModel):
-    """How requests find a replica (deployments/routing.py)."""
+    """How requests find a replica (deployments/routing/policy.py)."""
     router: Literal["lora_aware", "multiplex"] = Field(
         "lora_aware", description="lora_aware: by adapter residence, cached prefix and load; multiplex: Ray "
         "Serve's own router (power of two choices, preferring replicas that loaded the adapter named in the "
@@ -41,7 +41,7 @@ class RoutingArgs(StrictModel):
 class AppArgs(StrictModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
-                                         "the server is open (deployments/auth.py)")
+                                         "the server is open (deployments/gate/auth.py)")
     api_keys_file: str | None = Field(None, description="a YAML or JSON file holding a list of api_keys entries")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1024, description="a larger request body gets 413")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="which replica serves a request (below)")
@@ -77,7 +77,7 @@ def _reason(exc: Exception) -> str:
 
 
 def with_ingress_router(server: Application, model_name: str) -> Application:
-    """The engine app with the router HAProxy asks for each request's replica (deployments/ingress_router.py),
+    """The engine app with the router HAProxy asks for each request's replica (deployments/routing/ingress_router.py),
     through Ray 2.60's private hook for it. It takes a port of the direct-ingress range and no CPU."""
     router = AdapterRouter.options(ray_actor_options={"num_cpus": 0,
                                                       "runtime_env": {"env_vars": direct_ingress_env()}})
@@ -85,8 +85,8 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
 
 
 def _engine_actor_options() -> dict:
-    """One CPU per engine replica, its process started on Intel's OpenMP runtime (deployments/openmp.py), and
-    Serve's direct-ingress settings when the controller has them (deployments/direct_ingress.py). A serve
+    """One CPU per engine replica, its process started on Intel's OpenMP runtime (deployments/replica/openmp.py), and
+    Serve's direct-ingress settings when the controller has them (deployments/routing/direct_ingress.py). A serve
     config's ray_actor_options for LLMServer replace these: keep the runtime_env there."""
     env_vars = {**replica_env_vars(), **direct_ingress_env()}
     return {"num_cpus": 1, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

@@ -28,14 +28,14 @@ from pydantic import BaseModel  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
 import api_reference  # noqa: E402
-from deployments.ingress import app as http_app  # noqa: E402
+from deployments.routes.routes import app as http_app  # noqa: E402
 
 # The routes as the routes module declares them: Serve's @serve.ingress on the engine deployment, imported with
 # deployments.app below, moves them off the app into the deployment's copy
 HTTP_ROUTES = list(http_app.routes)
 
 from deployments.app import AppArgs, RoutingArgs  # noqa: E402
-from deployments.auth import ApiKeyConfig  # noqa: E402
+from deployments.gate.auth import ApiKeyConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
 CONFIGURATION, API = DOCS / "configuration.md", DOCS / "api.md"
@@ -129,10 +129,10 @@ def reference() -> str:
               engine_rows()),
         table("build_app arguments", "`args` of the `lora-serve` application (`deployments/app.py`).",
               model_rows(AppArgs)),
-        table("routing", "`args.routing`: which replica serves a request (`deployments/routing.py`).",
+        table("routing", "`args.routing`: which replica serves a request (`deployments/routing/policy.py`).",
               model_rows(RoutingArgs)),
         table("api_keys entries", "Each entry of `args.api_keys`, and of the list in `api_keys_file` "
-              "(`deployments/auth.py`). Give the key one way: `key_sha256`, `key_env` or `key_file`.",
+              "(`deployments/gate/auth.py`). Give the key one way: `key_sha256`, `key_env` or `key_file`.",
               model_rows(ApiKeyConfig)),
     ]
     return HEADER + "\n" + "\n".join(sections)

@@ -184,7 +184,7 @@ class LoRACacheActor:
     def report(self, report: ReplicaReport) -> ClusterView:
         """A replica tells where its adapters reside, what its prefix cache holds and its load; the answer is the
         other live replicas' reports and what the object store holds (a replica routes requests by them:
-        deployments/routing.py)."""
+        deployments/routing/policy.py)."""
         self.residence[report.replica] = dataclasses.replace(report, reported_at=time.monotonic())
         peers = [v for r, v in self._live_residence().items() if r != report.replica]
         return ClusterView(peers, self._stored(), self.node_id)

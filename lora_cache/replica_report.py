@@ -4,7 +4,7 @@ its prefix cache holds, and how loaded it is.
 A replica sends its report to the cache actor every report interval (lora_cache/actor.py), which answers with
 the other live replicas' reports, and hands the same report to Ray Serve's routers through
 `record_routing_stats`. The cache actor is the cluster's directory of replicas because it already was the
-directory of adapters: both routing decisions, the router's and a replica's own (deployments/routing.py), read
+directory of adapters: both routing decisions, the router's and a replica's own (deployments/routing/policy.py), read
 these reports.
 
 Across processes an adapter is known by one identity, `AdapterVersion`: the name clients ask for, and the content id

@@ -13,7 +13,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deployments.replica_stats import ReplicaStats
+from deployments.replica.replica_stats import ReplicaStats
 
 PROMPTS = [
     "The capital of France is",

@@ -16,8 +16,8 @@ import openai
 import pytest
 import requests
 
-from deployments.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
-from deployments.rate_limits import KeyLimiter, RateLimited, TokenBucket
+from deployments.gate.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
+from deployments.gate.rate_limits import KeyLimiter, RateLimited, TokenBucket
 from engine import LLM, SamplingParams
 from engine.errors import EngineOverloadedError, TokenBudget, TokenBudgetError
 from tests.helpers import serving, write_tiny_adapters

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import benchmark_args
-from deployments.token_texts import TokenTexts
+from deployments.api.token_texts import TokenTexts
 
 ROOT = Path(__file__).parent.parent
 

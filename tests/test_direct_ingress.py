@@ -1,6 +1,6 @@
 """Direct ingress on a local cluster: with Serve's direct-ingress settings in the controller's environment, the
 app that build_app makes serves HTTP on its replica's own port too, with the same routes, streams and errors as
-through Serve's proxy (deployments/direct_ingress.py)."""
+through Serve's proxy (deployments/routing/direct_ingress.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from deployments.app import AppArgs, RoutingArgs
-from deployments.auth import ApiKeyConfig
+from deployments.gate.auth import ApiKeyConfig
 from engine.config import EngineConfig
 
 ROOT = Path(__file__).parent.parent

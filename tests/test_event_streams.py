@@ -1,5 +1,5 @@
 """The routes' streams when the replica serving a forwarded request dies after its first events
-(deployments/event_streams.py PeerLost): an error event in the API's own shape ends the response, which then
+(deployments/api/events.py PeerLost): an error event in the API's own shape ends the response, which then
 closes as a finished one would, and the request's other choices are stopped. A peer that dies before its first
 event costs no error at all: tests/two_nodes/test_faults.py kills real Serve replicas for both cases.
 """
@@ -12,16 +12,16 @@ import json
 import openai
 import pytest
 
-from deployments import openai_protocol as oai
-from deployments.choice_streams import Choice, openai_sse, response_events
-from deployments.event_streams import PeerLost
-from deployments.events import TokenEvent
-from deployments.ingress import HttpRoutes
-from deployments.openai_render import CompletionRenderer
-from deployments.protocol import GenerateRequest
-from deployments.tgi_render import TgiRenderer
-from deployments.responses_protocol import ResponsesRequest
-from deployments.responses_render import ResponseRenderer
+from deployments.api import openai_protocol as oai
+from deployments.routes.choice_streams import Choice, openai_sse, response_events
+from deployments.api.events import PeerLost
+from deployments.api.events import TokenEvent
+from deployments.routes.routes import HttpRoutes
+from deployments.api.openai_render import CompletionRenderer
+from deployments.api.tgi_protocol import GenerateRequest
+from deployments.api.tgi_render import TgiRenderer
+from deployments.api.responses_protocol import ResponsesRequest
+from deployments.api.responses_render import ResponseRenderer
 from engine import EngineConfig
 
 
@@ -144,7 +144,7 @@ def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
     it after failed health checks), each in its API's error shape, not a bare 500."""
     from starlette.requests import Request
 
-    from deployments.error_handlers import _engine_stopped
+    from deployments.routes.error_handlers import _engine_stopped
     from engine import EngineDeadError
 
     def request(path: str) -> Request:

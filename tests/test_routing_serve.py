@@ -21,9 +21,9 @@ SETTLE_S = 2.5  # a replica's report reaches its peers within two report interva
 
 @pytest.fixture(scope="module")
 def server(serve_cluster, tiny_llama_path, tmp_path_factory):
-    from deployments.llm_server import LLMServer
-    from deployments.request_router import router_config
-    from deployments.routing import RoutingPolicy
+    from deployments.replica.llm_server import LLMServer
+    from deployments.routing.request_router import router_config
+    from deployments.routing.policy import RoutingPolicy
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("routing-adapters"), ADAPTERS)
     # A wide load band: only the hot-adapter rule may spread an adapter that one replica holds.
@@ -55,10 +55,10 @@ def test_adapter_requests_go_to_the_replica_holding_it_in_a_slot(server):
 
 def _through_serve_router(adapter: str, n: int) -> None:
     """Requests sent through a handle, as a replica forwards them but naming no replica: Serve's router
-    (deployments/request_router.py) places them by the reports alone."""
+    (deployments/routing/request_router.py) places them by the reports alone."""
     from ray import serve
 
-    from deployments.routing import RouteRequest
+    from deployments.routing.policy import RouteRequest
     from engine import SamplingParams
 
     handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve").options(stream=True)

@@ -343,7 +343,7 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
 def test_openai_requests_ask_the_engine_for_logprobs_only_when_the_client_does():
     """A step whose rows ask no logprobs skips each row's logsumexp over the vocabulary: an OpenAI request without
     logprobs must not ask for them."""
-    from deployments.openai_protocol import ChatRequest, CompletionRequest
+    from deployments.api.openai_protocol import ChatRequest, CompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]
     asked = {"plain completion": CompletionRequest(model="m", prompt="hi"),
@@ -793,9 +793,9 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
 
 
 def test_tgi_tokens_mark_special_ones_with_their_text(tokenizer):
-    from deployments.events import TokenEntry
-    from deployments.tgi_render import TgiTokens
-    from deployments.token_texts import TokenTexts
+    from deployments.api.events import TokenEntry
+    from deployments.api.tgi_render import TgiTokens
+    from deployments.api.token_texts import TokenTexts
 
     tgi = TgiTokens(TokenTexts(tokenizer))
     eos = {"id": tokenizer.eos_token_id, "text": "", "logprob": -0.5}  # the generated text leaves EOS out
@@ -962,7 +962,7 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv_blocks(server):
 def test_overload_answers_429_or_503_with_retry_after(server, tiny_llama_path):
     from ray import serve
 
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
 
     engine = {"model": str(tiny_llama_path), "log_stats": False, "max_num_seqs": 1, "max_waiting_requests": 1}
     no_cpus = {"num_cpus": 0}  # it starts whatever the other apps of the shared cluster hold

@@ -10,7 +10,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import AppArgs
-from deployments.autoscaling import EngineLoadPolicy
+from deployments.replica.autoscaling import EngineLoadPolicy
 from engine import EngineConfig
 
 ROOT = Path(__file__).parent.parent

@@ -26,8 +26,8 @@ import pytest
 import requests
 import yaml
 
-from deployments.auth import hash_key
-from deployments.haproxy_launcher import install
+from deployments.gate.auth import hash_key
+from deployments.routing.haproxy_launcher import install
 from tests.helpers import write_tiny_adapters
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(serve_cluster, tiny_llama_path, tmp_path_factory):
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
 
     adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("scaling-adapters"), ("warm",))
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
@@ -39,7 +39,7 @@ def server(serve_cluster, tiny_llama_path, tmp_path_factory):
               "preload_adapters": ["warm"]}
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1,
                    "upscale_delay_s": 1, "downscale_delay_s": 4,
-                   "policy": {"policy_function": "deployments.autoscaling:EngineLoadPolicy",
+                   "policy": {"policy_function": "deployments.replica.autoscaling:EngineLoadPolicy",
                               "policy_kwargs": {"target_running_per_replica": 2}}}
     llm = LLMServer.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 1},
                             health_check_period_s=1, health_check_timeout_s=10)

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import requests
 
-from deployments.chat import ChatMessage, chat_prompt
-from deployments.tools import FunctionDefinition, ToolMode, ToolUse
+from deployments.api.chat import ChatMessage, chat_prompt
+from deployments.api.tools import FunctionDefinition, ToolMode, ToolUse
 from tests.helpers import serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24},

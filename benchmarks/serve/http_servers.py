@@ -28,8 +28,8 @@ import requests
 import yaml
 
 from benchmarks.peers.vllm_env import vllm_env
-from deployments.direct_ingress import ENABLE as DIRECT_INGRESS
-from deployments.direct_ingress import ENABLE_HAPROXY as HAPROXY
+from deployments.routing.direct_ingress import ENABLE as DIRECT_INGRESS
+from deployments.routing.direct_ingress import ENABLE_HAPROXY as HAPROXY
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("HAProxyManager", "HAProxy manager"),
@@ -147,7 +147,7 @@ def steal_seconds() -> float:
 def start_lora_serve(name: str, config: Path, tmp: Path, direct: bool = False,
                      env: dict[str, str] | None = None, dtype: str | None = None) -> Server:
     """`serve run` on a copy of `config` with a free port; direct: the server's URL is its replica's own port
-    (Serve's direct ingress, which the config must enable: deployments/direct_ingress.py), not the proxy's, and
+    (Serve's direct ingress, which the config must enable: deployments/routing/direct_ingress.py), not the proxy's, and
     Serve's Python proxy idles on the HTTP port in place of HAProxy; env:
     variables added to its environment (Ray's workers inherit them); dtype: every application's engine dtype, in
     place of the config's."""

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from benchmarks.common import (benchmark_args, environment, fmt, markdown_table, report_header,  # noqa: E402
                                save_results)
 from benchmarks.serve.http_servers import ROOT  # noqa: E402
-from deployments.openmp import replica_env_vars  # noqa: E402
+from deployments.replica.openmp import replica_env_vars  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)

@@ -9,7 +9,7 @@ machine's 2 cores), SmolLM2 bf16, MAX_LORAS device slots per replica, and ADAPTE
 the attention projections; each runs with a KV cache of 256 MiB per replica (each replica's prefix cache holds
 every system prompt) and of 64 MiB (about half of them beside the running requests, as when KV memory is
 scarce). They differ only in `routing.router`:
-- lora_aware: deployments/routing.py (adapter residence, cached prefix, load) in the proxy's router and in the
+- lora_aware: deployments/routing/policy.py (adapter residence, cached prefix, load) in the proxy's router and in the
   replica that parses a request;
 - multiplex: Ray Serve's own router (power of two choices, preferring replicas that loaded the adapter named in
   the serve_multiplexed_model_id header), each request served where it lands.

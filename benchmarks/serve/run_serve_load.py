@@ -6,7 +6,7 @@
     PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
 
 lora-serve runs twice a round when the config enables direct ingress: through its HTTP port (HAProxy, or Serve's
-proxy), and on its replica's own port (`lora-serve direct`, deployments/direct_ingress.py). SmolLM2 in bf16, or in
+proxy), and on its replica's own port (`lora-serve direct`, deployments/routing/direct_ingress.py). SmolLM2 in bf16, or in
 float32 with --dtype float32 for every server and the offline engine (on a CPU without bf16 matrix instructions
 vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32 on bf16 weights);
 --vllm-dtype float32 runs vLLM alone in float32, its fastest there, against lora-serve's bf16. Streamed /v1/completions

@@ -25,7 +25,7 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(two_nodes, tiny_llama_path, adapters_root):
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
 
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 4,
               "adapters_root": str(adapters_root)}
@@ -70,7 +70,7 @@ def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(server):
     holds forwards it there."""
     import ray
 
-    from deployments.llm_server import REPORT_INTERVAL_S
+    from deployments.replica.llm_server import REPORT_INTERVAL_S
     from lora_cache.actor import ACTOR_NAME
 
     url = server

@@ -23,7 +23,7 @@ _KINDS = ("streamed adapter completion", "base generate", "adapter chat")  # _re
 
 @pytest.fixture(scope="module")
 def server(two_nodes, tiny_llama_path, tmp_path_factory):
-    from deployments.llm_server import LLMServer
+    from deployments.replica.llm_server import LLMServer
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("fault-adapters"), ADAPTERS)
     engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
@@ -148,8 +148,9 @@ def test_a_forwarded_request_survives_its_peer(two_nodes):
     after it: PeerLost, the routes' cue for an error event that ends the response."""
     from ray import serve
 
-    from deployments.event_streams import ForwardedEvents, LocalEvents, PeerLost
-    from deployments.events import TokenEvent
+    from deployments.api.events import PeerLost
+    from deployments.replica.event_streams import ForwardedEvents, LocalEvents
+    from deployments.api.events import TokenEvent
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Peer:

@@ -1,0 +1,85 @@
+"""A request's events as the HTTP routes read them: served here, or forwarded to a peer with failover.
+
+Both kinds are async iterators of TokenEvent | Refusal with cancel(), which stops the engine request behind them
+(the routes call it when a client leaves or another choice of the request fails).
+
+A forwarded request whose peer dies (its process killed, its node removed: Ray's RayActorError) before any event
+came back has sent nothing to the client yet, so this replica serves it itself, from the start: a replica's death
+costs its forwarded requests a restart, not an error. Once events have gone out, the text cannot be continued
+elsewhere as it would have gone on (the peer's sampling state died with it), so the stream ends with PeerLost,
+which the routes answer with an error event that ends the response. Without this, the route raised Ray's error:
+a 500 whose traceback named processes and addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from ray.exceptions import RayActorError
+
+from deployments.api.events import PeerLost, Refusal, TokenEvent
+
+log = logging.getLogger("ray.serve")
+
+
+class LocalEvents:
+    """The events of a request this replica serves itself."""
+
+    def __init__(self, events: AsyncIterator[TokenEvent | Refusal], abort):
+        self._events = events
+        self._abort = abort  # a coroutine function: stops the engine request and frees its KV blocks
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | Refusal:
+        return await self._events.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self._abort())
+
+
+class ForwardedEvents:
+    """The events of a request forwarded to a peer (a Serve response stream); served here instead, from the start,
+    if the peer dies before its first event."""
+
+    def __init__(self, forwarded, serve_here: Callable[[], LocalEvents], on_end: Callable[[], None] = lambda: None):
+        """on_end: called once when the request ends, however it ends (the sender counts its forwards in flight)."""
+        self._events = forwarded
+        self._serve_here = serve_here
+        self._on_end = on_end
+        self._started = False  # an event came back: the client may have it
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | Refusal:
+        try:
+            event = await self._next()
+        except BaseException:
+            self._end()
+            raise
+        self._started = True
+        return event
+
+    async def _next(self) -> TokenEvent | Refusal:
+        try:
+            return await self._events.__anext__()
+        except RayActorError as exc:
+            if self._started:
+                raise PeerLost() from exc
+            log.warning("the peer serving a forwarded request died before its first event (%s); serving it "
+                        "here", type(exc).__name__)
+            self._events.cancel()
+            self._events = self._serve_here()
+            return await self._events.__anext__()
+
+    def cancel(self) -> None:
+        self._end()
+        self._events.cancel()
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, lambda: None
+        on_end()

@@ -1,0 +1,358 @@
+"""Engine replica: one AsyncEngine per replica, behind the HTTP routes (deployments/routes/routes.py) in the same process.
+
+Serve's HTTP proxy hands each request to a replica with the deployment's router (deployments/routing/request_router.py),
+which knows a request's adapter only from the `serve_multiplexed_model_id` header. The replica that parses the
+request knows its adapter and prompt: it ranks itself and its peers by adapter residence, cached prefix and load
+(deployments/routing/policy.py, deployments/routing/peer_view.py), serves the request itself when it is among the best, and
+forwards it otherwise, through a handle to its own deployment whose router sends it to the chosen peer. A
+forwarded request is served where it lands. A replica added by scale-up reaches every adapter through the
+cluster's cache actor at once.
+Every second the replica builds its report (lora_cache/replica_report.py: adapters in device slots and in its
+CPU copy, prefix-cache digests, load), sends it to the cache actor, which answers with its peers' reports, and
+hands it to Serve's routers through record_routing_stats; it also publishes its engine gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import ray
+from ray import serve
+from ray.serve.config import BackpressureConfig
+
+from deployments.api.errors import client_message
+from deployments.replica.event_streams import ForwardedEvents, LocalEvents
+from deployments.api.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
+from deployments.gate.gate import Gate, GateConfig
+from deployments.routes.routes import HttpRoutes, app
+from deployments.replica.metrics import ServingMetrics
+from deployments.replica.openmp import intel_openmp_loaded
+from deployments.replica.pacing import EventPacer
+from deployments.routing.peer_view import PeerView
+from deployments.replica.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
+from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
+from deployments.routing.policy import RouteRequest, RoutingPolicy
+from engine.config import EngineConfig
+from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, TokenBudgetError
+from engine.model_files import resolve_model
+from engine.outputs import EngineStats
+from engine.sampling import SamplingParams
+from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
+from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
+from lora_cache.merge_spec import MergeSpec
+from lora_cache.registry import Registration, key_name
+from lora_cache.replica_report import ReplicaReport
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+REPORT_INTERVAL_S = 1.0
+
+
+# The engine's own queue limit (max_waiting_requests, answered 429 in each API's error shape) is meant to act
+# first: ongoing requests allow more than max_num_seqs + max_waiting_requests. Past Serve's own queue the proxy
+# answers 503 with Retry-After in plain text.
+@serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, health_check_period_s=10,
+                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S),
+                  request_router_config=router_config(RoutingPolicy()))
+@serve.ingress(app)
+class LLMServer(HttpRoutes):
+    def __init__(self, engine: dict | None = None, top_adapters: int = 20,
+                 gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy()):
+        """routing: how this replica places the requests it parses (deployments/routing/policy.py); None serves each
+        where Serve's router put it (plain multiplexing, for comparison)."""
+        self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate/gate.py
+        config = EngineConfig.from_overrides(**(engine or {}))
+        self.node_id = ray.get_runtime_context().get_node_id()
+        context = serve.get_replica_context()
+        self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
+        self._deployment = (context.deployment, context.app_name)
+        # The cache actor first, before this process imports torch: if this replica creates it, its process start
+        # (about 5 s on 2 cores) overlaps the engine's imports, model load and operators' build
+        self.adapter_cache = self._adapter_provider(config) if config.max_loras else None
+        self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
+        if self.adapter_cache is not None:
+            self.adapter_cache.wait_ready()
+        self._init_routes(config, self.engine.tokenizer)
+        self.metrics = ServingMetrics(top_adapters)
+        self.pacer = EventPacer()
+        self.metrics.memory(self.engine.memory())
+        self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
+        self._peers = PeerView(routing) if routing is not None else None
+        self._forwarded = 0  # requests this replica sent to a peer
+        self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
+        self._report = ReplicaReport(self.replica)
+        self._node_store: frozenset[str] = frozenset()  # adapters in this node's object store, per the cache actor
+        self._stop = threading.Event()
+        threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
+
+    def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
+        # the raw config.json, which the actor reads with transformers' AutoConfig.for_model: this process has not
+        # imported transformers yet
+        model_dir = resolve_model(config.model, config.model_cache_dir)
+        base_config = json.loads((model_dir / "config.json").read_text())
+        actor = get_or_create_cache_actor(base_config, config.adapter_sources())
+        return RayAdapterCache(actor, self.replica, timeout_s=config.adapter_cache_timeout_s)
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def _adapter(self, adapter_id: str) -> str:
+        """Fetch the adapter into this replica's CPU copy; Serve then routes its requests here first."""
+        await asyncio.to_thread(self.adapter_cache.get, adapter_id)
+        return adapter_id
+
+    def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """Served here, unless a peer ranks better for this request (deployments/routing/peer_view.py): then forwarded
+        through Serve's router, and served here after all if that peer dies before its first event
+        (deployments/replica/event_streams.py). The engine knows the adapter by its current key (lora_cache/registry.py: the
+        name, or a new key once it was loaded at run time); a forwarded request names it as routing does, by name
+        and content id, and its target resolves the key itself."""
+        key = self._key(adapter)
+        route = self._forward_route(prompt, params, key)
+        if route is not None:
+            if self._peer_handle is None:
+                self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
+            self._forwarded += 1
+            return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream),
+                                   lambda: self._serve_here(prompt, params, key, stream),
+                                   lambda: self._peers.finished(route))
+        return self._serve_here(prompt, params, key, stream)
+
+    def _key(self, adapter: str | None) -> str | None:
+        """The key the engine knows adapter `adapter` by now; None for the base model."""
+        return self.adapter_cache.key(adapter) if adapter is not None and self.adapter_cache is not None else adapter
+
+    def _serve_here(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                    stream: bool) -> LocalEvents:
+        request_id = uuid.uuid4().hex
+        return LocalEvents(self._generate(request_id, prompt, params, adapter, stream),
+                           lambda: self.engine.abort(request_id))
+
+    def _forward_route(self, prompt: str | list[int], params: SamplingParams, key: str | None) -> RouteRequest | None:
+        """The request with the peer to forward it to, or None to serve it here. The prompt is tokenized for its
+        prefix digests only when there are peers to compare, and cut as the engine will cut it."""
+        if self._peers is None or not self._peers.has_peers:
+            return None
+        token_ids = params.kept_prompt(self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt)
+        digests = self.engine.prompt_digests(token_ids, key)
+        # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
+        own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,
+                                  adapter_requests=self._adapter_requests())
+        return self._peers.choose(self._route_request(key, digests), own)
+
+    def _route_request(self, key: str | None, digests: list[int]) -> RouteRequest:
+        """What routing knows of a request for this key: the adapter's name and, once this replica holds it, the
+        content id of its weights."""
+        if key is None:
+            return RouteRequest(None, None, tuple(digests))
+        return RouteRequest(key_name(key), self.adapter_cache.content_id(key), tuple(digests))
+
+    async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
+                        stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+        """A request another replica forwarded here (Serve's router reads `route`: deployments/routing/request_router.py)."""
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream):
+            yield event
+
+    async def _register(self, name: str, lora_path: str) -> Registration:
+        return await self._lora_cache().register(name, lora_path)
+
+    async def _unregister(self, name: str) -> None:
+        await self._lora_cache().unregister(name)
+
+    async def _merge(self, spec: MergeSpec) -> str:
+        return await self._lora_cache().merge(spec)
+
+    def _lora_cache(self) -> RayAdapterCache:
+        if self.adapter_cache is None:
+            raise ValueError("this server runs without LoRA (engine.max_loras is 0): it cannot load adapters")
+        return self.adapter_cache
+
+    async def _generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                        adapter: str | None, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
+        """Yield TokenEvents of one or more new tokens each (each event costs the HTTP proxy and, when forwarded,
+        a Ray stream per item, not per token: the tokens ready when the consumer asks, held longer under load,
+        see deployments/replica/pacing.py); the last one carries the Final. With stream=False, one event with every
+        token. A request the engine refuses yields one Refusal instead."""
+        timer = self.metrics.start(key_name(adapter) if adapter is not None else None)
+        self._in_flight[adapter] += 1
+        try:
+            async for event in self._serve(request_id, prompt, params, adapter, stream, timer):
+                yield event
+        finally:
+            self._in_flight[adapter] -= 1
+            if not self._in_flight[adapter]:
+                del self._in_flight[adapter]
+
+    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                     stream: bool, timer) -> AsyncIterator[TokenEvent | Refusal]:
+        try:
+            if adapter is not None:
+                await self._fetch_adapter(adapter, timer)
+            chunks = self.engine.generate_chunks(request_id, prompt, params, adapter)
+            first = await chunks.__anext__()
+        except EngineOverloadedError as exc:
+            yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
+            return
+        except AdapterNotFoundError as exc:
+            yield Refusal(client_message(exc), RefusalKind.NOT_FOUND)
+            return
+        except AdapterCacheUnavailableError as exc:  # the cache actor does not answer: this request only waits
+            yield Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
+            return
+        except TokenBudgetError as exc:  # its figures go too: the edge names the parameter as its API does
+            yield Refusal(str(exc), budget=exc.budget)
+            return
+        except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
+            yield Refusal(client_message(exc))
+            return
+        held: TokenEvent | None = None
+        scored = params.prompt_logprobs is None  # the prompt's scores go out once, with the first token
+        with self.pacer.stream() as pace:
+            async for chunk in _chain(first, chunks):
+                timer.token()
+                event = _token_event(chunk, params)
+                if not scored:
+                    event.prompt_entries = self._prompt_entries(chunk)
+                    scored = event.prompt_entries is not None
+                last = chunk[-1]
+                if last.finished:
+                    self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
+                    event.final = Final(last.finish_reason, last.text, len(last.token_ids),
+                                        self.adapter_cache.content_id(adapter) if adapter is not None else None,
+                                        last.num_cached_tokens)
+                held = event if held is None else held.extend(event)
+                if last.finished or (stream and pace.due()):
+                    pace.sent(held)
+                    yield held
+                    held = None
+
+    def _prompt_entries(self, chunk: list) -> list[TokenEntry] | None:
+        """The prompt's tokens in the shape of generated ones, from the chunk's output that carries them (the engine
+        scores the prompt only when prompt logprobs were asked for, and hands the scores out with the first token)."""
+        out = next((out for out in chunk if out.prompt_logprobs), None)
+        if out is None:
+            return None
+        return [TokenEntry(t, self.token_texts.text(t), logprob, top, rank) for t, logprob, top, rank
+                in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)]
+
+    async def _fetch_adapter(self, adapter: str, timer) -> None:
+        if self.adapter_cache is None:
+            raise ValueError(f"adapter {adapter!r} requested but this server runs without LoRA "
+                             f"(engine.max_loras is 0)")
+        hit = adapter in self.adapter_cache
+        start = time.monotonic()
+        await self._adapter(adapter)
+        self.metrics.adapter_fetch(timer, hit, time.monotonic() - start)
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats.of(self.replica, self.node_id, self.engine.stats(), self.engine.adapter_stats(),
+                               self._forwarded, self._peers.held_by_peers() if self._peers is not None else {})
+
+    def _replica_info(self) -> dict:
+        """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
+        adapter slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, all of this
+        one replica, named."""
+        s = self.engine.stats()
+        return {"replica": self.replica, "memory": self.engine.memory().to_dict(),
+                "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
+                "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
+                "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Per-replica signals for deployments.replica.autoscaling.EngineLoadPolicy."""
+        s = self.engine.stats()
+        return {"waiting": float(s.waiting), "running": float(s.running), "kv_utilisation": s.kv_utilisation}
+
+    def record_routing_stats(self) -> dict:
+        """This replica's last report, for Serve's routers (deployments/routing/request_router.py)."""
+        return {ROUTING_STATS_KEY: self._report}
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(REPORT_INTERVAL_S):
+            stats = self.engine.stats()
+            self.metrics.engine_state(stats)
+            self._report = self._build_report(stats)
+            if self.adapter_cache is not None:
+                view = self.adapter_cache.report(self._report)
+                self._node_store = view.node_store(self.node_id) if view is not None else frozenset()
+                if self._peers is not None:
+                    self._peers.update(view.peers if view is not None else None)
+
+    def _build_report(self, s: EngineStats) -> ReplicaReport:
+        """This replica's report: its adapters by name and content id, current versions only
+        (lora_cache/replica_report.py)."""
+        cache = self.adapter_cache
+        device, cpu = (cache.versions(s.resident_adapters), cache.versions(cache.held())) if cache else ((), ())
+        return ReplicaReport(self.replica, device, cpu, self._node_store, self.engine.cached_prefix_digests(),
+                             s.running, s.waiting, s.kv_utilisation, self._adapter_requests())
+
+    def _adapter_requests(self) -> dict[str, int]:
+        """Each adapter's requests in flight here now, by name (the base model's are not counted)."""
+        counts: Counter[str] = Counter()
+        for key, n in dict(self._in_flight).items():
+            if key is not None and n > 0:
+                counts[key_name(key)] += n
+        return dict(counts)
+
+    def _engine_running(self) -> bool:
+        return self.engine.is_healthy
+
+    def _max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_health(self) -> None:
+        if not self._engine_running():
+            raise RuntimeError("engine loop is not running")
+
+    def __del__(self):
+        self._stop.set()
+        if getattr(self, "adapter_cache", None) is not None:
+            self.adapter_cache.close()
+
+
+def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> AsyncEngine:
+    """The engine, imported here: this module is imported without torch (Serve's build step imports the app before
+    any replica starts, and a replica creates the cache actor before the engine's imports)."""
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config, adapters)
+
+
+def _engine_threads(config: EngineConfig) -> EngineConfig:
+    """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
+    (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but one.
+    On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
+    spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events,
+    a separate ingress deployment and every op on OpenMP, 2 threads gave 0.82x the tokens/s of 1 at 8 concurrent
+    streams and 1.08x at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this
+    concerns torch's own ops alone, a case not measured."""
+    if config.num_threads is not None or config.torch_device.type != "cpu":
+        return config
+    cores = os.cpu_count() or 2
+    return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))
+
+
+def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
+    """The new tokens of a chunk of outputs (one each; id None for an output without a new token), as columns;
+    logprobs only when the request asked for them."""
+    outs = chunk
+    logprobs = [out.new_logprobs[-1] if out.new_logprobs else None for out in outs] \
+        if params.logprobs is not None else None
+    top = [out.new_top_logprobs[-1] if out.new_top_logprobs else None for out in outs] if params.logprobs else None
+    return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
+                      [out.delta_text for out in outs], logprobs, top, prompt_tokens=len(outs[-1].prompt_token_ids))
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item

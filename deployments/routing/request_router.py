@@ -1,0 +1,76 @@
+"""Ray Serve's router for the engine deployment: ranks replicas by adapter residence, cached prefix and load
+(deployments/routing/policy.py) from the reports replicas hand Serve through `record_routing_stats`.
+
+Serve runs one router per caller: in the HTTP proxy, which knows a request's adapter only from the
+`serve_multiplexed_model_id` header (it does not read bodies), and in each replica's handle to its peers, for
+requests a replica forwards with their adapter, prompt digests and chosen replica (`RouteRequest`). Within a rank
+Serve probes queue lengths and takes the shortest replica that accepts; when none in any rank accepts, it backs
+off and asks again. A replica that died leaves the candidates Serve passes in, so it is routed around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
+from lora_cache.replica_report import ReplicaReport
+
+ROUTING_STATS_KEY = "lora_serve"  # record_routing_stats() -> {ROUTING_STATS_KEY: ReplicaReport}
+ROUTING_STATS_PERIOD_S = 1.0  # how often Serve's controller collects the reports for the routers
+# A forwarded request's target holds what the sender lacks; a probe of it that misses Serve's first deadline
+# (0.1 s) is most often the sender's handle opening its connection, on a busy node. The target is probed this many
+# times, under the deadlines Serve's backoff grows (0.1, 0.2, 0.4 s), before the other ranks: the next of which
+# is usually the sender itself, that would then fetch the adapter and serve it after a pointless Ray hop.
+TARGET_PROBES = 3
+
+
+class LoraAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, imbalance: int = 8, hot_adapter_requests: int = 16, kv_high: float = 0.9):
+        """request_router_kwargs of the deployment's request_router_config (Serve calls this once, after
+        construction, with no arguments when there are none)."""
+        self.policy = RoutingPolicy(imbalance, hot_adapter_requests, kv_high)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # every candidate is ranked each time
+        reports = [_report(r) for r in candidate_replicas]
+        by_name = {report.replica: r for report, r in zip(reports, candidate_replicas)}
+        request = _route_request(pending_request)
+        ranks = probe_order(request, rank(request, reports, self.policy))
+        return [[by_name[report.replica] for report in group] for group in ranks]
+
+
+def probe_order(request: RouteRequest, ranks: list[list[ReplicaReport]]) -> list[list[ReplicaReport]]:
+    """The ranks in the order Serve probes them: a target at the front is tried TARGET_PROBES times."""
+    if request.target is None or not ranks or ranks[0][0].replica != request.target:
+        return ranks
+    return [ranks[0]] * TARGET_PROBES + ranks[1:]
+
+
+def _report(replica: RunningReplica) -> ReplicaReport:
+    """The replica's last report; a replica that has not reported yet counts as idle, holding nothing."""
+    report = replica.routing_stats.get(ROUTING_STATS_KEY)
+    return report if isinstance(report, ReplicaReport) else ReplicaReport(replica.replica_id.unique_id)
+
+
+def _route_request(pending: PendingRequest | None) -> RouteRequest:
+    """A forwarded request carries its RouteRequest as the first argument; a request from the HTTP proxy has
+    its adapter in the multiplexed model id, if the client set the header."""
+    if pending is None:
+        return RouteRequest()
+    if pending.args and isinstance(pending.args[0], RouteRequest):
+        return pending.args[0]
+    return RouteRequest(adapter=pending.metadata.multiplexed_model_id or None)
+
+
+def router_config(policy: RoutingPolicy) -> RequestRouterConfig:
+    """The engine deployment's request_router_config: this router, ranking by the policy its replicas use."""
+    return RequestRouterConfig(request_router_class=LoraAwareRouter,
+                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                               request_router_kwargs=dataclasses.asdict(policy))
