@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lora_cache.adapter import target_module_shapes
+from engine.models import lora_shapes
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -16,7 +16,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 def write_random_adapter(folder: Path, hf_config, rank: int = 8, targets=ATTENTION, seed: int = 0) -> Path:
     """adapter_config.json + adapter_model.safetensors with small random A and B for every layer."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = target_module_shapes(hf_config)
+    shapes = lora_shapes(hf_config).modules
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
         for key, (fan_in, fan_out) in shapes.items():

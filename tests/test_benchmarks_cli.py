@@ -8,7 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import benchmark_args
+from benchmarks import common
+from benchmarks.common import Folders, benchmark_args, save_results
 from deployments.api.token_texts import TokenTexts
 
 ROOT = Path(__file__).parent.parent
@@ -47,6 +48,60 @@ def test_a_results_file_names_the_options_it_ran_with_but_not_its_folder(monkeyp
                                            "--quick"], add)
     assert args.command == "PYTHONPATH=. python -m benchmarks serve_load --variant 'a=my config.yaml' --quick"
     assert args.variant == ["a=my config.yaml"] and args.out == Path("/tmp/y")
+    assert args.folders == Folders(Path("/tmp/y"), Path("/tmp/y"))  # --out: every file of the run in one folder
+    kind = benchmark_args("doc", "quick", ["--kind", "zen4", "--quick"])
+    assert kind.kind == "zen4" and "--kind" not in kind.command and "zen4" not in kind.command
+
+
+def test_a_run_files_its_summary_by_machine_kind_and_its_raw_figures_apart(monkeypatch):
+    """Without --out: the summary and its plot in results/KIND, the raw JSON in runs/KIND (git-ignored); a smoke
+    run all in runs/KIND/smoke, so it never replaces a kind's summary."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "engine" / "run_prefix.py")])
+    full = benchmark_args("doc", "quick", ["--kind", "avx2"])
+    assert full.folders == Folders(common.RESULTS / "avx2", common.RUNS / "avx2")
+    smoke = benchmark_args("doc", "quick", ["--kind", "avx2", "--quick"])
+    assert smoke.folders == Folders(common.RUNS / "avx2" / "smoke", common.RUNS / "avx2" / "smoke")
+    shorter = benchmark_args("doc", "quick", ["--kind", "h200", "--quick"], quick_is_smoke=False)  # a GPU's --quick
+    assert shorter.folders == Folders(common.RESULTS / "h200", common.RUNS / "h200")
+    for raw in ("benchmarks/runs/avx2/prefix.json", "benchmarks/results/avx2/prefix.json"):
+        assert subprocess.run(["git", "check-ignore", "-q", raw], cwd=ROOT, check=False).returncode == 0, raw
+
+
+def test_save_results_writes_the_summary_and_one_plot_apart_from_the_raw_figures_and_further_plots(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    def plot(raw):
+        fig, ax = plt.subplots(figsize=(3, 2))
+        ax.plot(raw["x"], raw["y"])
+        return fig
+
+    folders = Folders(tmp_path / "results", tmp_path / "runs")
+    save_results(folders, "demo", {"x": [1, 2, 3], "y": [3, 1, 2]}, plot, "# Demo\n", {"other": plot})
+    assert sorted(p.name for p in folders.results.iterdir()) == ["demo.md", "demo.png"]
+    assert sorted(p.name for p in folders.raw.iterdir()) == ["demo.json", "demo_other.png"]
+    assert "![demo](demo.png)" in (folders.results / "demo.md").read_text()  # the summary links its plot
+    with Image.open(folders.results / "demo.png") as image:
+        assert image.mode == "P"  # a palette PNG: small enough to commit
+
+
+def test_the_machine_kind_is_named_by_the_cpu_s_vector_units_or_the_gpu_s_model(monkeypatch):
+    def cpu(flags, vendor="AuthenticAMD", family="25"):
+        monkeypatch.setattr(common, "_cpu_info", lambda: {"flags": flags, "vendor_id": vendor, "cpu family": family})
+        return common.cpu_kind()
+
+    assert cpu("fpu sse avx avx2 fma") == "avx2"  # Zen 3: family 25 without AVX-512
+    assert cpu("avx2 avx512f avx512_bf16") == "zen4"
+    assert cpu("avx2 avx512f avx512_bf16", family="26") == "avx512"
+    assert cpu("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", vendor="GenuineIntel", family="6") == "amx"
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    for name, kind in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda name=name: name)
+        assert common.machine_kind("cuda") == kind
+    assert common.machine_kind("cpu") == "amx"  # a CPU benchmark on a GPU host files under the host's CPU
 
 
 def test_token_texts_decode_as_the_tokenizer_and_once(tokenizer):

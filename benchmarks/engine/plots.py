@@ -1,8 +1,6 @@
-"""PNG plots of the engine benchmark (matplotlib, Agg backend)."""
+"""The engine benchmark's plots (matplotlib, Agg backend), as figures for benchmarks/common.py: save_results."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import matplotlib
 
@@ -37,17 +35,14 @@ def _bars(ax, results: list[Result], workload: str, title: str) -> None:
     ax.set_title(title, fontsize=10)
 
 
-def throughput_bars(results: list[Result], path: Path) -> Path:
+def throughput_bars(results: list[Result]):
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     _bars(axes[0], results, "a", "(a) uniform: N requests x T tokens")
     _bars(axes[1], results, "b", "(b) mixed lengths: every 8th request long")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def batch_sweep(results: list[Result], path: Path) -> Path:
+def batch_sweep(results: list[Result]):
     """The course's plot: throughput and per-token latency against batch size, one line per system."""
     fig, (ax_tps, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
     sizes = sorted({r.extra["batch"] for r in results if r.workload.startswith("c:")})
@@ -66,12 +61,4 @@ def batch_sweep(results: list[Result], path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_all(results: list[Result], folder: Path) -> list[Path]:
-    return [throughput_bars(results, folder / "engine_throughput.png"),
-            batch_sweep(results, folder / "engine_batch_sweep.png")]
+    return fig

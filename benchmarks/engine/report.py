@@ -1,8 +1,6 @@
-"""The markdown report (benchmarks/results/engine.md) built from the measured Results."""
+"""The markdown report (engine.md) built from the measured Results."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from benchmarks.engine import systems
 from benchmarks.common import Result, fmt, markdown_table, ratio
@@ -50,8 +48,9 @@ def decode_section(results: list[Result]) -> str:
     return markdown_table(header, table)
 
 
-def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: list[Path], peer: str,
+def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, plotted: str, others: list[str], peer: str,
              command: str) -> str:
+    """plotted: what engine.png shows; others: the file names of the plots written beside engine.json."""
     parts = [
         "# lora-serve engine benchmark: SmolLM2-135M-Instruct on CPU",
         "> **Quick smoke run** (`--quick`): tiny workloads, numbers only show the pipeline works." if quick else "",
@@ -82,7 +81,8 @@ def markdown(results: list[Result], plan: Plan, env: dict, quick: bool, images: 
         "ms/token = (latency - time to first token) / (new tokens - 1).",
         decode_section(results),
         peer,
-        "## Plots",
-        "\n".join(f"![{image.stem}]({image.name})" for image in images),
+        f"## Plot: {plotted}",
+        "![engine](engine.png)",
+        f"The other plots ({', '.join(others)}) are written beside engine.json.",
     ]
     return "\n\n".join(p for p in parts if p) + "\n"

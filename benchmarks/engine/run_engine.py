@@ -7,15 +7,16 @@ SmolLM2-135M (CPU).
 
 vLLM runs when its virtual environment is given (--vllm-python or $VLLM_PYTHON; benchmarks/peers/install_vllm.sh
 makes one), on the same requests with rounds interleaved (benchmarks/peers/peer_compare.py); without it the report
-says it was not measured. Writes benchmarks/results/engine.md, engine.json and the PNG plots next to them.
+says it was not measured. Writes engine.md and engine.png (the comparison with vLLM where it ran, else the
+throughput bars) to benchmarks/results/KIND/, and engine.json with the other plots (engine_throughput.png,
+engine_batch_sweep.png) and vLLM's logs to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 With --vllm-only it runs the comparison with vLLM alone, on the workloads and dtypes named, and writes
-engine_vs_vllm.md, .json and .png.
+engine_vs_vllm.md, .png and .json the same way.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,9 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from benchmarks.common import Result, benchmark_args, check_lengths, environment, report_header, save_results, timed
 from benchmarks.engine import plots, report, systems
 from benchmarks.peers import peer_compare, peer_report
-from benchmarks.common import Result, benchmark_args, check_lengths, environment, timed
 from benchmarks.peers.vllm_env import NOT_INSTALLED, describe_openmp, vllm_env, vllm_python
 from benchmarks.workloads import Plan, make_requests
 
@@ -134,20 +135,21 @@ def main(argv: list[str] | None = None) -> None:
 
     del runners, decoders  # the baseline engines' memory goes back before the peer comparison's
     gc.collect()
-    args.out.mkdir(parents=True, exist_ok=True)
-    peer = PeerSection([], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}", [])
+    peer = PeerSection([], f"## lora-serve against vLLM's CPU build\n\n{NOT_INSTALLED}")
     if peer_python is not None:
         peer = vllm_section(peer_python, args, env, selection)
     else:
         print(NOT_INSTALLED)
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "plan": plan.__dict__,
            "results": [r.to_dict() for r in results], "vs_vllm": [_row_dict(r) for r in peer.rows]}
-    (args.out / "engine.json").write_text(json.dumps(raw, indent=2) + "\n")
-    images = plots.write_all(results, args.out) + peer.images
-    text = report.markdown(results, plan, env, args.quick, images, peer.text, args.command)
-    (args.out / "engine.md").write_text(text)
-    print(peer.text)
-    print(f"wrote {args.out / 'engine.md'}, {args.out / 'engine.json'}, " + ", ".join(str(i) for i in images))
+    throughput, sweep = (lambda _: plots.throughput_bars(results)), (lambda _: plots.batch_sweep(results))
+    if peer.measured:  # the comparison with vLLM is the engine's summary plot where it ran
+        plot, more, plotted = peer.plot, {"throughput": throughput, "batch_sweep": sweep}, "against vLLM"
+    else:
+        plot, more, plotted = throughput, {"batch_sweep": sweep}, "throughput of (a) and (b)"
+    others = [f"engine_{key}.png" for key in more]
+    text = report.markdown(results, plan, env, args.quick, plotted, others, peer.text, args.command)
+    save_results(args.folders, "engine", raw, plot, text, more)
 
 
 @dataclass
@@ -155,35 +157,38 @@ class PeerSection:
     """The comparison with vLLM as the report shows it."""
     rows: list[peer_report.Row]
     text: str  # markdown
-    images: list[Path]
+
+    @property
+    def measured(self) -> bool:
+        return any(row.ratio is not None for row in self.rows)
+
+    def plot(self, _raw: dict):
+        return peer_report.plot(self.rows)
 
 
 def vllm_section(python: Path, args, env: dict, selection: peer_compare.Selection) -> PeerSection:
-    """Run the comparison with vLLM (args.rounds, 3 or 1 with --quick) and plot it into args.out."""
+    """Run the comparison with vLLM (args.rounds, 3 or 1 with --quick)."""
     rounds = args.rounds or (1 if args.quick else 3)
     rows = peer_report.rows(compare_with_vllm(python, args, rounds, env, selection))
-    return PeerSection(rows, peer_report.markdown(rows, rounds, env),
-                       [peer_report.plot(rows, args.out / "engine_vs_vllm.png")])
+    return PeerSection(rows, peer_report.markdown(rows, rounds, env))
 
 
 def vllm_only(python: Path, args, selection: peer_compare.Selection) -> None:
-    """The comparison with vLLM alone: engine_vs_vllm.md, .json and .png in args.out."""
+    """The comparison with vLLM alone: engine_vs_vllm.md and .png, and its .json (save_results)."""
     env = environment()
-    args.out.mkdir(parents=True, exist_ok=True)
     peer = vllm_section(python, args, env, selection)
-    raw = {"mode": "quick" if args.quick else "full", "environment": env,
-           "vs_vllm": [_row_dict(r) for r in peer.rows]}
-    (args.out / "engine_vs_vllm.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (args.out / "engine_vs_vllm.md").write_text(peer.text)
-    print(peer.text)
-    print(f"wrote {args.out / 'engine_vs_vllm.md'}, {args.out / 'engine_vs_vllm.json'}, {peer.images[0]}")
+    mode = "quick" if args.quick else "full"
+    raw = {"mode": mode, "environment": env, "vs_vllm": [_row_dict(r) for r in peer.rows]}
+    header = report_header(f"Engine against vLLM's CPU build ({mode})", args.command, env)
+    save_results(args.folders, "engine_vs_vllm", raw, peer.plot, "\n".join(header) + "\n" + peer.text + "\n")
 
 
 def compare_with_vllm(python: Path, args, rounds: int, env: dict,
                       selection: peer_compare.Selection) -> list[peer_compare.PeerResult]:
+    from transformers import AutoConfig, AutoTokenizer
+
     from engine.config import cpu_has_native_bf16, default_cache_dir
     from engine.model_files import resolve_model
-    from transformers import AutoConfig, AutoTokenizer
 
     model_dir = resolve_model(systems.MODEL, default_cache_dir() / "models")
     native_bf16 = cpu_has_native_bf16()
@@ -197,7 +202,8 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
         env["vllm"] += f"; vLLM runs every workload in {selection.vllm_dtype}, whatever its dtype asked"
     sizes = peer_compare.Sizes.quick() if args.quick else peer_compare.Sizes()
     adapters = peer_compare.adapters_folder(AutoConfig.from_pretrained(model_dir))
-    engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.out, long_dtype,
+    args.folders.raw.mkdir(parents=True, exist_ok=True)  # vLLM's logs
+    engines = peer_compare.Engines(python, model_dir, args.threads, adapters, args.folders.raw, long_dtype,
                                    selection.vllm_dtype)
     try:
         return peer_compare.run(engines, AutoTokenizer.from_pretrained(model_dir), sizes, rounds, long_dtype,

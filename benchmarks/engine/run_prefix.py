@@ -1,6 +1,6 @@
 """Prefix caching and chunked prefill on SmolLM2 (bf16).
 
-    PYTHONPATH=. python -m benchmarks prefix            # about 4 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks prefix            # full run
     PYTHONPATH=. python -m benchmarks prefix --quick    # smoke test
 
 1. 64 chat requests that share a ~300-token system prompt, each with its own question, 32 new tokens:
@@ -8,7 +8,8 @@
    burst (all 64 at once) and once with Poisson arrivals (through AsyncEngine).
 2. One ~2,000-token prompt arriving while 16 streams decode: the streams' worst gap between two
    tokens, with the whole prompt prefilled in one step and with a 256-token step budget (chunked).
-Writes benchmarks/results/prefix.md, prefix.json and prefix.png.
+Writes prefix.md and prefix.png to benchmarks/results/KIND/ and prefix.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     raw["system_tokens"] = len(AutoTokenizer.from_pretrained(path)(SYSTEM)["input_ids"])
-    save_results(args.out, "prefix", raw, plot, markdown(raw))
+    save_results(args.folders, "prefix", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Quantization: fp32, bf16, int8 and NF4 base weights of SmolLM2 side by side.
 
-    PYTHONPATH=. python -m benchmarks quantization            # about 5 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks quantization            # full run
     PYTHONPATH=. python -m benchmarks quantization --quick    # smoke test
 
 Per configuration: weight memory (the engine's own accounting), tokens/s at batch 1 (one stream of
 64 tokens) and batch 32 (32 x 32 tokens, EOS ignored), and greedy agreement with fp32 over 20 prompts
 x 32 tokens. Then the reconstruction error of every decoder linear of SmolLM2 under the course's
 per-tensor zero-point uint8 scheme (benchmarks/engine/course_quantize.py) beside bitsandbytes' int8 and NF4.
-Writes benchmarks/results/quantization.md, quantization.json and quantization.png.
+Writes quantization.md and quantization.png to benchmarks/results/KIND/ and quantization.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"mode": "quick" if args.quick else "full", "environment": environment(), "rounds": rounds,
            "configs": configs, "reconstruction_layers": layers or "all 30",
            "reconstruction": reconstruction(path, layers)}
-    save_results(args.out, "quantization", raw, plot, markdown(raw))
+    save_results(args.folders, "quantization", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":

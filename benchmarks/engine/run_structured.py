@@ -1,6 +1,6 @@
 """Structured output: the cost of JSON-schema masks in a batch of 32, and the grammar libraries compared.
 
-    PYTHONPATH=. python -m benchmarks structured            # about 4 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks structured            # full run
     PYTHONPATH=. python -m benchmarks structured --quick    # smoke test
 
 1. Grammar libraries on SmolLM2's 49,152-token vocabulary: time to compile a schema and to compute one
@@ -9,7 +9,8 @@
 2. The engine (SmolLM2, bf16): 32 requests x 64 tokens, all free, half constrained, all constrained;
    tokens/s per mix (median of rounds, mixes taking turns), and the mask work per step measured inside.
 
-Writes benchmarks/results/structured.md, structured.json and structured.png.
+Writes structured.md and structured.png to benchmarks/results/KIND/ and structured.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"mode": "quick" if args.quick else "full", "environment": environment(), "rounds": rounds,
            "path_tokens": len(_path(tokenizer, json.dumps(DOCUMENT))),
            "libraries": lib, "engine": engine_mixes(llm, rounds, tokens)}
-    save_results(args.out, "structured", raw, plot, markdown(raw))
+    save_results(args.folders, "structured", raw, plot, markdown(raw))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ if [[ $mode != bench ]]; then
          tests/test_cuda_graphs.py tests/test_hf_equivalence.py tests/test_multi_lora.py tests/test_lora_layer.py
          tests/test_sampling.py tests/test_scheduler.py tests/test_prefix_caching.py tests/test_async_engine.py
          tests/test_attention.py tests/test_model_files.py)
-  # the C++ CPU operators and their own parallel loop on the host's CPU (a Xeon with AMX on the kinds seen),
-  # about 90 s: CPU_OPS_TESTS=0 skips
+  # the C++ CPU operators and their own parallel loop on the host's CPU (a Xeon with AMX on the kinds seen);
+  # CPU_OPS_TESTS=0 skips them, to keep a short device lease for the CUDA tests
   [[ ${CPU_OPS_TESTS:-1} != 0 ]] && tests+=(tests/test_cpu_ops.py tests/test_work_pool.py)
   # -k: the penalty and typical-p reference tests run the real SmolLM2, and the embedded model's test looks for
   # its converted weights, which are not carried

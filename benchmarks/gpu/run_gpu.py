@@ -7,15 +7,16 @@ batch-1 decode step is the bytes of weights it must read over the copy bandwidth
 Prefix caching is off: the warm-ups and repeats reuse prompts, and a cache hit would time nothing.
 Each section runs on its own: one that fails is recorded with its traceback and the rest still run.
 
-    python -m benchmarks gpu --tokenizer DIR [--out DIR] [--quick]       # H100: about 4 minutes
+    python -m benchmarks gpu --tokenizer DIR [--out DIR] [--quick]       # full run
     python -m benchmarks gpu --device cpu --tiny                          # smoke run of every section
 
-Writes gpu.json, gpu.md and gpu.png (when matplotlib is present) to --out.
+Writes gpu.md and gpu.png (when matplotlib is installed) to benchmarks/results/KIND/, KIND the GPU's model (h100,
+h200), and gpu.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results); gpu.md and gpu.json also after
+every section, so a run cut short still leaves the figures it has.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -28,10 +29,10 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks.common import benchmark_args, environment, markdown_table
+from benchmarks.common import Folders, benchmark_args, environment, markdown_table, write_raw, write_summary
+from benchmarks.engine.hf_baselines import NO_EOS
 from benchmarks.gpu.gpu_models import build_model_dir, decode_weight_bytes, kv_bytes_per_token, shape
 from benchmarks.gpu.gpu_timing import copy_bandwidth, device_name, free_device, timed
-from benchmarks.engine.hf_baselines import NO_EOS
 from benchmarks.lora_adapters import write_random_adapter
 
 DEFAULT_TOKENIZERS = (Path(__file__).parents[2] / ".gpu/cache/models/smollm2-135m-instruct",
@@ -89,12 +90,14 @@ class Bench:
 
 def make_llm(bench: Bench, model: str, max_seqs: int, max_len: int, **overrides):
     from engine import LLM
+    from lora_cache.local_cache import local_adapters
 
     kv = int(1.3 * max_seqs * (max_len + 16) * kv_bytes_per_token(shape(model, bench.tiny))) + (64 << 20)
     options = {"dtype": "bfloat16", "device": bench.device, "load_format": "dummy", "enforce_eager": False,
                "max_num_seqs": max_seqs, "max_num_batched_tokens": max(8192, max_len), "kv_cache_bytes": kv,
                "max_model_len": max_len, "log_stats": False, "enable_prefix_caching": False}
-    return LLM(str(bench.models[model]), **{**options, **overrides})
+    adapters = local_adapters if overrides.get("max_loras") else None
+    return LLM(str(bench.models[model]), adapters, **{**options, **overrides})
 
 
 def run_llm(llm, prompts: list[list[int]], new: int, adapters: list[str | None] | None = None):
@@ -272,7 +275,7 @@ def section_lora(bench: Bench) -> dict:
                    max_lora_rank=plan.adapter_rank, adapters_root=str(root))
     prompts = bench.prompts(model, batch, plan.prompt)
     adapters = [names[i % len(names)] for i in range(batch)]
-    for warm_up in (None, adapters):  # a whole run of each first: the first timed run was the slowest by 20%
+    for warm_up in (None, adapters):  # a whole untimed run of each first: an engine's first run is its slowest
         run_llm(llm, prompts, plan.new, warm_up)
     runs = {"base": [], "lora": []}
     order = ("base", "lora", "lora", "base") * plan.lora_rounds  # ABBA: a drift weighs on both alike
@@ -459,15 +462,14 @@ def plot(raw: dict):
     return fig
 
 
-def write_text_results(folder: Path, raw: dict, text: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "gpu.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
-    (folder / "gpu.md").write_text(text)
+def write_text_results(folders: Folders, raw: dict, text: str) -> None:
+    write_raw(folders, "gpu", raw)
+    write_summary(folders, "gpu", text)
 
 
-def save(folder: Path, raw: dict, text: str) -> None:
+def save(folders: Folders, raw: dict, text: str) -> None:
     """gpu.json and gpu.md always; gpu.png through common.save_results when matplotlib is installed."""
-    write_text_results(folder, raw, text)
+    write_text_results(folders, raw, text)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -477,7 +479,7 @@ def save(folder: Path, raw: dict, text: str) -> None:
     try:
         from benchmarks.common import save_results
 
-        save_results(folder, "gpu", raw, plot, text)
+        save_results(folders, "gpu", raw, plot, text)
     except Exception:  # noqa: BLE001 - a plot must not cost the figures
         print(text)
         print(f"gpu.png failed:\n{traceback.format_exc()}")
@@ -498,7 +500,8 @@ def _gpu_arguments(parser) -> None:
 
 
 def parse_args(argv):
-    return benchmark_args(__doc__, "fewer tokens per request (a shorter GPU run)", argv, _gpu_arguments)
+    return benchmark_args(__doc__, "fewer tokens per request (a shorter GPU run)", argv, _gpu_arguments,
+                          device="cuda", quick_is_smoke=False)
 
 
 def find_tokenizer(given: Path | None) -> Path:
@@ -530,12 +533,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def checkpoint(sections: dict) -> None:
         raw.update(sections=sections, total_seconds=time.perf_counter() - started)
-        write_text_results(args.out, raw, markdown(raw))
+        write_text_results(args.folders, raw, markdown(raw))
 
     run_sections(bench, {s for s in args.sections.split(",") if s} or None, checkpoint)
     raw["total_seconds"] = time.perf_counter() - started
-    save(args.out, raw, markdown(raw))
-    print(f"total {raw['total_seconds']:.0f} s; wrote {args.out / 'gpu.json'}, {args.out / 'gpu.md'}")
+    save(args.folders, raw, markdown(raw))
+    print(f"total {raw['total_seconds']:.0f} s; wrote {args.folders.results / 'gpu.md'}, "
+          f"{args.folders.raw / 'gpu.json'}")
 
 
 if __name__ == "__main__":

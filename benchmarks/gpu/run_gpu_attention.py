@@ -6,6 +6,9 @@ over the cache, at batch 1 / 64 / 256 and contexts of 512 and 2,048 tokens. The 
 call must read once, over the device's copy bandwidth measured in the same run.
 
     python -m benchmarks gpu_attention [--out DIR] [--quick]   # --quick: batch 1 and 64 at 512 tokens
+
+Writes gpu_attention.md and gpu_attention.png to benchmarks/results/KIND/, KIND the GPU's model (h100, h200), and
+gpu_attention.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def measure(batch: int, context: int, bandwidth: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = benchmark_args(__doc__, "batch 1 and 64 at 512 tokens only", argv)
+    args = benchmark_args(__doc__, "batch 1 and 64 at 512 tokens only", argv, device="cuda", quick_is_smoke=False)
     bandwidth = copy_bandwidth()
     batches, contexts = ((1, 64), (512,)) if args.quick else ((1, 64, 256), (512, 2048))
     rows = [measure(b, c, bandwidth) for b in batches for c in contexts]
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {r['batch']} | {r['context']} | {r['triton_ms']:.3f} | {r['gather_sdpa_ms']:.3f} | "
               f"{r['speedup']:.1f}x | {r['floor_ms']:.3f} | {100 * r['triton_of_floor']:.0f}% | {r['rel_error']:.1e} |"
               for r in rows]
-    save_results(args.out, "gpu_attention", {"bandwidth": bandwidth, "rows": rows}, plot, "\n".join(lines) + "\n")
+    save_results(args.folders, "gpu_attention", {"bandwidth": bandwidth, "rows": rows}, plot, "\n".join(lines) + "\n")
 
 
 def plot(raw: dict):

@@ -7,13 +7,13 @@ the kernels are; this says how large each part is, so the next change targets th
 
     python -m benchmarks gpu_profile --tokenizer DIR [--out DIR] [--steps N]     # --tiny: CPU smoke run
 
-Writes gpu_profile.md (the table, the device's kernels by time, the host's functions by cumulative time),
-gpu_profile.json and gpu_profile.png (device busy and host-only time per step, stacked).
+Writes gpu_profile.md (the table, the device's kernels by time, the host's functions by cumulative time) and
+gpu_profile.png (device busy and host-only time per step, stacked) to benchmarks/results/KIND/, KIND the GPU's model
+(h100, h200), and gpu_profile.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import save_results
+from benchmarks.common import benchmark_args, save_results
 from benchmarks.gpu.gpu_models import build_model_dir, kv_bytes_per_token, shape
 from engine import LLM, SamplingParams
 
@@ -137,14 +137,14 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _arguments(parser) -> None:
     parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same architecture (CPU smoke run)")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = benchmark_args(__doc__, None, argv, _arguments, device="cuda")
     folder = build_model_dir(Path(tempfile.mkdtemp()), MODEL, args.tokenizer, args.tiny)
     profiles = [measure(folder, batch, args.steps, args.tiny) for batch in tqdm((1, 64), desc="batches")]
     table = ["| batch | step wall (ms) | device busy (ms) | host-only (ms) | busy share |", "|---|---|---|---|---|"]
@@ -154,7 +154,7 @@ def main() -> None:
                       *details]) + "\n"
     raw = {"device": device_name(), "model": MODEL, "steps": args.steps,
            "rows": [{"batch": p.batch, "wall_ms": p.wall_ms, "busy_ms": p.busy_ms} for p in profiles]}
-    save_results(args.out, "gpu_profile", raw, plot, text)
+    save_results(args.folders, "gpu_profile", raw, plot, text)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,8 @@ END_TO_END = ("loop (course)", "lora-serve")  # generate_token timed whole, as t
 @torch.no_grad()
 def sweep(hidden: int, batch_sizes, rounds: int, samples: int, seed: int = 0) -> dict:
     """Per variant and batch size: the median latency of `samples` calls with fresh random inputs, in every
-    round (the median, not the mean: an interrupt on this shared 2-core machine can cost one call more than
-    a hundred calls take); the variants take turns within a round."""
+    round (the median, not the mean: on a shared machine one interrupt can cost a call far more than the call
+    itself takes); the variants take turns within a round."""
     model = ToyMultiLoraModel(hidden, seed).eval()
     gen = torch.Generator().manual_seed(seed + 1)
 
@@ -176,8 +176,8 @@ def run(batch_sizes=BATCH_SIZES, rounds: int = 5, samples: int = 200,
     return {h: sweep(h, batch_sizes, rounds, samples) for h in hidden_sizes}
 
 
-def plot(course: dict, path, plt) -> None:
-    """Layer latency against batch size, one panel per hidden size, as the course plots it."""
+def plot(course: dict, plt):
+    """Layer latency against batch size, one panel per hidden size, as the course plots it: the figure."""
     fig, axes = plt.subplots(1, len(course), figsize=(6 * len(course), 4.5), squeeze=False)
     for ax, result in zip(axes[0], course.values()):
         for method, per_batch in result["median_ms"]["layer"].items():
@@ -193,9 +193,7 @@ def plot(course: dict, path, plt) -> None:
                      f"{SEQ_LEN}-token prompts", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def section(course: dict) -> str:

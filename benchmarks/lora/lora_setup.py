@@ -8,12 +8,13 @@ from pathlib import Path
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks.lora import course_lora
 from benchmarks.common import timed
+from benchmarks.lora import course_lora
 from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams
 from engine.config import default_cache_dir
 from engine.model_files import resolve_model
+from lora_cache.local_cache import local_adapters
 
 MODEL = "smollm2-135m-instruct"
 RANK = 8
@@ -57,7 +58,7 @@ def write_adapters(root: Path, plan: LoraPlan) -> dict[str, list[str]]:
 
 
 def make_llm(dtype: str, root: Path, max_loras: int) -> LLM:
-    lora = {"max_loras": max_loras, "max_lora_rank": RANK, "adapters_root": str(root)} if max_loras else {}
+    lora = {"adapters": local_adapters, "max_loras": max_loras, "max_lora_rank": RANK, "adapters_root": str(root)} if max_loras else {}
     return LLM(MODEL, dtype=dtype, num_threads=2, log_stats=False, max_num_seqs=64, **lora)
 
 

@@ -1,15 +1,15 @@
 """Multi-LoRA benchmark: the course's toy lesson, the engine with 0/1/8/32 adapters, cold loads and slot switches.
 
     PYTHONPATH=. python -m benchmarks lora            # full run
-    PYTHONPATH=. python -m benchmarks lora --quick    # smoke test (under 2 minutes)
+    PYTHONPATH=. python -m benchmarks lora --quick    # smoke test
 
-Writes benchmarks/results/lora.md, lora.json, lora_course.png and lora_engine.png.
+Writes lora.md and lora.png (the engine with adapters) to benchmarks/results/KIND/, lora.json and
+lora_course.png (the course's lesson) to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import subprocess
 import tempfile
@@ -24,7 +24,8 @@ import transformers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.lora import course_lora  # noqa: E402
-from benchmarks.common import benchmark_args, check_lengths, environment, fmt, markdown_table  # noqa: E402
+from benchmarks.common import (benchmark_args, check_lengths, environment, fmt, markdown_table,  # noqa: E402
+                               save_results)
 from benchmarks.lora.lora_latency import latency, latency_section  # noqa: E402
 from benchmarks.lora.lora_setup import RANK, LoraPlan, generate, make_llm, write_adapters  # noqa: E402
 from benchmarks.workloads import make_requests  # noqa: E402
@@ -74,7 +75,7 @@ def throughput(dtype: str, root: Path, ids: list[str], plan: LoraPlan) -> dict:
 
 # ---- plots ----
 
-def plot_engine(engine: dict, path: Path) -> Path:
+def plot_engine(engine: dict):
     """Left: tok/s vs distinct adapters per dtype, base-only (same engine, no adapter) dashed. Right: the fraction
     of base-only kept, with the 75% target. (vLLM with adapters is measured in the same run by run_engine.)"""
     fig, (ax_tps, ax_kept) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -97,15 +98,7 @@ def plot_engine(engine: dict, path: Path) -> Path:
     ax_kept.set_ylim(0, 1.1)
     ax_tps.set_title("lora-serve, SmolLM2-135M, rank-8 q,k,v,o adapters", fontsize=10)
     ax_kept.set_title("throughput kept with adapters", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plots(course: dict, engine: dict, folder: Path) -> list[Path]:
-    course_lora.plot(course, folder / "lora_course.png", plt)
-    return [folder / "lora_course.png", plot_engine(engine, folder / "lora_engine.png")]
+    return fig
 
 
 # ---- markdown ----
@@ -146,7 +139,7 @@ def engine_section(engine: dict, plan: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown(raw: dict, images: list[Path]) -> str:
+def markdown(raw: dict) -> str:
     env, quick = raw["environment"], raw["mode"] == "quick"
     command = raw["command"]
     header = [
@@ -167,8 +160,9 @@ def markdown(raw: dict, images: list[Path]) -> str:
         ("3. Cold adapter load and warm slot switch: time to first token", latency_section(raw["latency"])),
     ]
     body = [f"## {title}\n\n{text}\n" for title, text in sections]
-    pictures = [f"![{p.stem}]({p.name})" for p in images]
-    return "\n".join(header + body + ["## Plots", ""] + pictures) + "\n"
+    plot = ["## Plot: engine throughput with adapters", "", "![lora](lora.png)", "",
+            "The course lesson's plot (lora_course.png) is written beside lora.json."]
+    return "\n".join(header + body + plot) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,13 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         engine = {dtype: throughput(dtype, root, ids["lora"], plan) for dtype in DTYPES}
         lat = latency(root, ids, plan)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     raw = {"mode": "quick" if args.quick else "full", "command": args.command, "environment": env, "code": code,
            "plan": plan.__dict__, "course": course, "engine": engine, "latency": lat}
-    (args.out / "lora.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
-    images = plots(course, engine, args.out)
-    (args.out / "lora.md").write_text(markdown(raw, images))
-    print(f"wrote {args.out / 'lora.md'}, {args.out / 'lora.json'}, " + ", ".join(str(i) for i in images))
+    save_results(args.folders, "lora", raw, lambda _: plot_engine(engine), markdown(raw),
+                 {"course": lambda _: course_lora.plot(course, plt)})
 
 
 if __name__ == "__main__":

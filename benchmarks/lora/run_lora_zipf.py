@@ -1,14 +1,14 @@
 """200 registered adapters with Zipf popularity, max_loras=8: throughput, latency by popularity, slot churn.
 
-    PYTHONPATH=. python -m benchmarks lora_zipf            # about 3 minutes on 2 cores
+    PYTHONPATH=. python -m benchmarks lora_zipf            # full run
     PYTHONPATH=. python -m benchmarks lora_zipf --quick    # smoke test
 
-Writes benchmarks/results/lora_zipf.md, lora_zipf.json and lora_zipf.png.
+Writes lora_zipf.md and lora_zipf.png to benchmarks/results/KIND/ and lora_zipf.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -22,13 +22,14 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from benchmarks.common import benchmark_args  # noqa: E402
+from benchmarks.common import benchmark_args, save_results  # noqa: E402
 from benchmarks.lora_adapters import write_random_adapter  # noqa: E402
 from benchmarks.lora.lora_setup import source_reads  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
+from lora_cache.local_cache import local_adapters
 
 MODEL = "smollm2-135m-instruct"
 
@@ -63,17 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     adapters = zipf_adapters(num_requests, num_adapters, exponent=1.1, seed=0)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_requests)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm = LLM(MODEL, dtype="float32", num_threads=2, max_num_seqs=32, max_loras=max_loras, max_lora_rank=8,
+    llm = LLM(MODEL, dtype="float32", num_threads=2, max_num_seqs=32, adapters=local_adapters, max_loras=max_loras, max_lora_rank=8,
               adapters_root=str(root), log_stats=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, base only
     base_seconds, _ = run(llm, prompts, params, None)
     zipf_seconds, outs = run(llm, prompts, params, adapters)
     result = summarise(llm, adapters, outs, base_seconds, zipf_seconds, num_adapters, num_requests, max_loras, tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lora_zipf.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "lora_zipf.png")
-    (args.out / "lora_zipf.md").write_text(markdown(result, args.quick))
-    print(markdown(result, args.quick))
+    save_results(args.folders, "lora_zipf", result, plot, markdown(result, args.quick))
 
 
 def summarise(llm, adapters, outs, base_seconds, zipf_seconds, num_adapters, num_requests, max_loras, tokens):
@@ -122,7 +119,7 @@ def markdown(r: dict, quick: bool) -> str:
         "![zipf](lora_zipf.png)", ""])
 
 
-def plot(r: dict, path: Path) -> None:
+def plot(r: dict):
     ranks, latencies = zip(*r["latency_by_rank"])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.scatter(ranks, latencies, s=10, alpha=0.6)
@@ -131,9 +128,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_ylabel("request latency (s)")
     ax.set_title(f"{r['num_requests']} requests over {r['distinct_adapters_requested']} adapters (Zipf 1.1)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """lora-serve against vLLM's CPU build, measured in the same run: the same requests, rounds interleaved.
 
 Each round runs every workload on both engines, lora-serve first in even rounds and vLLM first in odd ones,
-with the workloads in a rotated order, so a drift of the machine's speed (up to 2x from day to day on this
-machine kind, and minutes-long swings within a run) falls on both sides alike. Every run gets prompts neither
+with the workloads in a rotated order, so a drift of the machine's speed (a shared VM's speed changes from day
+to day and within a run) falls on both sides alike. Every run gets prompts neither
 engine has seen (a nonce opens each prompt), so neither serves a prompt from its prefix cache. The report gives
 each side's median and spread (min-max) over the rounds and the ratio of the medians.
 
@@ -10,8 +10,8 @@ Workloads: (a) 64 x 32 new tokens; (s) the same sampled at temperature 1 with to
 (the sampler's filters and draw in every step); (b) 64 requests, every 8th wants 100 new tokens, the rest 10; (d)
 one stream of 128 tokens (ms per token after the first); (a) with 8 distinct rank-8 q,k,v,o adapters, one per
 request in turn; (e) 16 prompts of 2,000 tokens x 128 new tokens, prefill and decode timed apart. (e) runs in the
-dtype this CPU computes fastest (bf16 with bf16 matrix instructions, else fp32: vLLM's bf16 emulated on an AVX2-only
-CPU ran 5x slower than its fp32).
+dtype this CPU computes fastest (bf16 with bf16 matrix instructions, else fp32: vLLM emulates bf16 on an AVX2-only
+CPU, far slower than its fp32).
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ class Engines:
 
     def _make_lora_serve(self, key: PeerJob):
         from engine import LLM
+        from lora_cache.local_cache import local_adapters
 
-        lora = dict(max_loras=LORA_ADAPTERS, max_lora_rank=8, adapters_root=str(self.adapter_dirs[0].parent)) \
+        lora = dict(adapters=local_adapters, max_loras=LORA_ADAPTERS, max_lora_rank=8, adapters_root=str(self.adapter_dirs[0].parent)) \
             if key.lora else {}
         llm = LLM(str(self.model_dir), dtype=key.dtype, max_num_seqs=64, max_model_len=4096,
                   kv_cache_bytes=(2 << 30) if self._long(key) else (512 << 20), num_threads=self.threads,

@@ -1,9 +1,8 @@
-"""The lora-serve against vLLM section of benchmarks/results/engine.md, and its PNG (ratio per workload)."""
+"""The lora-serve against vLLM section of the engine benchmark's summary, and its plot (ratio per workload)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import matplotlib
 
@@ -110,7 +109,7 @@ def markdown(table_rows: list[Row], rounds: int, env: dict) -> str:
         markdown_table(header, table), *shares])
 
 
-def plot(table_rows: list[Row], path: Path) -> Path:
+def plot(table_rows: list[Row]):
     shown = [r for r in table_rows if r.ratio is not None]
     labels = [f"{NAMES[r.workload]}, {r.dtype}, {r.metric.label}" for r in shown]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(shown) + 1.5))
@@ -121,7 +120,4 @@ def plot(table_rows: list[Row], path: Path) -> Path:
     ax.set_yticks(range(len(shown)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("lora-serve / vLLM CPU, as a speed (median of the rounds; > 1: lora-serve faster)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -75,8 +75,8 @@ class VLLMWorker:
     """A vllm_worker.py process in vLLM's environment, kept for the whole run (vLLM compiles once).
 
     Between its jobs the worker's whole process group is stopped (SIGSTOP): an idle vLLM keeps its OpenMP
-    threads, bound to both cores, and its processes polling, which took most of the CPU from lora-serve's runs
-    (a single stream ran 50x slower beside idle vLLM workers)."""
+    threads, bound to both cores, and its processes polling, which take most of the CPU from lora-serve's runs
+    beside them."""
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, max_model_len: int, adapter_dirs: list[Path],
                  log: Path, kv_cache_gib: int, max_num_seqs: int = 64):

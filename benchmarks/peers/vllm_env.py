@@ -2,8 +2,8 @@
 benchmark and the HTTP benchmark take it from.
 
 vLLM runs from a virtual environment of its own (benchmarks/peers/install_vllm.sh), found from --vllm-python or
-$VLLM_PYTHON. As its peer notes measured: its OpenMP threads bound to both cores (without the binding it left a
-core to its scheduler and ran 35-45% slower) and Intel's OpenMP runtime preloaded (GNU OpenMP ran 8-30% slower).
+$VLLM_PYTHON. As its peer notes prescribe: its OpenMP threads bound to both cores (unbound, it leaves a core to
+its scheduler) and Intel's OpenMP runtime preloaded (vLLM's CPU build runs slower on GNU OpenMP).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A server's share is its HTTP tokens/s over its own engine's, offline, on the sam
 `serve run`, vLLM's `LLM` for vLLM's OpenAI server. lora-serve's runs in the benchmark's own process (idle, its
 threads asleep, while a server runs). vLLM's runs in a worker process of vLLM's own environment
 (benchmarks/peers/vllm_worker.py), its whole process group stopped (SIGSTOP) between runs: an idle vLLM keeps its
-processes polling and took most of the CPU from the runs beside it. Both take every request at once and keep at
+processes polling and takes most of the CPU from the runs beside it. Both take every request at once and keep at
 most max_num_seqs of them running (the top concurrency: a finished request lets the next one in, as a closed loop
 of that many clients does), greedy, ignore_eos.
 """

@@ -1,7 +1,7 @@
 """What another process's CPU costs the engine: the in-process engine at 32 streams beside a busy loop; and what
 threads that take the GIL cost it at one stream, in its own process or in another.
 
-    PYTHONPATH=. python -m benchmarks contention            # about 15 minutes
+    PYTHONPATH=. python -m benchmarks contention            # full run
     PYTHONPATH=. python -m benchmarks contention --quick
 
 Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
@@ -11,7 +11,7 @@ and Ray processes do; and, with 2 engine threads, the same loop as a thread of t
 spins also hold the GIL that the step thread needs between ops, as a replica's event loops do (what running the
 engine in a process of its own, apart from the replica's event loops, could win).
 On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op. On OpenMP's loops
-the other one waited for it at the op's end, and the engine lost 2.5-3.8 times the CPU the other process took; on
+the other one waits for it at the op's end, so the engine loses several times the CPU the other process takes; on
 the C++ operators' own loop (engine/kernels/cpu/work_pool.cpp) it takes the preempted thread's chunks, and the
 engine loses more than the CPU taken only while its step thread, which starts every op, is the one preempted. With
 1 engine thread the other core absorbs the bursts.
@@ -19,8 +19,8 @@ engine loses more than the CPU taken only while its step thread, which starts ev
 The second part runs one stream (8 requests of 64 tokens) with 3 threads that each wake every 3 ms (1,000 wake-ups
 a second, about what a replica's Ray main thread and event loops make under one stream) and do nothing else: in
 the engine's own process, where each wake-up takes the GIL that the engine's step thread needs between its ops,
-or in another process, where they take only CPU. Rounds are interleaved. Writes
-benchmarks/results/contention.md, .json, .png (or under --out).
+or in another process, where they take only CPU. Rounds are interleaved. Writes contention.md and contention.png
+to benchmarks/results/KIND/ and contention.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(report_header(title, args.command, env)
                      + [method, "", table(raw), "", wakes, "", wakes_table(raw), "", "![contention](contention.png)",
                         ""])
-    save_results(args.out, "contention", raw, plot, text)
+    save_results(args.folders, "contention", raw, plot, text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ multiplexing sends it). Adapters are drawn Zipf(ZIPF_EXPONENT); a prompt is its 
 
 Figures per router: device-slot hit rate (adapter requests whose adapter was in a slot of the replica that ran
 them), prefix-cache hit rate (prompt tokens read from cached blocks), both from each replica's /info counters
-over the timed load; TTFT p50/p99 and tokens/s at the client. Writes benchmarks/results/routing.{md,json,png}.
+over the timed load; TTFT p50/p99 and tokens/s at the client. Writes routing.md and routing.png to
+benchmarks/results/KIND/ and routing.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results), with the
+logs of a server whose requests failed in routing-logs/ beside it.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def run(args) -> dict:
                 for router in ROUTERS[rnd % 2:] + ROUTERS[:rnd % 2]:  # who goes first alternates
                     config = write_config(router, kv, Path(folder) / "adapters", Path(folder), policy)
                     results.append(run_router(router, kv, config, Path(folder) / f"r{rnd}", rnd, load,
-                                              args.out / "routing-logs"))
+                                              args.folders.raw / "routing-logs"))
                     bar.update()
                     tqdm.write(f"round {rnd} {router} {kv} MiB: {asdict(results[-1])}")
     return {"requests": num, "tokens": TOKENS, "concurrency": CONCURRENCY, "adapters": ADAPTERS,
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     title = f"Routing: lora-serve's router against plain multiplexing ({raw['mode']})"
     text = "\n".join(report_header(title, args.command, env)
                      + [note, "", table(raw), "", "![routing](routing.png)", ""])
-    save_results(args.out, "routing", raw, plot, text)
+    save_results(args.folders, "routing", raw, plot, text)
 
 
 if __name__ == "__main__":

