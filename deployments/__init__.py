@@ -5,7 +5,7 @@
   Responses and LoRAX/TGI APIs, chat templates and tools, the error shapes, and the typed events a replica's engine
   emits for the renderers.
 - `gate/`: who may call and how much: API keys and their scopes, per-key limits, per-key metrics.
-- `routes/`: the HTTP routes, which take an engine through the small typed EngineClient protocol.
+- `routes/`: the HTTP routes of every API, their choice streams and their error answers.
 - `routing/`: which replica serves a request: the policy, Serve's request router, HAProxy's ingress router, a
   replica's view of its peers, direct ingress and the HAProxy launcher.
 - `replica/`: the engine replica (LLMServer) and what it runs beside the engine: event streams, pacing, stats,

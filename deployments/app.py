@@ -8,15 +8,15 @@ from pydantic import Field, ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from deployments.api.strict import StrictModel
 from deployments.gate.auth import ApiKeyConfig, KeyRing
-from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabled
 from deployments.gate.gate import MAX_REQUEST_BYTES, GateConfig
-from deployments.routing.ingress_router import AdapterRouter
 from deployments.replica.llm_server import LLMServer
 from deployments.replica.openmp import replica_env_vars
-from deployments.routing.request_router import router_config
+from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabled
+from deployments.routing.ingress_router import AdapterRouter
 from deployments.routing.policy import RoutingPolicy
-from deployments.api.strict import StrictModel
+from deployments.routing.request_router import router_config
 from engine.config import EngineConfig
 
 

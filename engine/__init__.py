@@ -3,7 +3,7 @@
 The names below load on first use (PEP 562): `import engine.config` or `from engine.sampling import ...` must not
 import torch, because the serving side's typed boundary (config, sampling parameters, refusals, stats) is imported
 by Serve's build step, which runs before any replica starts: with torch and transformers, `import deployments.app`
-took 5.8 s on a 2-core AVX2 EPYC, on the critical path of every `serve run`."""
+took seconds, on the critical path of every `serve run`."""
 
 from __future__ import annotations
 

@@ -8,8 +8,6 @@ load no torch, so the serving side's error handling and request parsing import t
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -19,11 +17,8 @@ from engine.errors import AdapterError
 if TYPE_CHECKING:
     import torch
 
-    from engine.config import EngineConfig
     from engine.merge_spec import MergeSpec
 
-MAX_ID_LENGTH = 256
-_ID_PART = re.compile(r"[A-Za-z0-9._-]+")
 SOURCES = ("hub", "local", "s3")
 
 
@@ -102,43 +97,12 @@ class AdapterProvider(Protocol):
         """Per key ever read from the tier below: how often, and how long it took in all."""
 
 
-# Called by the engine once it has read its model's config: the provider checks every adapter against the shapes.
-AdapterProviderFactory = Callable[["EngineConfig", LoraShapes], AdapterProvider]
+# Called by the engine once it has read its model's config, with its adapter options (EngineConfig.adapter_sources):
+# the provider checks every adapter against the shapes.
+AdapterProviderFactory = Callable[[SourceConfig, LoraShapes], AdapterProvider]
 
 
 def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:
     """AdapterError unless the rank fits the server's max_lora_rank (None: no limit)."""
     if max_rank is not None and rank > max_rank:
         raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
-
-
-def validate_adapter_id(adapter_id: str) -> str:
-    """Return `adapter_id` if it is "name" or "org/name" of [A-Za-z0-9._-], with an optional "@revision" of the
-    same characters, else raise AdapterError.
-
-    Ids become paths under a source's root, so anything that could leave that root is refused."""
-    _check_characters(adapter_id)
-    name, at, revision = adapter_id.partition("@")
-    if at and (not _ID_PART.fullmatch(revision) or revision in (".", "..")):
-        raise AdapterError(adapter_id, "adapter id revision (after '@') must be made of letters, digits, '.', "
-                                       "'_' and '-'")
-    parts = name.split("/")
-    if any(part in (".", "..") for part in parts):
-        raise AdapterError(adapter_id, "adapter id must not contain '.' or '..' path parts")
-    if len(parts) > 2 or not all(_ID_PART.fullmatch(part) for part in parts):
-        raise AdapterError(adapter_id, "adapter id must be 'name' or 'org/name' made of letters, digits, "
-                                       "'.', '_' and '-'")
-    return adapter_id
-
-
-def _check_characters(adapter_id: str) -> None:
-    if not isinstance(adapter_id, str) or not adapter_id:
-        raise AdapterError(str(adapter_id), "adapter id is empty")
-    if len(adapter_id) > MAX_ID_LENGTH:
-        raise AdapterError(adapter_id, f"adapter id is {len(adapter_id)} characters, over {MAX_ID_LENGTH}")
-    if "\0" in adapter_id:
-        raise AdapterError(adapter_id, "adapter id contains a NUL character")
-    if "\\" in adapter_id:
-        raise AdapterError(adapter_id, "adapter id contains a backslash")
-    if adapter_id.startswith(("/", "~")) or os.path.isabs(adapter_id):
-        raise AdapterError(adapter_id, "adapter id must be a name, not an absolute or home path")

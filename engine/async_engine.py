@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.adapters import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
 from engine.llm_engine import LLMEngine, Prompt, TrackedRequest
@@ -22,8 +23,8 @@ from engine.outputs import AdapterStats, EngineStats, RequestOutput
 from engine.sampling import SamplingParams
 
 # A base-model prompt up to this many characters, with no grammar to compile, is prepared on the event loop: its
-# tokenization takes tens of microseconds, while a worker thread's turn cost 2-12 ms (p50) of TTFT under load,
-# waiting for the GIL beside the step thread. Longer prompts, grammars and adapter reads (a disk read when cold)
+# tokenization is quick, while a worker thread's turn cost far more of TTFT under load, waiting for the GIL
+# beside the step thread. Longer prompts, grammars and adapter reads (a disk read when cold)
 # still go to a worker thread, so they never stall the loop.
 INLINE_PROMPT_CHARS = 2048
 
@@ -45,8 +46,10 @@ def _prepares_quickly(prompt: Prompt, params: SamplingParams, adapter: str | Non
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, adapter_provider=None, **overrides):
-        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapter_provider)
+    def __init__(self, config: EngineConfig | None = None, adapters: AdapterProviderFactory | None = None,
+                 **overrides):
+        """adapters: the provider's factory, needed when max_loras > 0 (LLMEngine)."""
+        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapters)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}

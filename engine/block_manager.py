@@ -104,7 +104,7 @@ class BlockManager:
             block, _ = self.free_blocks.popitem(last=False)
             self._forget(block)
             self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.add_block(block)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of `seq`'s tokens, at least its last token left out (it
@@ -125,11 +125,8 @@ class BlockManager:
         for block in prefix:
             self.free_blocks.pop(block, None)
             self.ref_counts[block] += 1
-            seq.block_table.append(block)
-        seq.num_hashed_blocks = len(prefix)
-        seq.num_computed_tokens = len(prefix) * self.block_size
-        if not seq.num_preemptions:  # a preempted sequence's re-admission does not change what it was billed
-            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.add_block(block)
+        seq.took_prefix(len(prefix), self.block_size)
         if self.enable_prefix_caching:
             self.prefix_stats.queried_tokens += seq.num_tokens
             self.prefix_stats.hit_tokens += seq.num_computed_tokens
@@ -148,7 +145,7 @@ class BlockManager:
             self.digest_of[block] = chain_digest(parent, key[1], code)
             self.depth_of[block] = i
             self.cached.setdefault(key, block)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        seq.hashed(full)
 
     def cached_digests(self) -> frozenset[int]:
         """The digests of cached blocks among the first REPORTED_DEPTH of their prompts, for routing. Safe from
@@ -182,15 +179,12 @@ class BlockManager:
             behind = max(0, min(behind, seq.num_hashed_blocks - 1))
         for block in seq.block_table[seq.num_released_blocks:behind]:
             self._unref(block)
-        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+        seq.released(behind)
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table[seq.num_released_blocks:]):
             self._unref(block)
-        seq.block_table.clear()
-        seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
-        seq.num_released_blocks = 0
+        seq.freed()
 
     def _unref(self, block: int) -> None:
         self.ref_counts[block] -= 1

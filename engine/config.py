@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lora_cache.sources import SOURCES, SourceConfig, validate_adapter_id
+from engine.adapter_ids import validate_adapter_id
+from engine.adapters import SOURCES, SourceConfig
 
 if TYPE_CHECKING:
     import torch
@@ -191,8 +192,8 @@ class EngineConfig:
     def compute_dtype(self) -> torch.dtype:
         """The dtype the model runs in: torch_dtype, except bf16 on a CPU without bf16 matrix instructions
         (no AVX-512 BF16, AMX or AVX-NE-CONVERT, e.g. an AVX2-only EPYC), which runs in float32. There torch
-        emulates bf16 matrix math: measured on such a 2-core EPYC, a [2048 x 576] x [576 x 1536] linear ran 10x
-        slower in bf16 than in fp32 (18 against 171 GFLOP/s) and attention's batched matmuls 40x slower. The
+        emulates bf16 matrix math: measured on such an EPYC, a linear and attention's batched matmuls ran many
+        times slower in bf16 than in fp32. The
         weights keep torch_dtype's values there (engine/models load_model), and the linears their storage where
         a C++ kernel widens them (engine/layers/linear.py)."""
         import torch

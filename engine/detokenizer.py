@@ -7,17 +7,15 @@ grow into a stop string is held back.
 
 With a fast tokenizer whose decoding transformers leaves as is (no clean-up of spaces), each token goes through
 the tokenizers library's own incremental decoder (DecodeStream, in Rust, one call a token) instead of two decodes
-of a window, and the stop-string bookkeeping skips what cannot match. A token added and its text taken, SmolLM2's
-tokenizer, 1,900 tokens of mixed text and emoji, 5 interleaved rounds on an AMD EPYC: 3.45-3.73 us, against
-8.46-8.89 for two decodes of a window and a full stop search, without stop strings; 3.34-3.46 against 7.28-7.50
-with two. On an H100 at batch 64 they were one of the largest items of a decode step's host work, which the device
-waits for: add_token took 0.65 ms of cProfile time a step, beside 0.70 for scheduling and 0.68 for the graph's
-replay (benchmarks/results/gpu_profile.md), in steps of 2.77 ms.
+of a window, and the stop-string bookkeeping skips what cannot match. A token added and its text taken (SmolLM2's
+tokenizer, mixed text and emoji) costs much less that way than two decodes of a window and a full stop search,
+with stop strings or without. On an H100 at batch 64 they were one of the largest items of a decode step's host
+work, which the device waits for, beside scheduling and the graph's replay (gpu_profile, docs/benchmarks.md).
 
 Otherwise, and for the rest of a request whose stream refuses a token (tokenizers raises "Invalid prefix
 encountered" where a decoder's text is not monotonic in its tokens), the Python path decodes the window twice per
 token, through the fast tokenizer's own `decode` where it can (the transformers wrapper converts and checks its
-arguments at every call: 2.7 us against 0.8 for seven tokens).
+arguments at every call, which costs more than a few tokens' decode).
 """
 
 from __future__ import annotations

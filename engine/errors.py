@@ -54,3 +54,31 @@ class EngineOverloadedError(RuntimeError):
 
     def __reduce__(self):  # pickled (across a Ray hop) with what made it
         return type(self), (self.waiting, self.retry_after_s)
+
+
+# A registered adapter's key is "name#generation" (lora_cache/registry.py); '#' is never part of a valid id
+KEY_SEPARATOR = "#"
+
+
+def key_name(key: str) -> str:
+    """The adapter's name in a key: what a client asked for and every message shows."""
+    return key.partition(KEY_SEPARATOR)[0]
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the adapter as requested (not its key's generation)
+    and the reason."""
+
+    def __init__(self, adapter_id: str, reason: str):
+        name = key_name(adapter_id)
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        super().__init__(f"adapter {shown!r}: {reason}")
+        self.adapter_id = adapter_id
+        self.reason = reason
+
+    def __reduce__(self):  # exceptions cross Ray process boundaries pickled; rebuild from both fields
+        return type(self), (self.adapter_id, self.reason)
+
+
+class AdapterNotFoundError(AdapterError):
+    """No such adapter where it was looked for (HTTP 404); other AdapterErrors are bad adapters (HTTP 400)."""

@@ -2,7 +2,7 @@
 
 llguidance (the grammar engine behind vLLM's and SGLang's "guidance" backend) compiles a JSON schema, a regex,
 a choice of strings (as a regex alternation) or a Lark grammar lazily against the tokenizer, so a new one is
-ready in about a millisecond, and computes the masks of a whole batch in parallel on its own Rust threads
+ready almost at once, and computes the masks of a whole batch in parallel on its own Rust threads
 without holding the GIL. A compiled grammar is kept (LRU, keyed by its kind and text) as a fresh matcher that
 each new request copies.
 
@@ -188,8 +188,8 @@ def _each_subschema(schema, rewrite):
 
 def mask_penalty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask [rows, words] -> float32 [rows, vocab_size]: 0 where allowed, -1e30 elsewhere, to add to
-    logits (-1e30, not -inf, so that 0 * penalty stays 0; torch's masked_fill_ took ~3 ms for 32 x 49k here,
-    this takes ~1 ms)."""
+    logits (-1e30, not -inf, so that 0 * penalty stays 0; this measured faster than torch's masked_fill_
+    here)."""
     words = bitmask.cpu().numpy().view(np.uint8)  # little-endian: bit t of the row is token t
     bits = torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")[:, :vocab_size])
     return bits.to(torch.float32).sub_(1).mul_(1e30)

@@ -4,9 +4,8 @@ Why: a decode step streams every weight once and reads every sequence's KV block
 are many times the caches. On 4 KiB pages a step of SmolLM2 (270 MB of bf16 weights) crosses about 66,000 pages,
 each a TLB miss and a page walk, and a sequence's KV blocks (2 KiB of one layer and head) each sit on a page of
 their own. The kernel gives huge pages to memory that asks for them (madvise, the default setting of most
-distributions) and not otherwise, so nothing of the engine's had them. Measured on 2 cores of a Zen 4 EPYC, bf16:
-SmolLM2's 30 layers of linears 7.5 -> 7.0 ms at 1 row, 11.5 -> 11.0 at 16, 34.5 -> 34.0 at 64; decode attention of
-64 sequences of 26-56 tokens over a cold cache, one layer, 0.27 -> 0.21 ms.
+distributions) and not otherwise, so nothing of the engine's had them. On huge pages (measured in bf16) a step's
+linears ran a little faster, and decode attention over a cold cache faster still.
 
 A Region is one anonymous mapping, advised MADV_HUGEPAGE and aligned to 2 MiB, cut into storages of their own
 (torch.frombuffer: each storage keeps the mapping alive and is counted as itself by engine/memory.py). Moving a

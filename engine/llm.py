@@ -7,18 +7,22 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from engine.adapters import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
+from engine.merge_spec import MergeSpec
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
-from lora_cache.merge_spec import MergeSpec
 
 
 class LLM:
     """Offline batch generation: LLM("smollm2-135m-instruct", dtype="bfloat16").generate(prompts, params)."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **overrides):
-        self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides))
+    def __init__(self, model: str = "smollm2-135m-instruct", adapters: AdapterProviderFactory | None = None,
+                 **overrides):
+        """adapters: where LoRA adapters come from, needed when max_loras > 0: lora_cache.local_cache's
+        local_adapters reads them from config.adapter_source in this process (engine/adapters.py)."""
+        self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides), adapters)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

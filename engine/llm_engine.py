@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from engine.adapter_slots import AdapterSlots
+from engine.adapters import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank
 from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -22,18 +24,12 @@ from engine.layers.rotary import long_rope_switch, runs_long
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
-from engine.models import context_limit
+from engine.models import context_limit, lora_shapes
 from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from lora_cache.adapter import check_rank
-from lora_cache.local_cache import LocalAdapterCache
-from lora_cache.lru import LoadStats
-from lora_cache.provider import AdapterProvider
-from lora_cache.slots import AdapterSlots
-from lora_cache.sources import make_source
 
 Prompt = str | list[int]
 
@@ -47,9 +43,10 @@ class TrackedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, adapter_provider: AdapterProvider | None = None):
-        """adapter_provider: where adapters come from (lora_cache/provider.py); by default an in-process CPU
-        tier over config.adapter_source; in serving, the cluster's cache actor (lora_cache/actor.py)."""
+    def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None):
+        """adapters: makes the provider adapters come from (engine/adapters.py), given the model's LoRA shapes;
+        needed when max_loras > 0. Offline, lora_cache.local_cache.local_adapters reads them in this process; in
+        serving, a replica binds its copy of the cluster's cache actor (lora_cache/actor.py)."""
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -64,10 +61,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
-        if adapter_provider is not None and not config.max_loras:
-            raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
-        self.adapters: AdapterProvider | None = adapter_provider or (
-            self._adapter_cache(config, hf_config) if config.max_loras else None)
+        self.adapters = self._adapter_provider(config, hf_config, adapters)
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -91,9 +85,16 @@ class LLMEngine:
         return self.runner.memory_report()
 
     @staticmethod
-    def _adapter_cache(config: EngineConfig, hf_config) -> LocalAdapterCache:
-        return LocalAdapterCache(make_source(config.adapter_sources()), hf_config, config.max_adapter_bytes,
-                                 max_rank=config.max_lora_rank)
+    def _adapter_provider(config: EngineConfig, hf_config,
+                          adapters: AdapterProviderFactory | None) -> AdapterProvider | None:
+        if adapters is not None and not config.max_loras:
+            raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
+        if adapters is None and config.max_loras:
+            raise ValueError("max_loras > 0 needs an adapter provider: pass adapters=local_adapters "
+                             "(from lora_cache.local_cache) to read adapters from config.adapter_source")
+        if adapters is None:
+            return None
+        return adapters(config.adapter_sources(), lora_shapes(hf_config))
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
@@ -127,9 +128,8 @@ class LLMEngine:
             self._check_adapter(adapter_id)
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids, prompt if isinstance(prompt, str) else None,
                        adapter_id=adapter_id, arrival_time=arrival)
-        if params.response_format is not None:
-            seq.grammar = self.grammars.matcher(params.response_format)  # ValueError for an invalid schema
-        seq.bad_words_ids = self._bad_words_ids(params.bad_words)
+        grammar = self.grammars.matcher(params.response_format) if params.response_format is not None else None
+        seq.constrain(grammar, self._bad_words_ids(params.bad_words))  # ValueError for an invalid schema
         return TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
                                                           params.skip_special_tokens,
                                                           keep_stop=params.include_stop_str_in_output))
@@ -281,7 +281,7 @@ class LLMEngine:
         for scores in step.prompt_scores:
             _record_prompt_logprobs(scores)
         for s in plan.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.computed(s.num_new_tokens)
             self.block_manager.cache_computed_blocks(s.seq)
             if self.kv_window is not None:
                 self.block_manager.release_behind(s.seq, self.kv_window)
@@ -298,7 +298,7 @@ class LLMEngine:
     def _start_masks(self, scheduled) -> Future[TokenMasks] | None:
         """Structured-output masks of the requests that sample this step (a mask depends only on the tokens so
         far). On a GPU they are computed on a worker thread while the model runs; on a CPU, before it: there the
-        overlap cost 20% of throughput, as the mask threads and torch's threads fought over the cores."""
+        overlap cost throughput, as the mask threads and torch's threads fought over the cores."""
         constrained = [(s.seq.request_id, s.seq.grammar) for s in scheduled
                        if s.seq.grammar is not None and s.completes_prompt]
         if not constrained:
@@ -311,14 +311,10 @@ class LLMEngine:
 
     def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float | None,
                        top: list[dict[int, float]]) -> RequestOutput:
-        seq.append_token(token)
-        if seq.grammar is not None:
-            seq.grammar.consume_token(token)
+        new_logprobs = [] if logprob is None else [logprob]
+        seq.append_token(token, new_logprobs, top)
         if seq.adapter_id is not None:
             self.adapter_usage[seq.adapter_id].generated_tokens += 1
-        new_logprobs = [] if logprob is None else [logprob]
-        seq.logprobs.extend(new_logprobs)
-        seq.top_logprobs.extend(top)
         stop_string_hit = detok.add_token(token)
         reason = self._finish_reason(seq, token, stop_string_hit)
         if reason is not None:
@@ -376,23 +372,14 @@ def _prompt_scores(seq: Sequence, carried: bool) -> _PromptScores:
 
 
 def _record_prompt_logprobs(scores) -> None:
-    """Append a step's prompt logprobs; the first prompt token has none. A preempted sequence recomputes its
-    prompt: the positions it already has are skipped."""
-    seq = scores.seq
-    if not seq.prompt_logprobs:
-        seq.prompt_logprobs.append(None)
-        seq.prompt_top_logprobs.append(None)
-        seq.prompt_ranks.append(None)
-    skip = len(seq.prompt_logprobs) - scores.first_index
-    seq.prompt_logprobs += scores.logprobs[skip:]
-    seq.prompt_top_logprobs += scores.top_logprobs[skip:]
-    seq.prompt_ranks += scores.ranks[skip:]
+    """Hand a step's prompt logprobs to their sequence."""
+    scores.seq.add_prompt_scores(scores.first_index, scores.logprobs, scores.top_logprobs, scores.ranks)
 
 
 def _freeze_startup_objects() -> None:
     """Move every object alive after start-up (modules, the tokenizer's tables, the model's Python objects) out of
     the garbage collector's reach. Steps create many short-lived objects, and each collection of the oldest
-    generation walked all of these again: the collector took about 4% of a 32-sequence bf16 decode step on 2
-    cores (perf), as vLLM also found and fixes the same way."""
+    generation walked all of these again: the collector took a measurable share of a decode step (perf), as
+    vLLM also found and fixes the same way."""
     gc.collect()
     gc.freeze()

@@ -22,8 +22,15 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
 from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import (AdapterRun, LoRAStepState, build_lora_batch, padding_allowance,
-                                      per_token_slots, slot_order, token_slots)
+from engine.layers.lora_batch import (
+    AdapterRun,
+    LoRAStepState,
+    build_lora_batch,
+    padding_allowance,
+    per_token_slots,
+    slot_order,
+    token_slots,
+)
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, use_fused_ops
 from engine.models.decoder_stack import build_decoder_stack
@@ -140,19 +147,22 @@ class ModelRunner:
                                                                      self.block_size))
         self.lora_state = LoRAStepState()
         self.max_loras = config.max_loras
-        self.lora_layers = []
-        if config.max_loras:
-            self.lora_layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras,
-                                                 config.max_lora_rank, self.dtype, self.device,
-                                                 cpu_ops=self.cpu_ops)
-            linears = [lora for layer in self.lora_layers for lora in layer.values()]
-            self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
+        self.lora_layers = self._wrap_lora_linears(config) if config.max_loras else []
         if self.huge_pages:  # the adapters' slots too: after the LoRA layers are in place
             huge_pages.move_module(self.model)
         if config.decoder_stack:  # after the LoRA wrappers and any move of the weights: the stack holds them
             self.model.decoder_stack = build_decoder_stack(self.model, self.kv_caches, self.cpu_ops,
                                                            self.lora_state)
         self.graphs = self._decode_graphs(config, max_model_len)
+
+    def _wrap_lora_linears(self, config: EngineConfig) -> list:
+        """The model's LoRA-capable linears wrapped with max_loras slots each, and the padding their row cost
+        allows a step's adapter segments (lora_padding)."""
+        layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras, config.max_lora_rank, self.dtype,
+                                   self.device, cpu_ops=self.cpu_ops)
+        linears = [lora for layer in layers for lora in layer.values()]
+        self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
+        return layers
 
     def _cuda_ops(self, config: EngineConfig):
         """The Triton fused element-wise operators on CUDA (imported there only: triton may be absent on CPU)."""
@@ -422,7 +432,7 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         """An int64 tensor of a step's (rectangular) lists. On CPU through numpy, which converts holding the GIL:
         torch.tensor releases it for its copy, and in a replica the step thread then waited for the event loop to
-        give it back (py-spy, 32 streams: about a third of the step thread's GIL waits)."""
+        give it back (py-spy, 32 streams: a large share of the step thread's GIL waits)."""
         if self.device.type == "cpu":
             return torch.from_numpy(np.array(values, dtype=np.int64))
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -5,17 +5,16 @@ processors (min_tokens' ban on EOS and stop tokens, vLLM's allowed_token_ids and
 penalty, OpenAI's presence and frequency penalties over the output only, as vLLM applies them), temperature, top-k,
 top-p, min-p, typical-p.
 Greedy rows take the argmax (of the logits in the model's dtype, read in place, when every row of a step is
-plain greedy: widening a bf16 step of 64 rows of 49,152 logits to float32 first took 0.5 ms of a 45 ms step on 2
-cores of a Zen 4 EPYC). Sampled rows draw by inverse CDF, one uniform a row (engine/sampling_filters.py
-cuts top-k, top-p, min-p and typical-p first): on 2 cores of an AVX2 EPYC, a sampler call on 64 rows of 49,152 random
-logits took 15-26 ms at temperature 1, 35-58 with top-p 0.9 and 16-33 with top-k 50, against 101-114, 300-312 and
-283-309 with an exponential drawn per token and whole rows sorted (2 alternating rounds). Seeded rows draw from
+plain greedy: widening a bf16 step's logits to float32 first is work a greedy step does not need). Sampled rows
+draw by inverse CDF, one uniform a row (engine/sampling_filters.py cuts top-k, top-p, min-p and typical-p first):
+a sampler call on a batch of random logits took a fraction of the time that an exponential drawn per token and
+whole rows sorted took, at temperature 1 as with top-p or top-k. Seeded rows draw from
 their own generator, so a seed gives the same text whatever else is in the batch; unseeded rows share one engine
 generator, drawn in one call.
 Log-probabilities, computed only for requests that ask, are those of the model's raw distribution,
 as vLLM reports them: a logit minus its row's logsumexp, read from the logits in the model's dtype, so a greedy
-step that reports them stays on the unwidened path. Through a float32 log_softmax of every row, 32 greedy rows
-that reported logprobs cost 9% of a closed loop of 32 streams' tokens/s (bf16 SmolLM2, 2 cores of a Zen 4 EPYC).
+step that reports them stays on the unwidened path. Through a float32 log_softmax of every row, greedy rows that
+reported logprobs cost a noticeable share of a closed loop's tokens/s.
 """
 
 from __future__ import annotations
@@ -77,16 +76,15 @@ class Sampler:
         return _output(tokens, self._logprobs(model_logits, tokens, seqs))
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop: for 64 rows of
-        SmolLM2's 49,152 logits 1.3-1.6 ms in float32 and 5.7 in bf16, against 0.24 and 0.28, cpu/argmax.cpp), with
-        the same ties and NaN handling, in any float dtype."""
+        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop, much slower than
+        cpu/argmax.cpp in float32 and more so in bf16), with the same ties and NaN handling, in any float dtype."""
         if self.cpu_ops is None or logits.device.type != "cpu":
             return logits.argmax(dim=-1)
         return self.cpu_ops.argmax_rows(logits)
 
     def _float(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits in float32. On CPU a bf16/fp16 model's are widened into a buffer kept from step to step: a
-        fresh 12 MB tensor a step (64 rows of 49,152) took 1.5 ms of page faults, the copy alone 0.35 ms. Each
+        fresh 12 MB tensor a step (64 rows of 49,152) cost more in page faults than the copy itself. Each
         call's result is read within that call, and the next overwrites it. The C++ operators widen them on their
         own threads (cpu/widen.cpp: torch's copy stalled now and then, waking OpenMP's threads)."""
         if logits.dtype == torch.float32 or logits.device.type != "cpu":
@@ -134,8 +132,8 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: each row's token is the first whose cumulative probability passes one uniform
         draw, summed in float64 so that rounding shifts no token's share (a token of zero probability is never
-        drawn). One uniform a row, where an exponential race drew one number per token: 91 ms of a [64, 49,152]
-        batch's step on 2 cores of an AVX2 EPYC, against 2 ms for the cumulative sum and the search."""
+        drawn). One uniform a row, where an exponential race drew one number per token, which cost far more of a
+        [64, 49,152] batch's step than the cumulative sum and the search."""
         uniform = torch.empty(len(seqs), 1, device=probs.device, dtype=torch.float64)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:
@@ -143,9 +141,8 @@ class Sampler:
                                            generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
-                uniform[i] = torch.rand(1, device=probs.device, dtype=torch.float64, generator=seq.generator)
+                uniform[i] = torch.rand(1, device=probs.device, dtype=torch.float64,
+                                        generator=seq.seeded_generator(probs.device))
         cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
         return inverse_cdf(cumulative, uniform * cumulative[:, -1:])
 
@@ -193,10 +190,9 @@ def _add_logit_bias(row: torch.Tensor, seq: Sequence) -> None:
 
 def _penalty_tokens(row: torch.Tensor, seq: Sequence) -> PenaltyTokens:
     """The sequence's tallies, made on first use and brought up to date with its new outputs."""
-    if seq.penalty_tokens is None:
-        seq.penalty_tokens = PenaltyTokens.of_prompt(seq.prompt_token_ids, row.device)
-    seq.penalty_tokens.absorb(seq.output_token_ids)
-    return seq.penalty_tokens
+    tokens = seq.penalties(row.device)
+    tokens.absorb(seq.output_token_ids)
+    return tokens
 
 
 def _penalise_repetition(row: torch.Tensor, seq: Sequence) -> None:

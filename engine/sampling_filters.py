@@ -4,12 +4,12 @@ token that crosses the mass, MinP with the tokens at its floor, Typical with tie
 ranking: one softmax and a row maximum.
 
 Why candidates: top-p and typical-p rank a row's tokens, and only as far as the mass they keep. torch's CPU sort of
-a [64, 49,152] batch (SmolLM2's vocabulary) takes 145 ms on 2 cores of an AVX2 EPYC, longer than the decode step
-it follows; its topk of 1,024 takes 18 ms and of 8,192 36 ms. So a row ranks its top TIERS[0] tokens, then its top
-TIERS[1] if those hold no more than its mass, and is sorted whole only past that (a flat distribution, as a random
-model's). The set kept is the same either way: a token outside a row's candidates comes after all of them. On
-SmolLM2 at temperature 1, 2.4% of the rows of 64 requests needed more than 1,024 tokens for a top-p of 0.9 and
-none more than 3,113; sorting a whole batch whenever one of its rows did would sort 4 steps in 5.
+a [64, 49,152] batch (SmolLM2's vocabulary) takes longer than the decode step it follows; its topk of a few
+thousand is far cheaper. So a row ranks its top TIERS[0] tokens, then its top TIERS[1] if those hold no more than
+its mass, and is sorted whole only past that (a flat distribution, as a random model's). The set kept is the same
+either way: a token outside a row's candidates comes after all of them. On SmolLM2 at temperature 1 few rows needed
+more than TIERS[0] tokens for a top-p of 0.9 and none more than TIERS[1], but so many batches held such a row that
+sorting a whole batch whenever one of its rows did would sort most steps.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.adapter_slots import AdapterSlots
 from engine.block_manager import BlockManager
 from engine.layers.rotary import runs_long
-from engine.sequence import Sequence, SequenceStatus
-from lora_cache.slots import AdapterSlots
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Scheduler:
         starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            seq.long_rope = seq.long_rope or self._past_long_rope_switch(seq)  # before its prefix is looked up
+            seq.admit(self._past_long_rope_switch(seq))  # before its prefix is looked up
             prefix = self.block_manager.cached_prefix(seq)
             computed = len(prefix) * self.block_manager.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -134,7 +134,7 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.take_prefix(seq, prefix)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
+            seq.start_running()
             _insert_by_priority(self.running, seq)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -161,7 +161,7 @@ class Scheduler:
         grant = self.adapter_slots.acquire(seq.adapter_id)
         if grant is None:
             return False
-        seq.lora_slot = grant.slot
+        seq.assign_slot(grant.slot)
         if grant.needs_load:
             adapter_loads.append(AdapterLoad(grant.slot, seq.adapter_id))
         return True
@@ -169,7 +169,7 @@ class Scheduler:
     def _release_slot(self, seq: Sequence) -> None:
         if seq.lora_slot is not None:
             self.adapter_slots.release(seq.adapter_id)
-            seq.lora_slot = None
+            seq.assign_slot(None)
 
     def _preempt(self, seq: Sequence) -> None:
         self._restart(seq)
@@ -179,8 +179,7 @@ class Scheduler:
         """Free its blocks and slot; it waits at the front of its priority, to be recomputed from its start."""
         self.block_manager.free(seq)
         self._release_slot(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1  # its re-admission keeps what its first one billed (cached tokens)
+        seq.preempt()
         _insert_by_priority(self.waiting, seq, ahead=True)
 
     def _past_long_rope_switch(self, seq: Sequence) -> bool:

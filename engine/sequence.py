@@ -1,4 +1,9 @@
-"""Per-request state: token ids, status, block table, timings."""
+"""Per-request state: token ids, status, block table, timings.
+
+The scheduler, the block manager, the sampler and the engine each move a sequence through its life, and each does
+it through one of its methods (admit, take_blocks, computed, preempt, ...): a field read anywhere is written in
+one place, which names what happened to the request.
+"""
 
 from __future__ import annotations
 
@@ -80,12 +85,94 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: list[float] = (),
+                     top_logprobs: list[dict[int, float]] = ()) -> None:
+        """A sampled token, with its logprob and top alternatives when the request asked for them; a structured
+        output's matcher takes it too."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
+        self.logprobs.extend(logprobs)
+        self.top_logprobs.extend(top_logprobs)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+    def admit(self, long_rope: bool) -> None:
+        """The scheduler runs it; once its K/V turned with longrope's long factors, it stays on them."""
+        self.long_rope = self.long_rope or long_rope
+
+    def start_running(self) -> None:
+        self.status = SequenceStatus.RUNNING
+
+    def preempt(self) -> None:
+        """Back to waiting, to be recomputed from its start (its blocks are freed by the block manager)."""
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1  # its re-admission keeps what its first one billed (cached tokens)
+
+    def assign_slot(self, slot: int | None) -> None:
+        """The device slot of its adapter while it runs; None once it gives the slot back."""
+        self.lora_slot = slot
+
+    def add_block(self, block: int) -> None:
+        self.block_table.append(block)
+
+    def took_prefix(self, num_blocks: int, block_size: int) -> None:
+        """Its first `num_blocks` blocks came from the prefix cache: their tokens count as computed, and a first
+        admission bills them as cached (a preempted one's re-admission does not change what it was billed)."""
+        self.num_hashed_blocks = num_blocks
+        self.num_computed_tokens = num_blocks * block_size
+        if not self.num_preemptions:
+            self.num_cached_tokens = self.num_computed_tokens
+
+    def hashed(self, full_blocks: int) -> None:
+        """Its leading `full_blocks` blocks are keyed for prefix caching."""
+        self.num_hashed_blocks = max(self.num_hashed_blocks, full_blocks)
+
+    def released(self, behind: int) -> None:
+        """Its blocks before `behind` lie behind every layer's window and were given back."""
+        self.num_released_blocks = max(self.num_released_blocks, behind)
+
+    def freed(self) -> None:
+        """Its blocks were given back: nothing of it is in the cache any more."""
+        self.block_table.clear()
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.num_released_blocks = 0
+
+    def computed(self, num_new_tokens: int) -> None:
+        """A step wrote the K/V of its next `num_new_tokens` tokens."""
+        self.num_computed_tokens += num_new_tokens
+
+    def constrain(self, grammar: Any, bad_words_ids: tuple[tuple[int, ...], ...]) -> None:
+        """What its sampling must keep to: a structured-output matcher, and bad words as token sequences."""
+        self.grammar = grammar
+        self.bad_words_ids = bad_words_ids
+
+    def add_prompt_scores(self, first_index: int, logprobs: list, top_logprobs: list, ranks: list) -> None:
+        """The scores of a chunk of its prompt tokens from position `first_index` (prompt_logprobs); the first
+        prompt token has none. A preempted sequence recomputes its prompt: the positions it has are skipped."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
+            self.prompt_top_logprobs.append(None)
+            self.prompt_ranks.append(None)
+        skip = len(self.prompt_logprobs) - first_index
+        self.prompt_logprobs += logprobs[skip:]
+        self.prompt_top_logprobs += top_logprobs[skip:]
+        self.prompt_ranks += ranks[skip:]
+
+    def seeded_generator(self, device: torch.device) -> torch.Generator:
+        """Its own RNG, seeded with params.seed once, on the device its draws are made on."""
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self.generator
+
+    def penalties(self, device: torch.device) -> PenaltyTokens:
+        """The tokens its penalties count, made from its prompt when a penalty first applies."""
+        if self.penalty_tokens is None:
+            self.penalty_tokens = PenaltyTokens.of_prompt(self.prompt_token_ids, device)
+        return self.penalty_tokens

@@ -4,6 +4,5 @@ the engine uses the other modules (tests/test_layout.py checks it).
 
 The package imports nothing itself, so that the routing side (replica_report.py, read by the request router in
 Serve's proxy and by the ingress request router's replica) loads without torch, which adapter.py needs: with torch,
-`serve run serve_config.yaml` held 316-319 MB in Serve's fallback proxy and 321-322 MB in the router's replica;
-without, 140-141 and 142-144 MB (an AVX2 EPYC, 3 starts each). Importing torch took 1.6 s of the router's 2.6 s
-import on that CPU's 2 cores, in a process that starts beside the engine replica."""
+`serve run serve_config.yaml` held far more memory in Serve's fallback proxy and in the router's replica, and
+importing torch was most of the router's import, in a process that starts beside the engine replica."""

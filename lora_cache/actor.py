@@ -16,34 +16,38 @@ an adapter the replica does not yet hold.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
 
-from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterError, AdapterNotFoundError
+from engine.adapter_ids import validate_adapter_id
+from engine.adapters import LoraShapes, SourceConfig
+from engine.errors import AdapterError, AdapterNotFoundError, key_name
+from engine.merge_spec import MergeSpec, is_merge_key
+from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
-from lora_cache.merge_spec import MergeSpec, is_merge_key
+from lora_cache.make_source import make_source, remote_source
 from lora_cache.provider import HeldAdapters
-from lora_cache.registry import AdapterRegistry, Registration, RegistryView, key_name
+from lora_cache.registry import AdapterRegistry, Registration, RegistryView
 from lora_cache.replica_report import AdapterVersion, ClusterView, ReplicaReport
-from lora_cache.sources import (AdapterLocation, AdapterSource, SourceConfig, make_source, remote_source,
-                                validate_adapter_id)
+from lora_cache.sources import AdapterLocation, AdapterSource
 
 if TYPE_CHECKING:
-    from lora_cache.adapter import LoRAAdapter
+    from engine.adapters import LoRAAdapter
+    from lora_cache.reader import AdapterReader
 
 ACTOR_NAME = "lora-serve-adapter-cache"
 MAX_LOCAL_COPIES = 64  # adapters a replica keeps fetched from the actor
 RESIDENCE_TTL_S = 10.0  # a replica that has not reported for this long is gone (replicas report every second)
-ACTOR_TIMEOUT_S = 30.0  # the actor silent this long is unavailable: longer than its restart (5-15 s on 2 cores)
+ACTOR_TIMEOUT_S = 30.0  # the actor silent this long is unavailable: longer than its restart
 PING_EVERY_S = 1.0  # while a call is awaited, how often the actor is asked whether it still answers
 
 
@@ -56,12 +60,8 @@ class _Entry:
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
-    def __init__(self, base_config: dict, sources: SourceConfig, capacity_bytes: int = 4 << 30):
-        # torch and transformers load here, in the actor's process: a replica imports this module to create the
-        # actor before it imports them itself (lora_cache/reader.py)
-        from lora_cache.reader import AdapterReader
-
-        self.reader = AdapterReader.for_base(base_config, sources.max_adapter_bytes, sources.max_lora_rank)
+    def __init__(self, sources: SourceConfig, capacity_bytes: int = 4 << 30):
+        self.reader: AdapterReader | None = None  # made by the first read, for the shapes it brings (_reader)
         self.sources = sources
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
@@ -81,27 +81,29 @@ class LoRACacheActor:
         """This process's id: the actor answers (a replica's liveness probe while it awaits a call)."""
         return os.getpid()
 
-    async def get(self, adapter_id: str) -> list[ray.ObjectRef]:
-        """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref)."""
+    async def get(self, adapter_id: str, shapes: LoraShapes) -> list[ray.ObjectRef]:
+        """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref), read on
+        a miss against the base model's LoRA `shapes` (each caller's engine knows them)."""
         entry = self.entries.get(adapter_id)
         if entry is not None:
             self.hits += 1
             return [entry.ref]
         self.misses += 1
         if adapter_id not in self.inflight:  # single flight: later callers await the first caller's load
-            self.inflight[adapter_id] = asyncio.ensure_future(self._load(adapter_id))
+            self.inflight[adapter_id] = asyncio.ensure_future(self._load(adapter_id, shapes))
         try:
             return [await asyncio.shield(self.inflight[adapter_id])]
         finally:
             if self.inflight.get(adapter_id) is not None and self.inflight[adapter_id].done():
                 self.inflight.pop(adapter_id, None)
 
-    async def _load(self, key: str, location: AdapterLocation | None = None) -> ray.ObjectRef:
+    async def _load(self, key: str, shapes: LoraShapes, location: AdapterLocation | None = None) -> ray.ObjectRef:
         start = time.perf_counter()
+        reader = self._reader(shapes)
         if is_merge_key(key):
-            adapter = await self._merged(key)
+            adapter = await self._merged(key, shapes)
         else:
-            adapter = await asyncio.to_thread(self._read, key, location or self._location(key))
+            adapter = await asyncio.to_thread(self._read, reader, key, location or self._location(key))
         ref = ray.put(adapter)
         self.entries.put(key, _Entry(ref, adapter.nbytes, adapter.content_id), time.perf_counter() - start)
         return ref
@@ -111,12 +113,24 @@ class LoRACacheActor:
         self.merges[spec.key()] = spec
         return spec.key()
 
-    async def _merged(self, key: str) -> LoRAAdapter:
+    def _reader(self, shapes: LoraShapes) -> AdapterReader:
+        """The reader of this cluster's base model: one actor serves one base, so other shapes are refused."""
+        # torch loads here, in the actor's process: a replica imports this module to create the actor before it
+        # imports torch itself (lora_cache/reader.py)
+        from lora_cache.reader import AdapterReader
+
+        if self.reader is None:
+            self.reader = AdapterReader(shapes, self.sources.max_adapter_bytes, self.sources.max_lora_rank)
+        if self.reader.shapes != shapes:
+            raise AdapterError("*", "this cluster's adapter cache serves another base model's LoRA shapes")
+        return self.reader
+
+    async def _merged(self, key: str, shapes: LoraShapes) -> LoRAAdapter:
         spec = self.merges.get(key)
         if spec is None:
             raise AdapterNotFoundError(key, "no such merge: send its merged_adapters spec")
         view = self.registry.view()
-        parts = [await (await self.get(view.key(adapter_id)))[0] for adapter_id in spec.ids]
+        parts = [await (await self.get(view.key(adapter_id), shapes))[0] for adapter_id in spec.ids]
         return await asyncio.to_thread(self.reader.merge, key, parts, spec)
 
     def _location(self, key: str) -> AdapterLocation | None:
@@ -126,7 +140,7 @@ class LoRACacheActor:
             raise AdapterError(name, "was loaded or unloaded again while this request was on its way; retry")
         return self.registry.location(name)
 
-    def _read(self, key: str, location: AdapterLocation | None) -> LoRAAdapter:
+    def _read(self, reader: AdapterReader, key: str, location: AdapterLocation | None) -> LoRAAdapter:
         name = validate_adapter_id(key_name(key))
         if location is None:
             folder = self.source.locate(name)
@@ -137,14 +151,15 @@ class LoRACacheActor:
             folder = self._remote_source("s3").fetch(name, bucket, prefix)
         else:
             folder = self._remote_source("hub").locate(location.path)
-        return self.reader.read(key, folder)
+        return reader.read(key, folder)
 
     def _remote_source(self, kind: str) -> AdapterSource:
         if kind not in self.remote_sources:
             self.remote_sources[kind] = remote_source(kind, self.sources, root=None)
         return self.remote_sources[kind]
 
-    async def register(self, name: str, lora_path: str, not_after: float = math.inf) -> Registration:
+    async def register(self, name: str, lora_path: str, shapes: LoraShapes,
+                       not_after: float = math.inf) -> Registration:
         """Serve `name` from `lora_path` (a local folder, s3://bucket/prefix or hf://org/name[@rev]) under a new
         key. The adapter is read and validated first: a bad one changes nothing. not_after: see _awaited."""
         _awaited(name, not_after)
@@ -157,7 +172,7 @@ class LoRACacheActor:
             raise AdapterError(name, str(exc)) from None
         async with self._registering:  # one change of the registry at a time: each gets its own generation
             key = self.registry.next_key(name)
-            await self._load(key, location)
+            await self._load(key, shapes, location)
             self.registry.register(name, location)
             self._forget_older(name, key)
             return Registration(name, key, self.entries.get(key).content_id, self.registry.version)
@@ -224,10 +239,9 @@ def _awaited(name: str, not_after: float) -> None:
         raise AdapterCacheUnavailableError(name, "the change reached it after the replica had stopped waiting")
 
 
-def get_or_create_cache_actor(base_config: dict, sources: SourceConfig,
-                              name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
+def get_or_create_cache_actor(sources: SourceConfig, name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
     """The one named, detached cache actor of this Ray cluster (created by the first replica that asks)."""
-    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(base_config, sources)
+    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(sources)
 
 
 class RayAdapterCache(HeldAdapters):
@@ -244,6 +258,7 @@ class RayAdapterCache(HeldAdapters):
         long-polls the actor (a replica does; a driver that only fetches adapters need not). timeout_s: how long
         the actor may answer nothing before a call awaiting it fails (AdapterCacheUnavailableError)."""
         self._actor = actor
+        self._shapes: LoraShapes | None = None  # the engine's, once it binds this provider (bound)
         self.replica = replica
         self.timeout_s = timeout_s
         self._ping_every_s = min(PING_EVERY_S, timeout_s / 2)
@@ -251,13 +266,25 @@ class RayAdapterCache(HeldAdapters):
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, max_entries=MAX_LOCAL_COPIES)
         # The registry's current view, asked for now and waited for where it is first needed (a preload, a key):
         # a replica's first start creates the actor, and its process start then overlaps the engine's model load
-        # and operator build instead of coming before them (8 s of a 40 s `serve run` start on 2 cores)
+        # and operator build instead of coming before them
         self._first_view = actor.watch.remote(replica, -1)
         self._latest: RegistryView | None = None
         self._view_lock = threading.Lock()
         self._stop = threading.Event()
         if follow_registry:
             threading.Thread(target=self._watch, name="lora-serve-registry", daemon=True).start()
+
+    def bound(self, sources: SourceConfig, shapes: LoraShapes) -> RayAdapterCache:
+        """This provider, for the engine whose LoRA shapes these are: an AdapterProviderFactory. The replica
+        makes the provider before its engine, so that the actor's start and first answer overlap the model's
+        load, and the engine binds it once it has read its model's config."""
+        self._shapes = shapes
+        return self
+
+    def _bound_shapes(self) -> LoraShapes:
+        if self._shapes is None:
+            raise RuntimeError("this adapter provider reads adapters once an engine has bound it (bound)")
+        return self._shapes
 
     def wait_ready(self) -> None:
         """Wait for the actor's first answer: an actor that cannot start fails the caller's start here, with its
@@ -292,7 +319,8 @@ class RayAdapterCache(HeldAdapters):
 
     async def register(self, name: str, lora_path: str) -> Registration:
         """Load `name` from `lora_path` in the cache actor; returns once every live replica serves the new key."""
-        registration = await self._call(self._actor.register.remote(name, lora_path, self._not_after()), name)
+        registration = await self._call(self._actor.register.remote(name, lora_path, self._bound_shapes(),
+                                                                    self._not_after()), name)
         await self._call(self._actor.wait_applied.remote(registration.version), name)
         return registration
 
@@ -364,7 +392,7 @@ class RayAdapterCache(HeldAdapters):
         handed out was lost with a node (the actor, restarted or not, loads it again)."""
         for attempt in range(2):
             try:
-                [ref] = self._answer(self._actor.get.remote(adapter_id), adapter_id)
+                [ref] = self._answer(self._actor.get.remote(adapter_id, self._bound_shapes()), adapter_id)
                 return ray.get(ref, timeout=self.timeout_s)
             except ray.exceptions.RayTaskError as exc:  # the load itself failed: the adapter is bad
                 raise exc.as_instanceof_cause() from None

@@ -16,13 +16,14 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+from engine.adapters import LoRAAdapter, LoraShapes, LoRAWeights, check_rank
+from engine.errors import AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -46,38 +47,9 @@ UNSUPPORTED_FEATURES = {
 BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
-@dataclass
-class LoRAWeights:
-    """One target module of one layer; delta(x) = x @ lora_a.T @ lora_b.T * scaling."""
-    lora_a: torch.Tensor  # [rank, in_features], float32, CPU, contiguous
-    lora_b: torch.Tensor  # [out_features, rank], float32, CPU, contiguous
-    scaling: float
-
-
-@dataclass
-class LoRAAdapter:
-    adapter_id: str
-    rank: int  # max rank over modules
-    target_modules: tuple[str, ...]  # module keys present, sorted, e.g. ("mlp.down_proj", "self_attn.q_proj")
-    layers: dict[int, dict[str, LoRAWeights]]  # layer index -> module key -> weights
-    nbytes: int  # bytes of all A and B tensors (float32)
-    base_model_name_or_path: str | None
-    # The version of these weights: a hash of the config and weights files. Responses carry it, so a client knows
-    # which weights answered, and a retrained adapter under a reused name is told apart.
-    content_id: str = ""
-
-
-def target_module_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """Module key -> (in_features, out_features) of the base model's LoRA-able linear layers (declared by the
-    engine's model class: engine/models/)."""
-    from engine.models import lora_shapes  # here: the engine package imports this one's sources at its import
-
-    return lora_shapes(hf_config)
-
-
-def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 << 30,
+def load_adapter(adapter_id: str, folder: Path, shapes: LoraShapes, max_bytes: int = 1 << 30,
                  max_rank: int | None = None) -> LoRAAdapter:
-    """Read and validate the adapter in `folder` against the base model described by `hf_config`, its weights file
+    """Read and validate the adapter in `folder` against the base model's LoRA `shapes`, its weights file
     at most `max_bytes` and its rank at most `max_rank` (the server's max_lora_rank). Messages name the adapter and
     never the folder: it is a server path (an adapters root, a download cache)."""
     folder = Path(folder)
@@ -86,13 +58,12 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
     config = _read_config(adapter_id, folder)
     _check_features(adapter_id, config)
     weights_file = _weights_file(adapter_id, folder, max_bytes)
-    shapes = target_module_shapes(hf_config)
-    modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes,
-                               hf_config.num_hidden_layers)
+    modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes.modules,
+                               shapes.num_layers)
     _check_layers(adapter_id, config, {layer for layer, _ in modules})
     layers: dict[int, dict[str, LoRAWeights]] = {}
     for (layer, key), (name, pair) in sorted(modules.items()):
-        layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes[key])
+        layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes.modules[key])
     weights = [w for modules_of_layer in layers.values() for w in modules_of_layer.values()]
     rank = max(w.lora_a.shape[0] for w in weights)
     check_rank(adapter_id, rank, max_rank)
@@ -105,12 +76,6 @@ def load_adapter(adapter_id: str, folder: Path, hf_config, max_bytes: int = 1 <<
         base_model_name_or_path=config.get("base_model_name_or_path"),
         content_id=content_id(folder),
     )
-
-
-def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:
-    """AdapterError unless the rank fits the server's max_lora_rank (None: no limit)."""
-    if max_rank is not None and rank > max_rank:
-        raise AdapterError(adapter_id, f"rank {rank} is above this server's max_lora_rank {max_rank}")
 
 
 def content_id(folder: Path) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_cache.registry import RegistryView, key_name
+from engine.errors import key_name
+from lora_cache.registry import RegistryView
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_cache.adapter_folder import AdapterError
+from engine.errors import AdapterError
 
 STAGING = ".staging"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -18,7 +18,8 @@ from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import build_hf_headers, http_stream_backoff
 
-from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+from engine.errors import AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 from lora_cache.disk_tier import BoundedFile, DiskTier, check_announced, entry_name
 from lora_cache.sources import HubCacheSource, split_revision
 

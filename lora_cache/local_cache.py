@@ -1,28 +1,31 @@
 """In-process CPU tier: each adapter is read from its source once and kept in memory (LRU by bytes).
 
-The offline engine uses it directly; in serving, the cluster-wide Ray cache actor plays this role.
+The offline engine uses it (`local_adapters`, the AdapterProviderFactory to pass as `adapters=`); in serving, the
+cluster-wide Ray cache actor plays this role.
 """
 
 from __future__ import annotations
 
 import threading
 
-from lora_cache.adapter import LoRAAdapter
-from lora_cache.adapter_folder import AdapterNotFoundError
+from engine.adapter_ids import validate_adapter_id
+from engine.adapters import LoRAAdapter, LoraShapes, SourceConfig
+from engine.errors import AdapterNotFoundError
+from engine.merge_spec import MergeSpec, is_merge_key
 from lora_cache.lru import LRUByBytes
-from lora_cache.merge_spec import MergeSpec, is_merge_key
+from lora_cache.make_source import make_source
 from lora_cache.provider import HeldAdapters
 from lora_cache.reader import AdapterReader
-from lora_cache.sources import AdapterSource, validate_adapter_id
+from lora_cache.sources import AdapterSource
 
 
 class LocalAdapterCache(HeldAdapters):
     """An AdapterProvider (lora_cache/provider.py); its load counts are reads from the source."""
 
-    def __init__(self, source: AdapterSource, hf_config, max_adapter_bytes: int, capacity_bytes: int = 4 << 30,
-                 max_rank: int | None = None):
+    def __init__(self, source: AdapterSource, shapes: LoraShapes, max_adapter_bytes: int,
+                 capacity_bytes: int = 4 << 30, max_rank: int | None = None):
         self.source = source
-        self.reader = AdapterReader(hf_config, max_adapter_bytes, max_rank)
+        self.reader = AdapterReader(shapes, max_adapter_bytes, max_rank)
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, capacity_bytes)
         self.merges: dict[str, MergeSpec] = {}
         self._lock = threading.RLock()  # one load at a time: concurrent requests for one adapter load it once
@@ -49,3 +52,9 @@ class LocalAdapterCache(HeldAdapters):
     def key(self, name: str) -> str:
         """Offline, an adapter is known by its name (serving keys reloaded ones apart: lora_cache/registry.py)."""
         return name
+
+
+def local_adapters(sources: SourceConfig, shapes: LoraShapes) -> LocalAdapterCache:
+    """The offline engine's adapter provider (an AdapterProviderFactory): the engine's adapter_source, read in this
+    process: LLM(model, adapters=local_adapters, max_loras=..., adapters_root=...)."""
+    return LocalAdapterCache(make_source(sources), shapes, sources.max_adapter_bytes, max_rank=sources.max_lora_rank)

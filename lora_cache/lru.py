@@ -13,21 +13,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from engine.adapters import LoadStats
+
 V = TypeVar("V")
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """Reads of one adapter from the tier below, and the seconds they took in all."""
-    loads: int
-    seconds: float
-
-    @property
-    def mean_seconds(self) -> float | None:
-        return self.seconds / self.loads if self.loads else None
 
 
 class LRUByBytes(Generic[V]):

@@ -16,8 +16,9 @@ import math
 
 import torch
 
-from lora_cache.adapter import AdapterError, LoRAAdapter, LoRAWeights
-from lora_cache.merge_spec import MergeSpec
+from engine.adapters import LoRAAdapter, LoRAWeights
+from engine.errors import AdapterError
+from engine.merge_spec import MergeSpec
 
 
 def merge_adapters(key: str, adapters: list[LoRAAdapter], spec: MergeSpec, module_order: list[str]) -> LoRAAdapter:
@@ -56,8 +57,8 @@ def _merge_module(key: str, parts: list[tuple[LoRAWeights, float]], spec: MergeS
 
 
 def _combine(tensors: list[torch.Tensor], weights: torch.Tensor, spec: MergeSpec) -> torch.Tensor:
-    # Imported here, not with the module: peft brings transformers' modeling code and torch._dynamo with it, 3.7 s of
-    # every replica's start on 2 EPYC cores, for requests that merge adapters only.
+    # Imported here, not with the module: peft brings transformers' modeling code and torch._dynamo with it, a long
+    # import on every replica's start, for requests that merge adapters only.
     from peft.utils import merge_utils
 
     if spec.merge_strategy == "linear":

@@ -1,35 +1,19 @@
-"""AdapterProvider: what the engine asks of wherever its adapters come from.
+"""What the two implementations of the engine's AdapterProvider protocol (engine/adapters.py) share.
 
-Two implementations: offline, the in-process CPU tier (lora_cache/local_cache.py); in serving, a replica's copy of
-what the cluster-wide cache actor hands out (RayAdapterCache in lora_cache/actor.py). The engine holds one behind
-this interface and knows nothing of Ray.
+Offline, the in-process CPU tier (lora_cache/local_cache.py); in serving, a replica's copy of what the cluster-wide
+cache actor hands out (RayAdapterCache in lora_cache/actor.py). The engine holds one behind the protocol and knows
+nothing of Ray or of where adapters come from.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from lora_cache.lru import LoadStats, LRUByBytes
+from engine.adapters import LoadStats
+from lora_cache.lru import LRUByBytes
 
 if TYPE_CHECKING:
-    from lora_cache.adapter import LoRAAdapter
-
-
-class AdapterProvider(Protocol):
-    def get(self, key: str) -> LoRAAdapter:
-        """The adapter of a key, read from the tier below on a miss; AdapterError (a ValueError) with the reason."""
-
-    def key(self, name: str) -> str:
-        """The key the adapter called `name` is known by now (a reloaded adapter gets a new one)."""
-
-    def __contains__(self, key: str) -> bool:
-        """Whether the adapter is held here, in the CPU tier."""
-
-    def cached(self) -> list[str]:
-        """The keys held here, least recently used first."""
-
-    def load_stats(self) -> dict[str, LoadStats]:
-        """Per key ever read from the tier below: how often, and how long it took in all."""
+    from engine.adapters import LoRAAdapter
 
 
 class HeldAdapters:

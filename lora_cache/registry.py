@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_cache.adapter_folder import SEPARATOR, AdapterNotFoundError, key_name
+from engine.errors import KEY_SEPARATOR, AdapterNotFoundError, key_name
 from lora_cache.sources import AdapterLocation
 
 
 def adapter_key(name: str, generation: int) -> str:
-    return name if generation == 0 else f"{name}{SEPARATOR}{generation}"
+    return name if generation == 0 else f"{name}{KEY_SEPARATOR}{generation}"
 
 
 def key_generation(key: str) -> int:
-    _, sep, generation = key.partition(SEPARATOR)
+    _, sep, generation = key.partition(KEY_SEPARATOR)
     return int(generation) if sep else 0
 
 

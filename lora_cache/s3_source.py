@@ -15,7 +15,8 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+from engine.errors import AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 from lora_cache.disk_tier import DiskTier, check_announced, entry_name
 from lora_cache.sources import split_revision, split_s3_url
 

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterNotFoundError
+from engine.adapter_ids import validate_adapter_id
+from engine.errors import AdapterError, AdapterNotFoundError
+from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
-MAX_ID_LENGTH = 256
-_ID_PART = re.compile(r"[A-Za-z0-9._-]+")
+_COMMIT = re.compile(r"[A-Za-z0-9._-]+")  # a ref file's content, before it becomes a path part
 
 
 def split_revision(adapter_id: str) -> tuple[str, str | None]:
@@ -34,34 +35,6 @@ def split_s3_url(url: str) -> tuple[str, str]:
     if parsed.scheme != "s3" or not parsed.netloc:
         raise ValueError(f"an S3 location looks like s3://bucket/prefix, got {url!r}")
     return parsed.netloc, parsed.path.strip("/")
-
-
-def validate_adapter_id(adapter_id: str) -> str:
-    """Return `adapter_id` if it is "name" or "org/name" of [A-Za-z0-9._-], with an optional "@revision" of the
-    same characters, else raise AdapterError.
-
-    Ids become paths under a source's root, so anything that could leave that root is refused."""
-    if not isinstance(adapter_id, str) or not adapter_id:
-        raise AdapterError(str(adapter_id), "adapter id is empty")
-    if len(adapter_id) > MAX_ID_LENGTH:
-        raise AdapterError(adapter_id, f"adapter id is {len(adapter_id)} characters, over {MAX_ID_LENGTH}")
-    if "\0" in adapter_id:
-        raise AdapterError(adapter_id, "adapter id contains a NUL character")
-    if "\\" in adapter_id:
-        raise AdapterError(adapter_id, "adapter id contains a backslash")
-    if adapter_id.startswith(("/", "~")) or os.path.isabs(adapter_id):
-        raise AdapterError(adapter_id, "adapter id must be a name, not an absolute or home path")
-    name, at, revision = adapter_id.partition("@")
-    if at and (not _ID_PART.fullmatch(revision) or revision in (".", "..")):
-        raise AdapterError(adapter_id, "adapter id revision (after '@') must be made of letters, digits, '.', "
-                                       "'_' and '-'")
-    parts = name.split("/")
-    if any(part in (".", "..") for part in parts):
-        raise AdapterError(adapter_id, "adapter id must not contain '.' or '..' path parts")
-    if len(parts) > 2 or not all(_ID_PART.fullmatch(part) for part in parts):
-        raise AdapterError(adapter_id, "adapter id must be 'name' or 'org/name' made of letters, digits, "
-                                       "'.', '_' and '-'")
-    return adapter_id
 
 
 class AdapterSource(Protocol):
@@ -145,7 +118,7 @@ class HubCacheSource:
             return None
         if ref.is_file():
             commit = ref.read_text(encoding="utf-8").strip()
-            if not _ID_PART.fullmatch(commit) or commit in (".", ".."):
+            if not _COMMIT.fullmatch(commit) or commit in (".", ".."):
                 raise AdapterError(adapter_id, f"its Hugging Face cache ref {revision or 'main'!r} does not hold a "
                                                "commit hash")
             return repo / "snapshots" / commit
@@ -154,53 +127,6 @@ class HubCacheSource:
             raise AdapterError(adapter_id, f"its Hugging Face cache has {len(snapshots)} snapshots and no refs/main "
                                            "to choose one")
         return snapshots[0] if snapshots else None
-
-
-SOURCES = ("hub", "local", "s3")
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets (the
-    engine's adapter_* options, max_adapter_bytes and max_lora_rank)."""
-    kind: str = "local"  # "local", "hub" or "s3"
-    adapters_root: str | None = None  # local: a folder; s3: s3://bucket/prefix
-    hub_cache: str | None = None  # hub offline (HF_HUB_OFFLINE) or unreachable: this Hugging Face cache
-    disk_cache: str | None = None  # the disk tier of downloaded adapters
-    disk_cache_bytes: int = 8 << 30
-    max_adapter_bytes: int = 1 << 30
-    max_lora_rank: int | None = None
-    download_timeout_s: float = 30.0
-    download_retries: int = 3
-
-
-def make_source(config: SourceConfig) -> AdapterSource:
-    if config.kind == "local":
-        if config.adapters_root is None:
-            raise ValueError("the local adapter source needs an adapters root folder")
-        return LocalSource(config.adapters_root)
-    if config.kind not in SOURCES:
-        raise ValueError(f"unknown adapter source {config.kind!r}; known: {', '.join(SOURCES)}")
-    if config.kind == "s3" and config.adapters_root is None:
-        raise ValueError("the s3 adapter source needs adapters_root: s3://bucket/prefix")
-    return remote_source(config.kind, config, config.adapters_root)
-
-
-def remote_source(kind: str, config: SourceConfig, root: str | None) -> AdapterSource:
-    """The hub or s3 source, downloading into the disk tier of `config`; an s3 source without a root fetches only
-    whole locations (S3Source.fetch)."""
-    from lora_cache.disk_tier import DiskTier  # the remote sources' libraries load only when one is used
-
-    if config.disk_cache is None:
-        raise ValueError(f"the {kind} adapter source needs a disk cache folder (adapter_disk_cache)")
-    tier = DiskTier(config.disk_cache, config.disk_cache_bytes, config.max_adapter_bytes)
-    if kind == "hub":
-        from lora_cache.hub_source import HubSource
-
-        return HubSource(tier, config.hub_cache, config.download_timeout_s, config.download_retries)
-    from lora_cache.s3_source import S3Source
-
-    return S3Source(tier, root, config.download_timeout_s, config.download_retries)
 
 
 @dataclass(frozen=True)

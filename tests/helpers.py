@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.replica.replica_stats import ReplicaStats
+from engine.adapters import LoraShapes
 
 PROMPTS = [
     "The capital of France is",
@@ -136,3 +137,12 @@ def streamed_chunks(response: requests.Response) -> list[dict]:
     lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]"
     return [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+
+
+def lora_shapes_of(model_path) -> LoraShapes:
+    """The LoRA shapes of the model in `model_path`, as its engine hands them to an adapter provider."""
+    from transformers import AutoConfig
+
+    from engine.models import lora_shapes
+
+    return lora_shapes(AutoConfig.from_pretrained(model_path))

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.replica.autoscaling import EngineLoad, EngineLoadPolicy, desired_replicas
 from deployments.gate.tenant_metrics import TopLabels
+from deployments.replica.autoscaling import EngineLoad, EngineLoadPolicy, desired_replicas
 from deployments.replica.metrics import BASE
 
 TARGETS = dict(target_running_per_replica=8, kv_high=0.85, kv_low=0.5)

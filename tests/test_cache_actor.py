@@ -11,11 +11,12 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
+from engine.adapters import SourceConfig
+from engine.errors import AdapterError
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
-from lora_cache.adapter import AdapterError
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
-from lora_cache.sources import SourceConfig
-from tests.helpers import PROMPTS, write_tiny_adapters
+from lora_cache.local_cache import local_adapters
+from tests.helpers import PROMPTS, lora_shapes_of, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -35,42 +36,49 @@ def ray_cluster(serve_cluster):
     yield
 
 
-def _actor(tiny_llama_path, adapters_root, capacity_bytes: int = 4 << 30):
-    from transformers import AutoConfig
+def _actor(adapters_root, capacity_bytes: int = 4 << 30):
+    return LoRACacheActor.remote(SourceConfig(adapters_root=str(adapters_root)), capacity_bytes)
 
-    base_config = AutoConfig.from_pretrained(tiny_llama_path).to_dict()
-    return LoRACacheActor.remote(base_config, SourceConfig(adapters_root=str(adapters_root)), capacity_bytes)
+
+@pytest.fixture(scope="module")
+def shapes(tiny_llama_path):
+    return lora_shapes_of(tiny_llama_path)
+
+
+def _client(actor, shapes, *args, **kwargs) -> RayAdapterCache:
+    """A replica's copy of the actor, bound as an engine binds it (to its model's LoRA shapes)."""
+    return RayAdapterCache(actor, *args, **kwargs).bound(SourceConfig(), shapes)
 
 
 @pytest.fixture(scope="module")
 def shared_actor(ray_cluster, tiny_llama_path, adapters_root):
     """One actor for the tests that only read through it: each actor is a worker process, seconds to start."""
-    return _actor(tiny_llama_path, adapters_root)
+    return _actor(adapters_root)
 
 
-def test_concurrent_requests_cause_one_load(shared_actor):
+def test_concurrent_requests_cause_one_load(shared_actor, shapes):
     assert "a" not in ray.get(shared_actor.stats.remote()).load_counts  # the first to ask for it
-    refs = ray.get([shared_actor.get.remote("a") for _ in range(8)])
+    refs = ray.get([shared_actor.get.remote("a", shapes) for _ in range(8)])
     assert len({r[0].hex() for r in refs}) == 1
     stats = ray.get(shared_actor.stats.remote())
     assert stats.load_counts["a"] == 1 and stats.misses >= 1
 
 
-def test_lru_eviction_by_bytes(shared_actor, tiny_llama_path, adapters_root):
-    ray.get(shared_actor.get.remote("a"))
+def test_lru_eviction_by_bytes(shared_actor, tiny_llama_path, adapters_root, shapes):
+    ray.get(shared_actor.get.remote("a", shapes))
     one = ray.get(shared_actor.stats.remote()).adapters["a"].nbytes  # the three adapters are alike in size
-    actor = _actor(tiny_llama_path, adapters_root, capacity_bytes=2 * one)
+    actor = _actor(adapters_root, capacity_bytes=2 * one)
     for name in ("a", "b", "a", "c"):  # "a" was used after "b": "b" is the least recently used
-        ray.get(actor.get.remote(name))
+        ray.get(actor.get.remote(name, shapes))
     stats = ray.get(actor.stats.remote())
     assert sorted(stats.adapters) == ["a", "c"] and stats.nbytes <= 2 * one
-    ray.get(actor.get.remote("b"))
+    ray.get(actor.get.remote("b", shapes))
     assert ray.get(actor.stats.remote()).load_counts["b"] == 2
 
 
-def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root):
-    actor = _actor(tiny_llama_path, adapters_root)
-    client = RayAdapterCache(actor, follow_registry=False)
+def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root, shapes):
+    actor = _actor(adapters_root)
+    client = _client(actor, shapes, follow_registry=False)
     held = client.get("a")
     ray.kill(actor, no_restart=False)
     assert client.get("a") is held  # served from the replica's own copy while the actor restarts
@@ -83,10 +91,10 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
 
 
 
-def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(shared_actor):
+def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(shared_actor, shapes):
     """A stopped actor process answers nothing and is not dead to Ray: the replica's wait ends after timeout_s
     with the cache named (a 503 at the edge), and the actor serves again once it runs."""
-    client = RayAdapterCache(shared_actor, follow_registry=False, timeout_s=1)
+    client = _client(shared_actor, shapes, follow_registry=False, timeout_s=1)
     pid = ray.get(shared_actor.ping.remote())
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -102,21 +110,21 @@ def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(
     assert client.get("c").adapter_id == "c"
 
 
-def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapters_root, shared_actor):
+def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapters_root, shared_actor, shapes):
     """The copy does not wait for the actor's start (a replica builds its engine meanwhile); an actor that cannot
     start fails wait_ready with its reason, and a started one answers keys."""
     broken = LoRACacheActor.remote({"model_type": "no-such-model"}, SourceConfig(adapters_root=str(adapters_root)))
     client = RayAdapterCache(broken, follow_registry=False)  # returns though the actor's __init__ raises
     with pytest.raises(ray.exceptions.RayActorError, match="no-such-model"):
         client.wait_ready()
-    working = RayAdapterCache(shared_actor)
+    working = _client(shared_actor, shapes)
     working.wait_ready()
     assert working.key("a") == "a"
     working.close()
 
 
-def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor):
-    client = RayAdapterCache(shared_actor, follow_registry=False)
+def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor, shapes):
+    client = _client(shared_actor, shapes, follow_registry=False)
     with pytest.raises(AdapterError, match="pickled"):
         client.get("pickled")
     with pytest.raises(AdapterError, match="not found"):
@@ -125,16 +133,16 @@ def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor):
         client.get("../a")
 
 
-def test_engine_through_actor_equals_local_cache(shared_actor, tiny_llama_path, adapters_root):
+def test_engine_through_actor_equals_local_cache(shared_actor, tiny_llama_path, adapters_root, shapes):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     adapters = ["a", None, "b", "c"]
-    local = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     expected = [o.token_ids for o in local.generate(PROMPTS[:4], params, use_tqdm=False, adapters=adapters)]
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine
 
     provider = RayAdapterCache(shared_actor, follow_registry=False)
-    engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider)
+    engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider.bound)
     for i, (prompt, adapter) in enumerate(zip(PROMPTS[:4], adapters)):
         engine.add_request(str(i), prompt, params, adapter)
     outputs = {}

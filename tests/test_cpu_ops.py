@@ -6,8 +6,8 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch

@@ -10,6 +10,7 @@ from transformers import AutoConfig
 from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_ops
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU operators do not build here")
@@ -68,10 +69,10 @@ def test_adapter_steps_give_the_lora_linears_bits(request, name, tmp_path, monke
     write_random_adapter(root / "b", AutoConfig.from_pretrained(path), rank=8, seed=5,
                          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     prompts, adapters = PROMPTS[:6], ["a", None, "b", "a", None, "b"]
-    stacked = LLM(str(path), max_loras=2, adapters_root=str(root), log_stats=False)
+    stacked = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False)
     calls = _stack_calls(stacked, monkeypatch)
     got = stacked.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
-    modules = LLM(str(path), max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
+    modules = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
     want = modules.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
     base = modules.generate(prompts[:1], SCORED, use_tqdm=False)
     assert _scores(got) == _scores(want)

@@ -13,15 +13,14 @@ import openai
 import pytest
 
 from deployments.api import openai_protocol as oai
-from deployments.routes.choice_streams import Choice, openai_sse, response_events
-from deployments.api.events import PeerLost
-from deployments.api.events import TokenEvent
-from deployments.routes.routes import HttpRoutes
+from deployments.api.events import PeerLost, TokenEvent
 from deployments.api.openai_render import CompletionRenderer
-from deployments.api.tgi_protocol import GenerateRequest
-from deployments.api.tgi_render import TgiRenderer
 from deployments.api.responses_protocol import ResponsesRequest
 from deployments.api.responses_render import ResponseRenderer
+from deployments.api.tgi_protocol import GenerateRequest
+from deployments.api.tgi_render import TgiRenderer
+from deployments.routes.choice_streams import Choice, openai_sse, response_events
+from deployments.routes.routes import HttpRoutes
 from engine import EngineConfig
 
 

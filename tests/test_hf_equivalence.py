@@ -6,8 +6,18 @@ import json
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention, cpu_ops

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams, huge_pages
 from engine.memory import weight_bytes
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.skipif(not huge_pages.supported(), reason="no MADV_HUGEPAGE on this platform")
@@ -79,7 +80,7 @@ def test_zeros_and_a_full_region():
 
 def test_engine_on_huge_pages_generates_the_same_tokens(tiny_llama_path, tmp_path):
     root = write_tiny_adapters(tiny_llama_path, tmp_path, ("alpha",))
-    options = dict(dtype="float32", max_loras=2, adapters_root=str(root), log_stats=False)
+    options = dict(adapters=local_adapters, dtype="float32", max_loras=2, adapters_root=str(root), log_stats=False)
     on, off = LLM(str(tiny_llama_path), **options), LLM(str(tiny_llama_path), huge_pages=False, **options)
     params = SamplingParams(max_tokens=12, temperature=0)
     adapters = ["alpha", None] * (len(PROMPTS) // 2)

@@ -1,13 +1,107 @@
-"""The layout's boundaries: the engine and the adapter tiers it uses import nothing of Ray or HTTP; the routing side,
-the app and the cache actor's module import no torch."""
+"""The layout's boundaries. Arrows point one way: deployments -> lora_cache -> engine, and no module imports
+itself back through others. The engine and the adapter tiers it uses import nothing of Ray or HTTP; the routing
+side, the app and the cache actor's module import no torch."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 TORCH_SIDE = ("torch", "transformers", "safetensors", "tokenizers", "peft")
+ROOT = Path(__file__).parent.parent
+PACKAGES = ("engine", "lora_cache", "deployments", "benchmarks", "docs")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def first_party_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The first-party modules `module` imports anywhere in its file: at the top, in functions, for type checking
+    (a cycle through a type-only import is still two modules that each need the other to be read)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = _from_names(module, path, node)
+        else:
+            continue
+        found |= {_known_prefix(name, known) for name in names} - {None, module}
+    return found
+
+
+def _from_names(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+    return [f"{base}.{alias.name}" for alias in node.names] + [base]
+
+
+def _known_prefix(name: str, known: dict[str, Path]) -> str | None:
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = first_party_modules()
+    return {module: imported(module, path, known) for module, path in known.items()}
+
+
+def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    """A path of imports from `start` back to itself, if there is one (depth first)."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        module, path = stack.pop()
+        for target in graph[module]:
+            if target == start:
+                return path + [start]
+            if target not in seen:
+                seen.add(target)
+                stack.append((target, path + [target]))
+    return None
+
+
+def arrows(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if m.split(".")[0] == source
+                  for t in ts if t.split(".")[0] == target)
+
+
+def test_the_engine_imports_nothing_of_lora_cache_or_deployments():
+    """The engine defines the protocols (engine/adapters.py: the adapter provider, its types, the slot table);
+    lora_cache implements them and deployments composes both."""
+    graph = import_graph()
+    assert arrows(graph, "engine", "lora_cache") == []
+    assert arrows(graph, "engine", "deployments") == []
+
+
+def test_lora_cache_imports_nothing_of_deployments():
+    assert arrows(import_graph(), "lora_cache", "deployments") == []
+
+
+def test_no_module_imports_itself_back():
+    graph = import_graph()
+    cycles = [" -> ".join(cycle) for module in graph if (cycle := cycle_from(module, graph))]
+    assert cycles == []
+
+
+def test_the_graph_sees_imports_where_they_are():
+    """The checks above would pass on a graph that missed imports: this one knows a few arrows of each kind."""
+    graph = import_graph()
+    assert "engine.adapters" in graph["engine.llm_engine"]  # at the top
+    assert "engine.async_engine" in graph["deployments.replica.llm_server"]  # inside a function
+    assert "engine.errors" in graph["lora_cache.adapter_folder"]
+    assert "deployments.api.events" in graph["deployments.routes.choice_streams"]
 
 
 def loaded_packages(modules: str, among: tuple[str, ...]) -> list[str]:
@@ -46,3 +140,39 @@ def test_the_engine_package_loads_its_names_on_use():
     missing = subprocess.run([sys.executable, "-c", "import engine; engine.NoSuchName"], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 1 and "module 'engine' has no attribute 'NoSuchName'" in missing.stderr
+
+
+def test_no_function_outside_tests_is_over_40_lines():
+    """A function that does one thing fits on a screen; a longer one is split where its steps are."""
+    long = []
+    for module, path in first_party_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
+def test_each_deployments_subpackage_says_what_it_owns():
+    for package in sorted((ROOT / "deployments").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(package.read_text()))
+        assert doc and len(doc.split()) >= 15, f"{package.parent.name}/ has no docstring saying what it owns"
+
+
+def test_a_sequence_changes_through_its_own_methods():
+    """The scheduler, block manager, sampler and engine move a request along by calling Sequence's methods
+    (admit, took_prefix, computed, preempt, ...): none of them assigns a field of a sequence itself."""
+    from dataclasses import fields
+
+    from engine.sequence import Sequence
+
+    names = {f.name for f in fields(Sequence)}
+    writes = []
+    for module, path in first_party_modules().items():
+        if not module.startswith("engine.") or module == "engine.sequence":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AugAssign) else []
+            writes += [f"{module}:{node.lineno} {ast.unparse(t)}" for t in targets
+                       if isinstance(t, ast.Attribute) and t.attr in names and ast.unparse(t.value).endswith("seq")]
+    assert writes == []

@@ -15,9 +15,12 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from lora_cache.adapter import AdapterError, load_adapter, target_module_shapes
+from engine.errors import AdapterError
+from engine.merge_spec import MergeSpec
+from engine.models import lora_shapes
+from lora_cache.adapter import load_adapter
+from lora_cache.local_cache import local_adapters
 from lora_cache.merge import merge_adapters
-from lora_cache.merge_spec import MergeSpec
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 WEIGHTS = (0.7, 0.4)
@@ -44,8 +47,8 @@ def _both_merges(tiny_llama_path, adapters, spec: MergeSpec):
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(tiny_llama_path)
-    parts = [load_adapter(name, adapters / name, hf_config) for name in spec.ids]
-    merged = merge_adapters(spec.key(), parts, spec, list(target_module_shapes(hf_config)))
+    parts = [load_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
+    merged = merge_adapters(spec.key(), parts, spec, list(lora_shapes(hf_config).modules))
     model = _peft_merged(tiny_llama_path, adapters, spec)
     pairs = []
     for layer, modules in merged.layers.items():
@@ -91,7 +94,7 @@ def _weighted(part, name: str, index: int) -> torch.Tensor:
 def test_linear_merge_generates_the_tokens_of_peft_merged_model(tiny_llama_path, adapters):
     spec = MergeSpec(("one", "two"), WEIGHTS)
     model = _peft_merged(tiny_llama_path, adapters, spec)
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters), dtype="float32", log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), dtype="float32", log_stats=False)
     key = llm.merge_adapters(spec)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for prompt in PROMPTS[:3]:
@@ -124,6 +127,6 @@ def test_a_merge_that_overflows_float32_is_refused(tiny_llama_path, adapters):
 
     hf_config = AutoConfig.from_pretrained(tiny_llama_path)
     spec = MergeSpec(("one", "two"), (1e300, 1e300))
-    parts = [load_adapter(name, adapters / name, hf_config) for name in spec.ids]
+    parts = [load_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
     with pytest.raises(AdapterError, match="overflow float32"):
-        merge_adapters(spec.key(), parts, spec, list(target_module_shapes(hf_config)))
+        merge_adapters(spec.key(), parts, spec, list(lora_shapes(hf_config).modules))

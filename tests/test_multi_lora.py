@@ -8,6 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 LLAMA_ADAPTERS = {  # name -> (rank, target modules)
@@ -71,7 +72,7 @@ def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base
     base_path = request.getfixturevalue(base_fixture)
     root = tmp_path_factory.mktemp(f"adapters-{base_fixture}-{max_loras}")
     references = _make_adapters(base_path, root, specs, seed=10)
-    llm = LLM(str(base_path), max_loras=max_loras, adapters_root=str(root), log_stats=False)
+    llm = LLM(str(base_path), adapters=local_adapters, max_loras=max_loras, adapters_root=str(root), log_stats=False)
     base_outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
 
     prompts, adapters, expected = [], [], []
@@ -96,7 +97,7 @@ def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base
 def test_unknown_or_bad_adapter_fails_only_that_request(tiny_llama_path, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "adapter_config.json").write_text("{not json")
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path), log_stats=False)
     for adapter, words in (("missing", "not found"), ("broken", "broken"), ("../etc", "..")):
         with pytest.raises(ValueError, match=words):
             llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=[adapter])
@@ -123,7 +124,7 @@ def _step_until_done(engine, request_id, feed, max_steps=300):
 @pytest.mark.parametrize("max_wait, bounded", [(float("inf"), False), (0.0, True)])
 def test_skewed_load_cannot_starve_a_cold_adapter(tiny_llama_path, tmp_path, max_wait, bounded):
     write_tiny_adapters(tiny_llama_path, tmp_path, ("hot", "cold"))
-    llm = LLM(str(tiny_llama_path), max_loras=1, max_num_seqs=4, adapters_root=str(tmp_path),
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=1, max_num_seqs=4, adapters_root=str(tmp_path),
               max_adapter_wait_s=max_wait, log_stats=False)
     engine = llm.engine
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -149,7 +150,7 @@ def test_skewed_load_cannot_starve_a_cold_adapter(tiny_llama_path, tmp_path, max
 
 def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
     write_tiny_adapters(tiny_llama_path, tmp_path, ("a", "b", "c"))
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path), log_stats=False)
     llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False, adapters=["a", "a", "b", None])
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["c"])  # evicts the least recently used: a
     stats = llm.engine.adapter_stats()
@@ -161,7 +162,7 @@ def test_adapter_stats_report_usage_and_residence(tiny_llama_path, tmp_path):
 
 def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama_path, tmp_path):
     root = write_tiny_adapters(tiny_llama_path, tmp_path, ("warm", "pinned", "other1", "other2"))
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False,
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False,
               preload_adapters=["warm"], pinned_adapters=["pinned"])
     engine = llm.engine
     assert sorted(engine.adapter_slots.resident()) == ["pinned", "warm"]  # before any request
@@ -173,6 +174,6 @@ def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama
         llm.generate([PROMPTS[1]], params, use_tqdm=False, adapters=[adapter])
     assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"].slot_loads == 1
     with pytest.raises(ValueError, match="leave none of the 2 device slots"):
-        LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), pinned_adapters=["warm", "pinned"])
+        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), pinned_adapters=["warm", "pinned"])
     with pytest.raises(ValueError, match="not found"):
-        LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(root), log_stats=False, preload_adapters=["nope"])
+        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False, preload_adapters=["nope"])

@@ -8,6 +8,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams as Params
 from engine.sequence import Sequence
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -78,7 +79,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _engines(path, adapters_root, **options):
-    common = dict(dtype="float32", log_stats=False, max_loras=2, adapters_root=str(adapters_root), **options)
+    common = dict(adapters=local_adapters, dtype="float32", log_stats=False, max_loras=2, adapters_root=str(adapters_root), **options)
     return LLM(str(path), **common), LLM(str(path), enable_prefix_caching=False, **common)
 
 

@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams
 from engine.layers.linear import PrepackedLinear
 from engine.layers.lora import LoRALinear
 from engine.layers.quantized import dequantized_weight
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
@@ -52,7 +53,7 @@ def _with_dequantized_weights(reference: LLM, quantized: LLM) -> None:
 
 @pytest.mark.parametrize("method, bits", [("int8", 8), ("nf4", 4)])
 def test_adapter_on_quantized_base_matches_a_dequantized_reference(tiny_llama_path, adapters_root, method, bits):
-    options = dict(dtype="float32", max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    options = dict(adapters=local_adapters, dtype="float32", max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     quantized = LLM(str(tiny_llama_path), quantization=method, **options)
     linears = _quantized_linears(quantized.engine.runner.model)
     assert len(linears) == 2 * 4  # q/k/v, o, gate/up, down in each of the 2 layers
@@ -92,7 +93,7 @@ def test_quantized_smollm2_still_knows_paris(smollm2_path, method):
 
 @pytest.mark.parametrize("method", ["none", "int8", "nf4"])
 def test_reported_footprint_equals_the_tensors_bytes(tiny_llama_path, adapters_root, method):
-    llm = LLM(str(tiny_llama_path), dtype="float32", quantization=method, max_loras=2,
+    llm = LLM(str(tiny_llama_path), dtype="float32", quantization=method, adapters=local_adapters, max_loras=2,
               adapters_root=str(adapters_root), log_stats=False)
     report = llm.engine.memory()
     model = llm.engine.runner.model

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from lora_cache.adapter import AdapterError
+from engine.adapters import SourceConfig
+from engine.errors import AdapterError
 from lora_cache.disk_tier import STAGING, DiskTier
-from lora_cache.sources import AdapterLocation, SourceConfig, make_source
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from lora_cache.local_cache import local_adapters
+from lora_cache.make_source import make_source
+from lora_cache.sources import AdapterLocation
+from tests.helpers import PROMPTS, free_port, lora_shapes_of, write_tiny_adapters
 
 ROOT = Path(__file__).parent.parent
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -109,8 +112,8 @@ def hub_env(hub, monkeypatch):
 
 def test_hub_adapter_matches_the_local_one_and_downloads_once(tiny_llama_path, adapters, hub_env, tmp_path):
     publish(hub_env, "acme/one", "c1" * 20, adapters / "one")
-    local = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters), log_stats=False)
-    options = dict(max_loras=2, adapter_source="hub", adapter_disk_cache=str(tmp_path), log_stats=False)
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), log_stats=False)
+    options = dict(adapters=local_adapters, max_loras=2, adapter_source="hub", adapter_disk_cache=str(tmp_path), log_stats=False)
     first = LLM(str(tiny_llama_path), **options)
     assert tokens(first, "acme/one") == tokens(local, "one")
     assert gets(hub_env, "acme/one") == [f"acme/one/{'c1' * 20}/{f}" for f in FILES]
@@ -179,8 +182,8 @@ def test_s3_adapter_matches_the_local_one_and_a_rewrite_is_a_new_version(tiny_ll
     endpoint, client = s3
     for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(key, value)
-    local = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters), log_stats=False)
-    remote = LLM(str(tiny_llama_path), max_loras=2, adapter_source="s3", adapters_root="s3://adapters/models",
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), log_stats=False)
+    remote = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapter_source="s3", adapters_root="s3://adapters/models",
                  adapter_disk_cache=str(tmp_path), log_stats=False)
     assert tokens(remote, "acme/one") == tokens(local, "one")
     assert tokens(remote, "acme/two") == tokens(local, "two")
@@ -235,10 +238,6 @@ def ray_servers(hub, s3, tmp_path_factory):
     ray.shutdown()
 
 
-def _base_config(tiny_llama_path) -> dict:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(tiny_llama_path).to_dict()
 
 
 def test_killing_the_cache_actor_mid_download_leaves_no_partial_adapter(ray_servers, tiny_llama_path, adapters,
@@ -253,8 +252,8 @@ def test_killing_the_cache_actor_mid_download_leaves_no_partial_adapter(ray_serv
     publish(hub_root, "acme/slow", "a7" * 20, adapters / "big")
     (hub_root / "acme/slow" / "faults.json").write_text(json.dumps({"slow_s": 0.1}))
     tier = tmp_path / "tier"
-    actor = LoRACacheActor.remote(_base_config(tiny_llama_path), SourceConfig("hub", disk_cache=str(tier)))
-    ref = actor.get.remote("acme/slow")
+    actor = LoRACacheActor.remote(SourceConfig("hub", disk_cache=str(tier)))
+    ref = actor.get.remote("acme/slow", lora_shapes_of(tiny_llama_path))
     deadline = time.monotonic() + 60
     while not any(p.is_file() for p in (tier / STAGING).glob("*/*")):
         assert time.monotonic() < deadline, "the download never started"
@@ -280,9 +279,9 @@ def test_a_download_longer_than_the_cache_timeout_is_waited_for(ray_servers, tin
     publish(hub[1], "acme/unhurried", "c9" * 20, adapters / "one")
     chunks = sum(math.ceil((adapters / "one" / f).stat().st_size / 1024) for f in FILES)
     (hub[1] / "acme/unhurried" / "faults.json").write_text(json.dumps({"slow_s": 1.2 / chunks}))
-    actor = LoRACacheActor.remote(_base_config(tiny_llama_path), SourceConfig("hub", disk_cache=str(tmp_path)))
+    actor = LoRACacheActor.remote(SourceConfig("hub", disk_cache=str(tmp_path)))
     ray.get(actor.ping.remote())  # started: the actor's own start is not the wait under test
-    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3)
+    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3).bound(SourceConfig(), lora_shapes_of(tiny_llama_path))
     try:
         start = time.monotonic()
         assert client.get("acme/unhurried").content_id == content_id(adapters / "one")
@@ -300,17 +299,17 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
 
     publish(hub[1], "acme/registered", "b8" * 20, adapters / "one", refs=("main", "v3"))
     sources = SourceConfig("local", str(adapters), disk_cache=str(tmp_path))
-    actor = LoRACacheActor.options(name="registry-test").remote(_base_config(tiny_llama_path), sources)
-    client = RayAdapterCache(actor, "test-replica", follow_registry=False)
+    actor = LoRACacheActor.options(name="registry-test").remote(sources)
+    client = RayAdapterCache(actor, "test-replica", follow_registry=False).bound(sources, lora_shapes_of(tiny_llama_path))
     try:
         from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two"))
-        from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3"))
+        from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3", lora_shapes_of(tiny_llama_path)))
         assert (from_s3.key, from_hub.key) == ("from-s3#1", "from-hub#1")
         assert from_s3.content_id == content_id(adapters / "two")
         assert from_hub.content_id == content_id(adapters / "one")
         assert client.get(from_hub.key).content_id == from_hub.content_id
         with pytest.raises(AdapterError, match="'absent': adapter_config.json not found in S3"):
-            ray.get(actor.register.remote("absent", "s3://adapters/models/acme/absent"))
+            ray.get(actor.register.remote("absent", "s3://adapters/models/acme/absent", lora_shapes_of(tiny_llama_path)))
 
         ray.kill(actor, no_restart=False)
         deadline = time.monotonic() + 30
@@ -327,7 +326,7 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
         assert stats.registered == {"from-s3": "s3://adapters/models/acme/two",
                                        "from-hub": "hf://acme/registered@v3"}
         assert stats.generations == {"from-s3": 1, "from-hub": 1}
-        [ref] = ray.get(actor.get.remote("from-s3#1"))
+        [ref] = ray.get(actor.get.remote("from-s3#1", lora_shapes_of(tiny_llama_path)))
         assert ray.get(ref).content_id == from_s3.content_id
     finally:
         client.close()

@@ -22,8 +22,8 @@ SETTLE_S = 2.5  # a replica's report reaches its peers within two report interva
 @pytest.fixture(scope="module")
 def server(serve_cluster, tiny_llama_path, tmp_path_factory):
     from deployments.replica.llm_server import LLMServer
-    from deployments.routing.request_router import router_config
     from deployments.routing.policy import RoutingPolicy
+    from deployments.routing.request_router import router_config
 
     root = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("routing-adapters"), ADAPTERS)
     # A wide load band: only the hot-adapter rule may spread an adapter that one replica holds.

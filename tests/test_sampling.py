@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, inverse_cdf
-from engine.sampling_filters import filter_logits
 from engine.sampling import SEED_MAX, SEED_MIN
+from engine.sampling_filters import filter_logits
 from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
 
@@ -167,8 +167,12 @@ def _kept(logits: torch.Tensor, **per_row: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [300, 5000])  # 5,000: more tokens than the filters' candidates
 def test_filters_keep_what_transformers_warpers_keep(vocab):
-    from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-                                                        TypicalLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
 
     logits = _flat_and_peaked_rows(vocab)
     ks, ps, typical = [1, 5, 40, 0, 2000, 3], [0.2, 0.5, 0.9, 0.95, 0.7, 1.0], [0.95, 0.2, 1.0, 0.5, 0.9, 0.7]

@@ -15,6 +15,7 @@ import requests
 import torch
 
 from engine import LLM, SamplingParams
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
@@ -275,7 +276,7 @@ def test_lorax_stop_sequences_end_the_text_as_lorax_ends_it(server):
 
 
 def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
     for adapter in ("alpha", "beta", None):
         expected = llm.generate([PROMPTS[2]], params, use_tqdm=False, adapters=[adapter])[0]
@@ -302,7 +303,7 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
     import openai
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=8, temperature=0)
     for model, adapter in ((str(tiny_llama_path), None), ("alpha", "alpha")):
         expected = llm.generate([PROMPTS[3]], params, use_tqdm=False, adapters=[adapter])[0]
@@ -725,7 +726,7 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
 
     from lorax import AsyncClient, Client
 
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     expected = llm.generate([PROMPTS[5]], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False,
                             adapters=["alpha"])[0]
     client = Client(server)
@@ -772,9 +773,9 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
     from lorax import Client
     from lorax.types import MergedAdapters
 
-    from lora_cache.merge_spec import MergeSpec
+    from engine.merge_spec import MergeSpec
 
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
     client = Client(server)
     for strategy, density in (("linear", 1.0), ("ties", 0.7)):
@@ -1054,7 +1055,7 @@ def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_lla
     config = AutoConfig.from_pretrained(tiny_llama_path)
     for seed, version in ((10, "v1"), (11, "v2")):
         write_random_adapter(tmp_path / version, config, rank=4, seed=seed)
-    llm = LLM(str(tiny_llama_path), max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path), log_stats=False)
     short, long = SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=300, temperature=0,
                                                                                ignore_eos=True)
     expect = {v: llm.generate([PROMPTS[2]], short, use_tqdm=False, adapters=[v])[0].text for v in ("v1", "v2")}

@@ -11,6 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from lora_cache.local_cache import local_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = Path(__file__).parent.parent / "examples" / "adapters"
@@ -19,7 +20,7 @@ QUESTIONS = ["What is the capital of Italy?", "What is the capital of Brazil?", 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m-instruct", max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False)
+    return LLM("smollm2-135m-instruct", adapters=local_adapters, max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False)
 
 
 def _chat(tokenizer, question: str) -> str:

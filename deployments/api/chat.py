@@ -24,7 +24,6 @@ from pydantic import Field, model_validator
 from deployments.api.strict import OpenAIModel
 from deployments.api.tools import FunctionName, ToolMode, ToolUse, check_template, is_json_object, renders_tools
 
-
 # the arguments chat_prompt passes itself: chat_template_kwargs may not set them
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
                                 "continue_final_message", "tokenize", "return_dict", "chat_template"})

@@ -12,9 +12,20 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from deployments.api.chat import ChatMessage, TemplateControls
 from deployments.api.strict import OpenAIModel
 from deployments.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolUse, may_call, tool_use
-from engine.sampling import (MAX_CHOICE_CHARS, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, MAX_SCHEMA_BYTES,
-                             MAX_SCHEMA_DEPTH, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN,
-                             ResponseFormat, SamplingParams)
+from engine.sampling import (
+    MAX_CHOICE_CHARS,
+    MAX_CHOICE_STRINGS,
+    MAX_PATTERN_CHARS,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    REPETITION_PENALTY_RANGE,
+    SEED_MAX,
+    SEED_MIN,
+    ResponseFormat,
+    SamplingParams,
+)
 
 
 def valid_request_id(value: str) -> str:

@@ -22,8 +22,17 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, Validat
 from deployments.api.chat import ChatMessage, FunctionCall, MessageToolCall
 from deployments.api.openai_protocol import JSONSchemaSpec, OpenAIBookkeeping, OpenAIResponseFormat, RequestId
 from deployments.api.strict import OpenAIModel
-from deployments.api.tools import (MAX_TOOLS, FunctionChoice, FunctionDefinition, FunctionName, NamedToolChoice, Tool,
-                               ToolUse, may_call, tool_use)
+from deployments.api.tools import (
+    MAX_TOOLS,
+    FunctionChoice,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    ToolUse,
+    may_call,
+    tool_use,
+)
 from engine.sampling import PRIORITY_MAX, PRIORITY_MIN, ResponseFormat, SamplingParams
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")

@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.api.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.api.strict import StrictModel
+from engine.merge_spec import MergeSpec
 from engine.sampling import REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
 from engine.watermark import Watermark
-from lora_cache.merge_spec import MergeSpec
 
 LORAX_WATERMARK = Watermark(greenlist_ratio=0.5, bias=2.0)  # LoRAX's (and TGI's) default gamma and delta
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from deployments.gate.auth import OPEN, ApiKey, KeyRing, KeyScope, Unauthorized
 from deployments.api.errors import RequestRefused, error_response
-from deployments.gate.tenant_metrics import TenantMetrics
+from deployments.gate.auth import OPEN, ApiKey, KeyRing, KeyScope, Unauthorized
 from deployments.gate.rate_limits import KeyLimiter, RateLimited
+from deployments.gate.tenant_metrics import TenantMetrics
 
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 MAX_REQUEST_BYTES = 8 << 20  # 64 prompts of a full 8k context as token ids fit in about 3 MiB

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
@@ -30,26 +30,31 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from deployments.api.errors import client_message
-from deployments.replica.event_streams import ForwardedEvents, LocalEvents
 from deployments.api.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
 from deployments.gate.gate import Gate, GateConfig
-from deployments.routes.routes import HttpRoutes, app
+from deployments.replica.event_streams import ForwardedEvents, LocalEvents
 from deployments.replica.metrics import ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
 from deployments.replica.pacing import EventPacer
-from deployments.routing.peer_view import PeerView
 from deployments.replica.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
-from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
+from deployments.routes.routes import HttpRoutes, app
+from deployments.routing.peer_view import PeerView
 from deployments.routing.policy import RouteRequest, RoutingPolicy
+from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
 from engine.config import EngineConfig
-from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineOverloadedError, TokenBudgetError
-from engine.model_files import resolve_model
+from engine.errors import (
+    OVERLOADED_RETRY_AFTER_S,
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    TokenBudgetError,
+    key_name,
+)
+from engine.merge_spec import MergeSpec
 from engine.outputs import EngineStats
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
-from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
-from lora_cache.merge_spec import MergeSpec
-from lora_cache.registry import Registration, key_name
+from lora_cache.adapter_folder import AdapterCacheUnavailableError
+from lora_cache.registry import Registration
 from lora_cache.replica_report import ReplicaReport
 
 if TYPE_CHECKING:
@@ -77,7 +82,7 @@ class LLMServer(HttpRoutes):
         self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
         self._deployment = (context.deployment, context.app_name)
         # The cache actor first, before this process imports torch: if this replica creates it, its process start
-        # (about 5 s on 2 cores) overlaps the engine's imports, model load and operators' build
+        # overlaps the engine's imports, model load and operators' build
         self.adapter_cache = self._adapter_provider(config) if config.max_loras else None
         self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
@@ -96,11 +101,7 @@ class LLMServer(HttpRoutes):
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
     def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
-        # the raw config.json, which the actor reads with transformers' AutoConfig.for_model: this process has not
-        # imported transformers yet
-        model_dir = resolve_model(config.model, config.model_cache_dir)
-        base_config = json.loads((model_dir / "config.json").read_text())
-        actor = get_or_create_cache_actor(base_config, config.adapter_sources())
+        actor = get_or_create_cache_actor(config.adapter_sources())
         return RayAdapterCache(actor, self.replica, timeout_s=config.adapter_cache_timeout_s)
 
     @serve.multiplexed(max_num_models_per_replica=64)
@@ -194,30 +195,31 @@ class LLMServer(HttpRoutes):
 
     async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                      stream: bool, timer) -> AsyncIterator[TokenEvent | Refusal]:
+        started = await self._start(request_id, prompt, params, adapter, timer)
+        if isinstance(started, Refusal):
+            yield started
+            return
+        async for event in self._paced(started, params, adapter, stream, timer):
+            yield event
+
+    async def _start(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                     timer) -> StartedRequest | Refusal:
+        """The request's first chunk of outputs, or the refusal of a request the engine would not start."""
         try:
             if adapter is not None:
                 await self._fetch_adapter(adapter, timer)
             chunks = self.engine.generate_chunks(request_id, prompt, params, adapter)
-            first = await chunks.__anext__()
-        except EngineOverloadedError as exc:
-            yield Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
-            return
-        except AdapterNotFoundError as exc:
-            yield Refusal(client_message(exc), RefusalKind.NOT_FOUND)
-            return
-        except AdapterCacheUnavailableError as exc:  # the cache actor does not answer: this request only waits
-            yield Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
-            return
-        except TokenBudgetError as exc:  # its figures go too: the edge names the parameter as its API does
-            yield Refusal(str(exc), budget=exc.budget)
-            return
-        except (ValueError, TypeError) as exc:  # the request itself is bad: tell the client, keep serving
-            yield Refusal(client_message(exc))
-            return
+            return StartedRequest(await chunks.__anext__(), chunks)
+        except (EngineOverloadedError, AdapterCacheUnavailableError, ValueError, TypeError) as exc:
+            return refusal(exc)
+
+    async def _paced(self, started: StartedRequest, params: SamplingParams, adapter: str | None, stream: bool,
+                     timer) -> AsyncIterator[TokenEvent]:
+        """The request's events, each holding every token ready when the pacer lets the next one go."""
         held: TokenEvent | None = None
         scored = params.prompt_logprobs is None  # the prompt's scores go out once, with the first token
         with self.pacer.stream() as pace:
-            async for chunk in _chain(first, chunks):
+            async for chunk in _chain(started.first, started.chunks):
                 timer.token()
                 event = _token_event(chunk, params)
                 if not scored:
@@ -324,7 +326,7 @@ def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> Asy
     any replica starts, and a replica creates the cache actor before the engine's imports)."""
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine(config, adapters)
+    return AsyncEngine(config, adapters.bound if adapters is not None else None)
 
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:
@@ -332,8 +334,8 @@ def _engine_threads(config: EngineConfig) -> EngineConfig:
     (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but one.
     On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
     spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events,
-    a separate ingress deployment and every op on OpenMP, 2 threads gave 0.82x the tokens/s of 1 at 8 concurrent
-    streams and 1.08x at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this
+    a separate ingress deployment and every op on OpenMP, 2 threads gave fewer tokens/s than 1 at 8 concurrent
+    streams and barely more at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this
     concerns torch's own ops alone, a case not measured."""
     if config.num_threads is not None or config.torch_device.type != "cpu":
         return config
@@ -356,3 +358,23 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
     yield first
     async for item in rest:
         yield item
+
+
+@dataclass
+class StartedRequest:
+    """A request the engine took: its first chunk of outputs, and the stream of the rest."""
+    first: list
+    chunks: AsyncIterator[list]
+
+
+def refusal(exc: Exception) -> Refusal:
+    """What the edge is told of a request the engine would not start: the refusal's kind picks its HTTP status."""
+    if isinstance(exc, EngineOverloadedError):
+        return Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
+    if isinstance(exc, AdapterNotFoundError):
+        return Refusal(client_message(exc), RefusalKind.NOT_FOUND)
+    if isinstance(exc, AdapterCacheUnavailableError):  # the cache actor does not answer: this request only waits
+        return Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
+    if isinstance(exc, TokenBudgetError):  # its figures go too: the edge names the parameter as its API does
+        return Refusal(str(exc), budget=exc.budget)
+    return Refusal(client_message(exc))  # the request itself is bad: tell the client, keep serving

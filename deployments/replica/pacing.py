@@ -8,11 +8,9 @@ and last events always go at once). A lone stream still gets each token as it co
 than a step); 32 streams get a few tokens per event. The engine adds to this: a step's outputs wake each event
 loop once (engine/async_engine.py), not once per request.
 
-Measured on 2 cores (SmolLM2 bf16, `serve run serve_config.yaml`, streamed /v1/completions x 64 tokens, one
-engine thread): four tokens per event instead of one took 32 concurrent streams from 195-209 to 272 tok/s and
-TPOT p50 from 140-154 to 103 ms, and 8 streams from 119-138 to 169 tok/s. With the engine on both cores (Intel
-OpenMP), a budget of 32 events/s served the same as 64 (356-360 tok/s at 32 streams, 175-180 at 8); 128 served
-8-18% less.
+Under `serve run serve_config.yaml` with one engine thread, four tokens per event instead of one raised the
+tokens/s of 8 and of 32 concurrent streams and lowered their TPOT. With the engine on both cores (Intel OpenMP), a
+budget of 32 events/s served the same as 64; 128 served less.
 """
 
 from __future__ import annotations

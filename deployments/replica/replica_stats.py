@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import key_name
 from engine.outputs import AdapterStats, EngineStats
-from lora_cache.adapter_folder import key_name
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,3 @@
-"""The HTTP routes of every API, built on FastAPI, and how they read a request's choices and answer errors. The
-routes take the engine through the EngineClient protocol (routes/engine_client.py), so they run against a real
-engine in one process as well as inside a Serve replica. Imports api/ and gate/."""
+"""The HTTP routes of every API, built on FastAPI (routes.py), how they read a request's choices and stream them
+(choice_streams.py), and how they answer errors (error_handlers.py). The engine replica serves them through
+@serve.ingress. Imports api/ and gate/."""

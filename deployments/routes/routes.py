@@ -3,8 +3,7 @@
 `HttpRoutes` holds the routes and renders engine events for each API; the engine replica's deployment
 (deployments/replica/llm_server.py) takes them through @serve.ingress, so Serve's HTTP proxy hands a request straight to
 the replica that runs the engine. A separate ingress deployment cost one more process and one more Ray hop per
-event: on 2 cores, serving the routes in the engine replica gave 1.14-1.28x the tokens/s at 32 concurrent
-streams and 1.02-1.08x at 8 (SmolLM2 bf16, streamed /v1/completions x 64 tokens, 3 interleaved rounds).
+event: serving the routes in the engine replica gave more tokens/s, the more so at more concurrent streams.
 Status codes are chosen here, at the edge: the replica says why it refuses (deployments/api/events.py), and
 deployments/routes/error_handlers.py answers what a route raises. The answers' shapes are rendered apart: LoRAX's and TGI's
 in deployments/api/tgi_render.py, OpenAI's in deployments/api/openai_render.py and deployments/api/responses_render.py.
@@ -23,29 +22,35 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.api import openai_protocol as oai
 from deployments.api.chat import ChatMessage, TemplateOptions, chat_prompt
-from deployments.routes.choice_streams import Choice, Metered, Started, cancel, openai_sse, response_events, wholes
-from deployments.routes.error_handlers import ENGINE_STOPPED_RETRY_AFTER_S, answer_errors
 from deployments.api.errors import BudgetRefused, RequestRefused, client_message, error_response
 from deployments.api.events import Refusal, RefusalKind, TokenEvent
-from deployments.gate.gate import GateMiddleware, Tenant
-from deployments.api.openai_render import (ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id,
-                                      usage)
-from deployments.api.tgi_protocol import GenerateRequest
+from deployments.api.openai_render import ChatRenderer, CompletionRenderer, Renderer, completion_id, request_id, usage
 from deployments.api.responses_protocol import ResponsesRequest
 from deployments.api.responses_render import ResponseRenderer
+from deployments.api.tgi_protocol import GenerateRequest
 from deployments.api.tgi_render import TgiRenderer, TgiTokens
 from deployments.api.token_texts import TokenTexts
-from deployments.api.tokenizing import (ChatTokenize, Detokenize, PromptTokenize, TgiTokenize, detokenize,
-                                    tokenize_prompt, tokenize_tgi)
+from deployments.api.tokenizing import (
+    ChatTokenize,
+    Detokenize,
+    PromptTokenize,
+    TgiTokenize,
+    detokenize,
+    tokenize_prompt,
+    tokenize_tgi,
+)
 from deployments.api.tools import ToolUse
+from deployments.gate.gate import GateMiddleware, Tenant
+from deployments.routes.choice_streams import Choice, Metered, Started, cancel, openai_sse, response_events, wholes
+from deployments.routes.error_handlers import ENGINE_STOPPED_RETRY_AFTER_S, answer_errors
+from engine.adapter_ids import validate_adapter_id
 from engine.config import EngineConfig
-from engine.errors import OVERLOADED_RETRY_AFTER_S
+from engine.errors import OVERLOADED_RETRY_AFTER_S, AdapterNotFoundError
+from engine.merge_spec import MergeSpec
 from engine.sampling import SamplingParams
-from lora_cache.adapter_folder import AdapterCacheUnavailableError, AdapterNotFoundError
+from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
-from lora_cache.merge_spec import MergeSpec
 from lora_cache.registry import Registration
-from lora_cache.sources import validate_adapter_id
 
 app = FastAPI(title="lora-serve")
 VERSION = importlib.metadata.version("lora-serve")
@@ -435,11 +440,10 @@ class HttpRoutes:
     async def _start_choices(self, prompts: list[list[Callable[[bool], Metered]]], stream: bool) -> list[Choice]:
         """Every choice of every prompt (given as starters, in order), with its first event. Each prompt's first
         choice runs alone (streamed, whatever the request asked) until its first token, when the prompt's KV blocks
-        are cached; then the prompt's other choices start at once and find them there. n = 4 choices of 64 tokens
-        (AVX2 EPYC, bf16, serve_config.yaml): over a 2,700-token prompt 11.6-13.0 s this way, 21.9-23.8 s with all
-        four started together (each prefills the prompt) and 17.2 s with each run whole after the one before; over a
-        short prompt 1.9-2.1 s this way and 6.3-6.9 s one after another. The prompts' first choices start together
-        (8 prompts x 32 tokens unstreamed: 1.8 s, one after another 6.3-6.7 s). A refused or failed choice, or a
+        are cached; then the prompt's other choices start at once and find them there. With n = 4 choices, a
+        request over a long prompt finishes sooner this way than with all four started together (each prefills the
+        prompt) or with each run whole after the one before; over a short prompt, sooner than one after another. The prompts'
+        first choices start together (sooner than one prompt after another). A refused or failed choice, or a
         client that left, stops every choice started."""
         opened: list[Metered] = []
 

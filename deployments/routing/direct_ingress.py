@@ -11,13 +11,10 @@ replica that receives a request on its own port still forwards it to a better pe
 Serve lists the replicas' ports as target groups for an external load balancer (ServeInstanceDetails.target_groups,
 the dashboard's /api/serve/applications/).
 
-Measured on 2 cores (`serve run serve_config.yaml`, one replica, SmolLM2 bf16, streamed /v1/completions x 64
-tokens, closed loop; per-request timestamps in the replica): from the client to the route's first line took
-14 + 11 ms through the proxy (reaching the replica, then fetching the body and parsing) at 8 concurrent streams
-and 54 + 24 ms at 32, against 4 and 20 ms on the replica's port; the first event back to the client took 5 and 14
-ms more through the proxy. In `benchmarks serve_load` (3 interleaved rounds, against vLLM's OpenAI server) the
-replica's port gave TTFT p50 117-130 ms at 8 streams and 300-347 ms at 32, against 145-158 and 381-476 through
-the proxy and 120-142 and 373-401 for vLLM.
+Per-request timestamps in the replica showed both costs: from the client to the route's first line took longer
+through the proxy (reaching the replica, then fetching the body and parsing) than on the replica's port, more so
+as concurrent streams grew, and the first event back to the client took longer too. In `benchmarks serve_load`
+the replica's port gave a lower TTFT than the proxy (docs/benchmarks.md).
 
 The controller reads these variables, and so does every replica: serve_config.yaml sets them in the
 controller's runtime_env, and build_app, which Serve runs in that environment, hands them on to the engine

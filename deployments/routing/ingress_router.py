@@ -16,10 +16,9 @@ knows the adapter of every request, not only of those whose client set the heade
 the replica (deployments/routing/peer_view.py), which tokenizes the prompt anyway: the router stays one cheap JSON parse
 a request.
 
-Measured on 2 cores (AVX2 EPYC, `benchmarks serve_load --dtype float32`: SmolLM2, 64 streamed completions of 64
-tokens, closed loop, 3 interleaved rounds with vLLM's OpenAI server): at 32 streams HAProxy served 0.98-1.17x vLLM's
-tokens/s with TTFT p50 856-1,201 ms against vLLM's 1,063-1,243, where Serve's Python proxy served 0.93-1.05x with
-1,153-1,282 ms; the router took 0.03 of the 2 cores, HAProxy under 0.005. A route call takes about 7 ms idle.
+In `benchmarks serve_load` (against vLLM's OpenAI server) HAProxy served about vLLM's tokens/s or more, with a
+lower TTFT, where Serve's Python proxy served fewer tokens/s with a higher TTFT; the router and HAProxy took a
+small share of the cores (docs/benchmarks.md).
 """
 
 import json

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray.serve.config import RequestRouterConfig
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.config import RequestRouterConfig
 
 from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
 from lora_cache.replica_report import ReplicaReport

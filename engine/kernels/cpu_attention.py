@@ -5,8 +5,7 @@ Decodes keep the same contract as the Triton kernel for CUDA (paged_attention.py
 cache, block tables and context lengths in, [B, heads, D] out. A prompt chunk is more queries of one sequence, the
 last of its context, attending causally. This replaces, per layer and step, the gather of every block of every
 sequence into a copy plus the masked grouped matmuls (whose cost grew with the widest block table), and the ~10
-small ops per prompt and layer of short prompts' attention (200 of the 260 ms of a step that prefills 64 prompts
-of 5-40 tokens, bf16 on 2 cores).
+small ops per prompt and layer of short prompts' attention (most of a step that prefills many short prompts).
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ def usable(block_size: int, head_dim: int) -> bool:
 
 def prompt_kernel_usable(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether long prompt chunks attend in the C++ prompt kernel (cpu/prompt_attention.cpp) rather than SDPA's
-    flash kernel: bf16, on AMX tiles where the CPU has AMX (16-token blocks), else with AVX-512 BF16. One layer of a
-    2,000-token SmolLM2 prompt on 2 cores: on an AMD EPYC (Zen 4, no AMX) 6.6-6.9 ms against SDPA's 40 (1,000
-    after 1,000 cached: 4.9-5.2 against 28.8); on a Xeon with AMX 4.1-5.0 ms against 7.7-8.8 (1,000 after 1,000:
-    3.0-3.6 against 7.9-10.0). The AVX-512 kernel is 3-3.5x slower than the AMX one on a Xeon, so where the
-    blocks do not tile AMX's 16 rows SDPA keeps the work there."""
+    flash kernel: bf16, on AMX tiles where the CPU has AMX (16-token blocks), else with AVX-512 BF16. Both beat
+    SDPA on a long prompt, fresh or after cached tokens. On a Xeon the AVX-512 kernel is much slower than the AMX
+    one, so where the blocks do not tile AMX's 16 rows SDPA keeps the work there."""
     module = cpu_ops.load()
     if module is None or dtype != torch.bfloat16 or head_dim not in (64, 128) or not module.bf16_prompt_attention():
         return False

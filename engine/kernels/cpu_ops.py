@@ -2,17 +2,15 @@
 
 torch's cpp_extension builds it with ninja and a C++ compiler at install (.ci/install.sh) or else the first time an
 engine starts on a machine, and keeps it under torch's extensions directory ($TORCH_EXTENSIONS_DIR, else
-~/.cache/torch_extensions), in lora-serve/<name>: a later process, or another replica on the node, loads it in well
-under a second. The build is two translation units, compiled side by side, each a file generated in the build
+~/.cache/torch_extensions), in lora-serve/<name>: a later process, or another replica on the node, loads it
+without building. The build is two translation units, compiled side by side, each a file generated in the build
 folder that includes its sources (a unity build): the bindings with the kernels of BESIDE_BINDINGS, and every other
-kernel. Parsing torch's headers is most of a file's compile time, paid once per file: on 2 cores of an AMD EPYC,
-eleven files took 35.5 CPU seconds (25.9 of them parsing); without ATen/ops/empty.h (ops.h says why) 28, built in
-15.9 s; two units take 11.4, built in 6.2-6.4 s. The bindings are CPython's C API, not pybind11 (bindings.cpp):
-on an AVX2-only EPYC they took 15.0 s with pybind11 and torch's casters and take 5.3 s without. There the kernels
-in one unit took 10.0-11.0 s beside them; with lora.cpp (the most code to generate: 3 s) moved beside the
-bindings the two units take 7.3-7.7 and 8.1-8.4 s (2 rounds, both units compiling at once). On a 16-core Xeon
-with AMX, whose build compiles the AVX-512 and AMX kernels too, they took 6.0-8.5 and 9.5-13.0 s (3 rounds), on 2
-of its cores as on 16.
+kernel. Parsing torch's headers is most of a file's compile time, paid once per file: hence two units rather than
+one file per source, and no ATen/ops/empty.h (ops.h says why). The bindings are CPython's C API, not pybind11
+(bindings.cpp): pybind11 and torch's casters made them far slower to compile. lora.cpp (the most code to generate)
+sits beside the bindings, not with the other kernels, so that the two units, compiling at once, are closer in
+length. A Xeon with AMX, whose build compiles the AVX-512 and AMX kernels too, built as fast on 2 of its cores as
+on 16.
 Each kernel file keeps its internals in a namespace of its own (lora_serve::<file>_detail), so the files share a
 unit without sharing names. Builds of one name take turns under an OS file lock, which dies with its process:
 torch's own lock is a file that a build killed half-way (a replica stopped while it started) leaves behind, and

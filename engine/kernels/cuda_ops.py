@@ -2,9 +2,10 @@
 take either set through one hook (engine.models.use_fused_ops), so the model code has one fused path.
 
 Why: a decode step of a Llama layer ran about nineteen small element-wise kernels in eager PyTorch (the residual
-addition, five for each RMSNorm, five for rotary, two cache writes, SiLU and the product), 1-3 us each inside a
-CUDA graph: 0.5 ms of the 1.74 ms a batch-1 step of the Llama-3.2-1B shape kept an H100 busy. Fused, a layer runs
-five: the addition with the norm (twice), rotary, one write of both K and V, SiLU with the product.
+addition, five for each RMSNorm, five for rotary, two cache writes, SiLU and the product), each a launch of its
+own inside a CUDA graph: a large share of the time a batch-1 step of the Llama-3.2-1B shape kept an H100 busy.
+Fused, a layer runs five: the addition with the norm (twice), rotary, one write of both K and V, SiLU with the
+product.
 
 The rounding steps are the eager ops' (transformers' model code), as the C++ operators' are: the residual sum
 rounded to the model dtype, the norm in float32 rounded, then times the weight rounded; rotary's two products
@@ -12,8 +13,8 @@ each rounded before their sum; SiLU rounded before the product. Compiled, result
 ulp: Triton may fuse a product and a sum into one FMA, SiLU's exp is the GPU's fast exponential, and the norm sums
 its squares in another order. On an H100 the float32 engine still matched transformers token for token and its bf16
 logprobs stayed within the tolerance of the tests (tests/test_hf_equivalence.py with LORA_SERVE_DEVICE=cuda).
-Measured there (batch-1 decode, CUDA graphs, the same run): Llama-3.2-1B shape 2.39 -> 1.82 ms a token, Llama-3-8B
-shape 7.64 -> 6.60 ms (65% -> 76% of the weight-read bound).
+Measured there (batch-1 decode, CUDA graphs), fusing shortened each token of the Llama-3.2-1B and Llama-3-8B shapes,
+bringing decode nearer the weight-read bound.
 
 Every launch depends on shapes only (one program per token row, or per row and column block), so the kernels are
 captured in the decode CUDA graphs unchanged.

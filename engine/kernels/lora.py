@@ -24,8 +24,8 @@ values go through tf32 for a bf16/fp16 y (an error of 2^-11 of each product, und
 float32 for a float32 y.
 
 Why tiles: the per-token form (each token reading its slot's A and B) re-read at rank 16 with 32 adapters and
-256 decodes about 50 MB per linear from L2, and the adapters cost 17% of the Llama-3.2-1B shape's throughput on an
-H100; with 8 tokens a slot a tile reads each slot's weights once.
+256 decodes about 50 MB per linear from L2, and the adapters cost a sizeable share of the Llama-3.2-1B shape's
+throughput on an H100; with 8 tokens a slot a tile reads each slot's weights once.
 """
 
 from __future__ import annotations

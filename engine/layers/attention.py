@@ -11,10 +11,9 @@ without the kernel, decodes take SDPA or grouped matmuls over gathered copies of
 
 Why head-major: a sequence's blocks gathered for one KV head are one contiguous [tokens, head_dim]
 run, so the gathered K/V feed the batched matmuls as they are. With the token-major layout
-([blocks, block_size, kv_heads, head_dim]) the matmuls ran on a permuted view, 4x slower than on
-contiguous data. Measured on 2 CPU cores, SmolLM2's shapes, bf16, one layer's decode attention:
-16 sequences at 2,048 tokens 24.5 -> 5.1 ms, 64 at 1,024 tokens 30.3 -> 10.5 ms, 64 at 64 tokens
-0.41 -> 0.37 ms.
+([blocks, block_size, kv_heads, head_dim]) the matmuls ran on a permuted view, much slower than on
+contiguous data: measured on CPU (SmolLM2's shapes, bf16, one layer's decode attention), head-major was
+faster at every batch and length, the more so the longer the contexts.
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     kv_heads = k_cache.shape[0]
     keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows).to(q.dtype)  # [kv_heads, B, L, D]
     values = _gather_blocks(v_cache, meta.decode_block_tables, meta.decode_rows).to(q.dtype)
-    if q.dtype == torch.float32:  # fp32: SDPA (its decode path beat fp32 grouped matmuls 1.5-3x here)
+    if q.dtype == torch.float32:  # fp32: SDPA (its decode path beat fp32 grouped matmuls here)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=meta.decode_mask, enable_gqa=True)
         return out.squeeze(2)
@@ -140,8 +139,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 def block_rows(block_table: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """The rows that hold block_table's blocks ([B, blocks] or [blocks]) in a layer's cache seen as one row per
-    (KV head, block), head-major: the same for every layer, so the runner computes them once per step (one
-    layer's bf16 decode attention, 1 sequence at 64 tokens: 140 -> 97 us; 16 at 256 tokens: 492 -> 426 us)."""
+    (KV head, block), head-major: the same for every layer, so the runner computes them once per step, which
+    shortens every layer's decode attention."""
     heads = torch.arange(kv_heads, device=block_table.device)[:, None] * num_blocks
     return (heads + block_table.flatten()).flatten()
 
@@ -150,10 +149,10 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, rows: torch.T
     """The cached tokens of the blocks in block_table ([B, blocks] or [blocks]), head-major: [kv_heads, B,
     blocks * block_size, D] or [kv_heads, blocks * block_size, D]. rows: block_rows() of the table, if known.
 
-    The gather is index_select over the rows of the cache seen as a 2-D tensor, its fastest form on CPU: 16
-    sequences at 2,000 tokens, bf16, one layer's K 1.6 -> 0.66 ms against index_select on the block axis of the
-    4-D cache; the decode step 209 -> 115-140 ms. (Advanced indexing was 3-5x slower than index_select.)
-    Gathering into buffers kept from step to step measured no faster."""
+    The gather is index_select over the rows of the cache seen as a 2-D tensor, its fastest form on CPU: faster
+    than index_select on the block axis of the 4-D cache, for one layer's K and for the whole decode step.
+    (Advanced indexing was slower still than index_select.) Gathering into buffers kept from step to step
+    measured no faster."""
     kv_heads, num_blocks = cache.shape[0], cache.shape[1]
     if rows is None:
         rows = block_rows(block_table, kv_heads, num_blocks)
@@ -166,14 +165,13 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     """One prompt chunk: q [L, heads, D] for the last L of the context's positions -> [L, heads, D].
 
     cpu_kernel: the C++ prompt kernel, one call whether or not tokens are cached (bf16 on AVX-512 BF16 without
-    AMX; engine/kernels/cpu_attention.py has the figures). Otherwise SDPA on 4-D inputs, the query heads of one
+    AMX; engine/kernels/cpu_attention.py says why). Otherwise SDPA on 4-D inputs, the query heads of one
     KV head sharing it (enable_gqa): on CPU that is PyTorch's flash kernel, blocked, with an online softmax and
     oneDNN's bf16 micro-kernels (3-D inputs fall back to the math path, which materialises every score). A fresh
     prompt is causal from its first token and skips the upper triangle; a chunk after cached tokens attends to
-    them and to itself apart (_after_cached). Measured on 2 cores of a Xeon with AMX (SmolLM2's shapes, one layer,
-    bf16): a fresh 2,000-token prompt 8.7-9.2 ms against 17.5-23 ms for tiles of 128 queries over oneDNN matmuls,
-    48 tokens 0.05 against 0.16 ms; 1,000 new tokens after 1,000 cached 7.8 against 12.5-17.5 ms; fp32: 25
-    against 33 ms fresh."""
+    them and to itself apart (_after_cached). Measured on a Xeon with AMX (SmolLM2's shapes, one layer),
+    this beat tiles of 128 queries over oneDNN matmuls for long and short fresh prompts and for chunks after cached
+    tokens, in bf16 and in fp32."""
     if cpu_kernel:
         return cpu_attention.prompt_attention(q, k_cache, v_cache, seg.block_table, seg.context_len)
     queries = q.transpose(0, 1)[None]  # [1, heads, L, D]
@@ -203,8 +201,8 @@ def _after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """A chunk's queries [1, heads, L, D] over keys/values [1, kv_heads, cached + L, D] on CPU: the cached keys
     (every query sees all of them) and the chunk's own (causal from its first token) in two flash calls, each
     skipping what it can, merged by their log-sum-exps. A shifted causal mask in one call would compute every
-    score: one layer, a 1,904-token chunk after 96 cached tokens, 17.4 ms that way against 10.0 ms in two calls (bf16;
-    fp32 41 against 26 ms), 1,000 after 1,000 8.7 against 7.8 ms; equal from 128 tokens down."""
+    score: slower than two calls for a long chunk after few cached tokens (bf16 and fp32) and for a chunk after as
+    many cached; equal from 128 tokens down."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel, which returns the LSE
     old, old_lse = flash(queries, keys[:, :, :cached], values[:, :, :cached])
     new, new_lse = flash(queries, keys[:, :, cached:], values[:, :, cached:], is_causal=True)

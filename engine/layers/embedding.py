@@ -2,7 +2,7 @@
 
 On CPU the C++ operators copy the rows on their own threads (cpu/gather.cpp): torch's embedding of 57 or more
 rows of SmolLM2 runs on OpenMP's threads, whose spinning afterwards took a core from the rest of the step (the
-step's 30 layers of linears at 64 rows, bf16, 2 cores of a Zen 4 EPYC: 35 ms alone, 41-50 ms after it). On CUDA
+step's linears ran slower after it than alone). On CUDA
 the call is index_select (engine/kernels/cuda_ops.py). Without fused operators it is torch's embedding.
 """
 

@@ -1,29 +1,24 @@
 """CPU linears on oneDNN prepacked weights.
 
 Plain `F.linear` on CPU (MKL for fp32) re-lays-out each weight on every call. With model-sized
-weights streaming from memory, oneDNN's prepacked format measured here 1.7-2.4x faster in fp32
-and 1.2-1.7x in bf16, from batch 1 to 64 (a cache-hot microbenchmark hides the difference).
+weights streaming from memory, oneDNN's prepacked format measured faster here in fp32 and in bf16, from batch 1
+to 64 (a cache-hot microbenchmark hides the difference).
 
 The engine's own kernels (engine/kernels/cpu) take what they do faster than oneDNN:
 - on a CPU with AMX, linears of up to AMX_MAX_ROWS rows (decode steps), on a second packing of the weight, which
-  amx_linear.cpp streams at the memory's rate: SmolLM2's 30 layers of weights took 8.3-8.7 ms at 1-16 rows against
-  oneDNN's 12.1-12.4 ms, and 13.9 against 15.1 at 64 rows (2 cores of a Xeon); at 128 rows the two were even, and
-  longer prefill chunks stay on oneDNN, whose AMX blocking reuses each weight tile across many rows. The price is a
+  amx_linear.cpp streams at the memory's rate, faster than oneDNN; at 128 rows the two were even, and longer
+  prefill chunks stay on oneDNN, whose AMX blocking reuses each weight tile across many rows. The price is a
   second copy of those weights in memory.
-- on a CPU with AVX-512 and no AMX (simd_linear.cpp; 2 cores of an AMD EPYC, SmolLM2's 30 layers of weights):
-  every bf16 linear, on its own packing alone (oneDNN's is not kept), 4.4 ms at 1 row against oneDNN's
-  6.3, 6.5 against 8.7 at 16, 17.7 against 21.3 at 64 and 461 against 604 at 2,048 rows (1.2-1.4x at every count
-  measured, up to 94% of the dot-product units' rate); float32 linears of up to FP32_MAX_ROWS rows, 8.2 ms at 1 row
-  against 11.5, 33.3 against 37.8 at 64 and 60.6 against 73.9 at 128 (at 512 the two were even, so prefill
-  chunks stay on oneDNN, and those linears keep both packings). On a Zen 4 EPYC (512-bit operations in two
-  halves) in bf16: 7.1 ms at 1 row against oneDNN's 11.7, 17.3 against 22.3 at 32, 31.8 against 38.0 at 64. Where
-  a CPU has AMX, Intel's, oneDNN keeps the float32 linears: the kernel has not been measured there.
-- on a CPU with AVX2 and FMA alone (the same kernel with 8-lane vectors; 2 cores of an AMD EPYC Zen 3): every
-  float32 linear, on its own packing alone, 18.4 ms at 1 row against oneDNN's 29.2 (23 GB/s of weights against
-  15, where a sum over memory reads 27), 37.0 against 48.7 at 16, 92.6 against 118.1 at 64, 200 against 222 at
-  128 and 1,511 against 1,548 at 1,024 rows (1.02-1.59x at every count measured). A bf16 model there computes in
-  float32 (no bf16 matrix math) on weights rounded to bf16, which the kernel keeps in bf16 and widens as it reads
-  them: 12.2 ms at 1 row against float32's 23.5, 30.4 against 37.1 at 16, within 4% from 32 to 1,024 rows.
+- on a CPU with AVX-512 and no AMX (simd_linear.cpp): every bf16 linear, on its own packing alone (oneDNN's is
+  not kept), faster than oneDNN at every row count measured, near the dot-product units' rate; float32 linears of
+  up to FP32_MAX_ROWS rows (at 512 the two were even, so prefill chunks stay on oneDNN, and those linears keep
+  both packings). On a Zen 4 EPYC (512-bit operations in two halves) the bf16 kernel is faster than oneDNN too.
+  Where a CPU has AMX, Intel's, oneDNN keeps the float32 linears: the kernel has not been measured there.
+- on a CPU with AVX2 and FMA alone (the same kernel with 8-lane vectors): every float32 linear, on its own packing
+  alone, faster than oneDNN at every row count measured (at 1 row it streams the weights nearer the memory's rate).
+  A bf16 model there computes in float32 (no bf16 matrix math) on weights rounded to bf16, which the kernel keeps
+  in bf16 and widens as it reads them: half the bytes to stream, so faster than float32 at few rows and about even
+  from 32 rows up.
 """
 
 from __future__ import annotations

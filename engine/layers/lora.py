@@ -8,8 +8,8 @@ place (Triton kernels, engine/kernels/lora.py).
 On CPU with the C++ operators each token reads its own slot's weights in place: one call per linear (cpu/lora.cpp),
 with A stored K-major for its dot products, and in the model's dtype (bf16 halves the bytes every token reads: with 32
 adapters in one bf16 step they were 4 MB a layer in float32). That replaced about ten small ops per linear: 64
-decodes over 8 rank-8 q,k,v,o adapters kept 72-74% of the base model's throughput in bf16 that way on 2 cores of
-a Xeon, and 93-98% with the C++ call (fp32: 88% -> 97-103%).
+decodes over 8 rank-8 q,k,v,o adapters lost a large share of the base model's throughput that way, and kept
+nearly all of it with the C++ call, in bf16 and in fp32.
 Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (lora_batch.py); per group
 the delta is batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
 (or, when one group holds every token in order, the expand matmul adds into it in place).
@@ -83,7 +83,7 @@ class LoRALinear(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
-        if name == "base":  # calling forward directly skips nn.Module.__call__: ~5 us a call, more than tiny math
+        if name == "base":  # calling forward directly skips nn.Module.__call__, which costs more than tiny math
             self.base_forward = value.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class LoRALinear(nn.Module):
 
     def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: gathered copies, or
-        views when the slots are a contiguous slice. (index_select: advanced indexing was ~2x slower here.)"""
+        views when the slots are a contiguous slice. (index_select: advanced indexing was slower here.)"""
         if isinstance(slots, slice):
             return self.a_slots[slots], [b[slots] for b in self.b_slots]
         return self.a_slots.index_select(0, slots), [b.index_select(0, slots) for b in self.b_slots]

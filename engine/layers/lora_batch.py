@@ -10,14 +10,13 @@ dropped, and the rest is added to the tokens' rows of the base output.
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 
-import math
-
 import torch
 
-# An extra group costs about as much as this much padded LoRA math (its ~6 kernel launches, ~30 us on a CPU).
+# An extra group costs about as much as this much padded LoRA math (the fixed cost of its ~6 kernel launches).
 GROUP_COST_FLOPS = 1_000_000
 # Copying one segment's weights costs about as much as this many padded rows of LoRA math (a copy moves
 # each weight once, at memory speed; a padded row multiplies by each weight once, at compute speed).

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.adapters import LoraShapes
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
@@ -38,14 +39,13 @@ LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granite": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
-def lora_shapes(hf_config) -> dict[str, tuple[int, int]]:
-    """PEFT module key -> (in_features, out_features) of the base model's LoRA-capable linears, as its model
-    class declares them."""
+def lora_shapes(hf_config) -> LoraShapes:
+    """The base model's LoRA-capable linears, as its model class declares them: what every adapter must fit."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in LORA_MODEL_TYPES:
         raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
                          f"supported: {', '.join(LORA_MODEL_TYPES)}")
-    return LORA_MODEL_TYPES[model_type].lora_shapes(hf_config)
+    return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), hf_config.num_hidden_layers)
 
 
 def model_class(hf_config) -> type[nn.Module]:

@@ -2,7 +2,7 @@
 
 SiLU, the Llama family's, is torch's F.silu, as transformers' own SiLU module is. Any other comes from transformers'
 ACT2FN, imported at first use: transformers.activations brings its hub-kernel integration and torch.distributed.tensor
-with it, 1.2 s of every replica's start on 2 EPYC cores.
+with it, a noticeable part of every replica's start.
 """
 
 from __future__ import annotations

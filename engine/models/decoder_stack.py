@@ -11,14 +11,12 @@ are the same bits. It serves a step when the modules' path would run on the C++ 
   kernel takes.
 It runs every layer shape engine/models/llama.py does: Llama's norms, Gemma 2's and 3's sandwich and OLMo 2's post
 norms, q/k norms per head or per projection, SiLU or GELU, Gemma 2's capped scores, sliding windows and Gemma 3's
-two rotary tables. Random models of SmolLM2's shape, bf16, 3 alternating rounds, 64 requests 32 at a time: Gemma 2
-711-787 against 609-728 tok/s as modules, Gemma 3 928-1,006 against 770-786, OLMo 2 869-944 against 717-845.
+two rotary tables. On random models of SmolLM2's shape in bf16 (Gemma 2, Gemma 3, OLMo 2) the stack served more
+tokens/s than the modules.
 
-SmolLM2 bf16 on 2 cores of an AMD EPYC Zen 4, the offline engine with and without the stack in one process, 4
-alternating rounds, medians: 105.2 against 86.2 tok/s at one stream, 610 against 517 at 8 and 988 against 910 at
-32 (64 requests x 64 tokens); the step thread spent 94% of its time inside the operators' loops, against 88%. With
-four rank-16 adapters on every projection, each request on one of them or the base: 93.0 against 77.8 tok/s at one
-stream, 966 against 890 at 32.
+On SmolLM2 bf16, the offline engine with and without the stack in one process, the stack served more tokens/s at
+one stream, at 8 and at 32, and the step thread spent more of its time inside the operators' loops; so it did with
+four rank-16 adapters on every projection, each request on one of them or the base.
 """
 
 from __future__ import annotations

@@ -31,14 +31,13 @@ class RMSNorm(nn.Module):
         # float32_scale: Gemma's norms, whose 1 + w transformers adds and multiplies by in float32, rounding the
         # scaled row once (OLMo 2's multiply by w so); kept in float32 whatever the model dtype. In bf16, with
         # 1 + w rounded to bf16 and the normalised row rounded before the scale, random Gemma 2 and 3 models of
-        # head_dim 256 (6 layers, 16 prompts x 48 greedy tokens) kept transformers' float32 tokens for 626 and 527
-        # of 768 tokens (up to each sequence's first difference); scaled in float32, 671 and 612 (transformers in
-        # bf16: 649 and 571 -> 655 and 599)
+        # head_dim 256 kept transformers' float32 tokens for fewer tokens (up to each sequence's first difference)
+        # than scaled in float32, which kept them longer than transformers' own bf16 run did
         self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if float32_scale else None))
         self.float32_scale = float32_scale
         self.eps = eps
         # The fused operators (set by use_fused_ops: the C++ ones on CPU, Triton on CUDA): one call with the same
-        # rounding instead of ~8 small ops, on CPU about 31 us a call at batch 1 (1 us fused)
+        # rounding instead of ~8 small ops, each with a call's overhead on CPU
         self.fused_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

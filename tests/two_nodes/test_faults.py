@@ -148,9 +148,8 @@ def test_a_forwarded_request_survives_its_peer(two_nodes):
     after it: PeerLost, the routes' cue for an error event that ends the response."""
     from ray import serve
 
-    from deployments.api.events import PeerLost
+    from deployments.api.events import PeerLost, TokenEvent
     from deployments.replica.event_streams import ForwardedEvents, LocalEvents
-    from deployments.api.events import TokenEvent
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Peer:
