@@ -61,6 +61,10 @@ class _Entry:
 @ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0)
 class LoRACacheActor:
     def __init__(self, sources: SourceConfig, capacity_bytes: int = 4 << 30):
+        # torch loads here, in the actor's process and before it answers: a replica imports this module to create
+        # the actor before it imports torch itself (lora_cache/reader.py)
+        import lora_cache.reader  # noqa: F401
+
         self.reader: AdapterReader | None = None  # made by the first read, for the shapes it brings (_reader)
         self.sources = sources
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
@@ -115,9 +119,7 @@ class LoRACacheActor:
 
     def _reader(self, shapes: LoraShapes) -> AdapterReader:
         """The reader of this cluster's base model: one actor serves one base, so other shapes are refused."""
-        # torch loads here, in the actor's process: a replica imports this module to create the actor before it
-        # imports torch itself (lora_cache/reader.py)
-        from lora_cache.reader import AdapterReader
+        from lora_cache.reader import AdapterReader  # loaded at the actor's start
 
         if self.reader is None:
             self.reader = AdapterReader(shapes, self.sources.max_adapter_bytes, self.sources.max_lora_rank)

@@ -113,9 +113,9 @@ def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(
 def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapters_root, shared_actor, shapes):
     """The copy does not wait for the actor's start (a replica builds its engine meanwhile); an actor that cannot
     start fails wait_ready with its reason, and a started one answers keys."""
-    broken = LoRACacheActor.remote({"model_type": "no-such-model"}, SourceConfig(adapters_root=str(adapters_root)))
+    broken = LoRACacheActor.remote(SourceConfig("s3"))  # no bucket: its __init__ raises
     client = RayAdapterCache(broken, follow_registry=False)  # returns though the actor's __init__ raises
-    with pytest.raises(ray.exceptions.RayActorError, match="no-such-model"):
+    with pytest.raises(ray.exceptions.RayActorError, match="needs adapters_root"):
         client.wait_ready()
     working = _client(shared_actor, shapes)
     working.wait_ready()

@@ -302,14 +302,15 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
     actor = LoRACacheActor.options(name="registry-test").remote(sources)
     client = RayAdapterCache(actor, "test-replica", follow_registry=False).bound(sources, lora_shapes_of(tiny_llama_path))
     try:
-        from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two"))
-        from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3", lora_shapes_of(tiny_llama_path)))
+        shapes = lora_shapes_of(tiny_llama_path)
+        from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two", shapes))
+        from_hub = ray.get(actor.register.remote("from-hub", "hf://acme/registered@v3", shapes))
         assert (from_s3.key, from_hub.key) == ("from-s3#1", "from-hub#1")
         assert from_s3.content_id == content_id(adapters / "two")
         assert from_hub.content_id == content_id(adapters / "one")
         assert client.get(from_hub.key).content_id == from_hub.content_id
         with pytest.raises(AdapterError, match="'absent': adapter_config.json not found in S3"):
-            ray.get(actor.register.remote("absent", "s3://adapters/models/acme/absent", lora_shapes_of(tiny_llama_path)))
+            ray.get(actor.register.remote("absent", "s3://adapters/models/acme/absent", shapes))
 
         ray.kill(actor, no_restart=False)
         deadline = time.monotonic() + 30
@@ -326,7 +327,7 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
         assert stats.registered == {"from-s3": "s3://adapters/models/acme/two",
                                        "from-hub": "hf://acme/registered@v3"}
         assert stats.generations == {"from-s3": 1, "from-hub": 1}
-        [ref] = ray.get(actor.get.remote("from-s3#1", lora_shapes_of(tiny_llama_path)))
+        [ref] = ray.get(actor.get.remote("from-s3#1", shapes))
         assert ray.get(ref).content_id == from_s3.content_id
     finally:
         client.close()
