@@ -28,11 +28,9 @@ from pydantic import BaseModel  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
 import api_reference  # noqa: E402
-from deployments.routes.routes import app as http_app  # noqa: E402
+from deployments.routes.routes import ROUTERS  # noqa: E402
 
-# The routes as the routes module declares them: Serve's @serve.ingress on the engine deployment, imported with
-# deployments.app below, moves them off the app into the deployment's copy
-HTTP_ROUTES = list(http_app.routes)
+HTTP_ROUTES = [route for router in ROUTERS for route in router.routes]
 
 from deployments.app import AppArgs, RoutingArgs  # noqa: E402
 from deployments.gate.auth import ApiKeyConfig  # noqa: E402

@@ -20,7 +20,7 @@ from deployments.api.responses_render import ResponseRenderer
 from deployments.api.tgi_protocol import GenerateRequest
 from deployments.api.tgi_render import TgiRenderer
 from deployments.routes.choice_streams import Choice, openai_sse, response_events
-from deployments.routes.routes import HttpRoutes
+from deployments.routes.engine_client import Served
 from engine import EngineConfig
 
 
@@ -48,10 +48,9 @@ class _PeerDiesAfter:
 
 
 @pytest.fixture(scope="module")
-def routes(tiny_llama_path, tokenizer) -> HttpRoutes:
-    routes = HttpRoutes()
-    routes._init_routes(EngineConfig.from_overrides(str(tiny_llama_path)), tokenizer)
-    return routes
+def routes(tiny_llama_path, tokenizer) -> Served:
+    """What the routes keep beside an engine: these tests feed the streams themselves, so no engine is asked."""
+    return Served(None, EngineConfig.from_overrides(str(tiny_llama_path)), tokenizer)
 
 
 async def _lines(stream) -> list[str]:
@@ -139,8 +138,8 @@ def _read_with_openai(lines: list[str]) -> list:
 
 
 def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
-    """A replica whose engine loop ended answers /health and its requests with 503 and Retry-After (Serve replaces
-    it after failed health checks), each in its API's error shape, not a bare 500."""
+    """A replica whose engine loop ended answers its requests with 503 and Retry-After (Serve replaces it after
+    failed health checks), each in its API's error shape, not a bare 500 (tests/test_in_process.py: /health)."""
     from starlette.requests import Request
 
     from deployments.routes.error_handlers import _engine_stopped
@@ -154,17 +153,3 @@ def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
         answer = asyncio.run(_engine_stopped(request(path), EngineDeadError("engine loop died: boom")))
         assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
         assert "engine stopped" in message(json.loads(answer.body)) and "boom" in message(json.loads(answer.body))
-
-    health = asyncio.run(_EngineState(running=False).health(request("/health")))
-    assert health.status_code == 503 and "not running" in json.loads(health.body)["error"]
-    assert asyncio.run(_EngineState(running=True).health(request("/health"))) == {"status": "ok"}
-
-
-class _EngineState(HttpRoutes):
-    """Routes over an engine that is running or not."""
-
-    def __init__(self, running: bool):
-        self.running = running
-
-    def _engine_running(self) -> bool:
-        return self.running

@@ -16,12 +16,13 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from deployments.replica.llm_server import app
+from deployments.routes.routes import routes_app
 from tests.helpers import serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 25  # per route and mode: about 500 requests in all, under two minutes on 2 cores
-schema = schemathesis.openapi.from_dict(app.openapi())
+OPENAPI = routes_app().openapi()
+schema = schemathesis.openapi.from_dict(OPENAPI)
 schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
 SERVER = {}
 
@@ -60,7 +61,7 @@ BODIES = {  # a valid body per generation route; numeric fields under "parameter
 
 
 def _numeric_fields(model: str) -> list[str]:
-    properties = app.openapi()["components"]["schemas"][model]["properties"]
+    properties = OPENAPI["components"]["schemas"][model]["properties"]
     kinds = lambda spec: {s.get("type") for s in spec.get("anyOf", [spec])}  # noqa: E731
     return sorted(name for name, spec in properties.items() if kinds(spec) & {"integer", "number"})
 

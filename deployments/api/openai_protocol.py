@@ -1,5 +1,5 @@
-"""Request schemas of the OpenAI-compatible API (completions, chat, the adapter lifecycle); deployments/api/openai_render.py
-renders the responses."""
+"""Request schemas of the OpenAI-compatible API (completions, chat, the adapter lifecycle);
+deployments/api/openai_render.py renders the responses."""
 
 from __future__ import annotations
 

@@ -6,15 +6,13 @@ Retry-After) never reaches a route. The admitted request's `Tenant` rides in the
 check adapters against its scope and charge its tokens, and the middleware counts the request out when its
 response has been sent (a stream included), whatever way it ended.
 
-The middleware is part of the FastAPI app that Serve freezes at import; it reaches the replica's `Gate`, built
-from the app args, through Serve's replica context.
+Each server builds its app with its own `Gate` (deployments/routes/routes.py: http_app), from the app args in a
+Serve replica.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from ray import serve
 
 from deployments.api.errors import RequestRefused, error_response
 from deployments.gate.auth import OPEN, ApiKey, KeyRing, KeyScope, Unauthorized
@@ -111,15 +109,16 @@ class Gate:
 
 
 class GateMiddleware:
-    """ASGI middleware: the gate of the serving replica, before any route."""
+    """ASGI middleware: the gate of the app's server, before any route."""
 
-    def __init__(self, app):
+    def __init__(self, app, gate: Gate):
         self.app = app
+        self.gate = gate
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        gate: Gate = serve.get_replica_context().servable_object.gate
+        gate = self.gate
         try:
             receive = await _bounded_body(scope, receive, gate.max_request_bytes)
             tenant = gate.admit(_header(scope, b"authorization"))

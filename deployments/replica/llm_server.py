@@ -1,16 +1,15 @@
-"""Engine replica: one AsyncEngine per replica, behind the HTTP routes (deployments/routes/routes.py) in the same process.
+"""Engine replica: one AsyncEngine per replica, behind the HTTP routes (deployments/routes/routes.py) in the same
+process.
 
 Serve's HTTP proxy hands each request to a replica with the deployment's router (deployments/routing/request_router.py),
-which knows a request's adapter only from the `serve_multiplexed_model_id` header. The replica that parses the
-request knows its adapter and prompt: it ranks itself and its peers by adapter residence, cached prefix and load
-(deployments/routing/policy.py, deployments/routing/peer_view.py), serves the request itself when it is among the best, and
-forwards it otherwise, through a handle to its own deployment whose router sends it to the chosen peer. A
-forwarded request is served where it lands. A replica added by scale-up reaches every adapter through the
-cluster's cache actor at once.
-Every second the replica builds its report (lora_cache/replica_report.py: adapters in device slots and in its
-CPU copy, prefix-cache digests, load), sends it to the cache actor, which answers with its peers' reports, and
-hands it to Serve's routers through record_routing_stats; it also publishes its engine gauges.
-"""
+which knows a request's adapter only from the `serve_multiplexed_model_id` header. The replica that parses the request
+knows its adapter and prompt: it ranks itself and its peers by adapter residence, cached prefix and load
+(deployments/routing/policy.py, deployments/routing/peer_view.py), serves the request itself when it is among the best,
+and forwards it otherwise, through a handle to its own deployment whose router sends it to the chosen peer. A forwarded
+request is served where it lands. A replica added by scale-up reaches every adapter through the cluster's cache actor at
+once. Every second the replica builds its report (lora_cache/replica_report.py: adapters in device slots and in its CPU
+copy, prefix-cache digests, load), sends it to the cache actor, which answers with its peers' reports, and hands it to
+Serve's routers through record_routing_stats; it also publishes its engine gauges."""
 
 from __future__ import annotations
 
@@ -22,38 +21,35 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
+from fastapi import FastAPI
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
-from deployments.api.errors import client_message
-from deployments.api.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
+from deployments.api.events import Refusal, TokenEvent
 from deployments.gate.gate import Gate, GateConfig
 from deployments.replica.event_streams import ForwardedEvents, LocalEvents
-from deployments.replica.metrics import ServingMetrics
+from deployments.replica.metrics import RequestTimer, ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
-from deployments.replica.pacing import EventPacer
-from deployments.replica.replica_stats import AdapterSlotStats, PrefixCacheStats, ReplicaStats
-from deployments.routes.routes import HttpRoutes, app
+from deployments.replica.engine_events import EngineEvents, EventRequest
+from deployments.replica.replica_stats import ReplicaStats, engine_info
+from deployments.routes.engine_client import Served
+from deployments.routes.routes import http_app
 from deployments.routing.peer_view import PeerView
 from deployments.routing.policy import RouteRequest, RoutingPolicy
 from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
 from engine.config import EngineConfig
 from engine.errors import (
     OVERLOADED_RETRY_AFTER_S,
-    AdapterNotFoundError,
-    EngineOverloadedError,
-    TokenBudgetError,
     key_name,
 )
 from engine.merge_spec import MergeSpec
 from engine.outputs import EngineStats
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
-from lora_cache.adapter_folder import AdapterCacheUnavailableError
+from lora_cache.cache_stats import CacheStats
 from lora_cache.registry import Registration
 from lora_cache.replica_report import ReplicaReport
 
@@ -69,8 +65,8 @@ REPORT_INTERVAL_S = 1.0
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, health_check_period_s=10,
                   backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S),
                   request_router_config=router_config(RoutingPolicy()))
-@serve.ingress(app)
-class LLMServer(HttpRoutes):
+@serve.ingress()
+class LLMServer:
     def __init__(self, engine: dict | None = None, top_adapters: int = 20,
                  gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy()):
         """routing: how this replica places the requests it parses (deployments/routing/policy.py); None serves each
@@ -87,9 +83,10 @@ class LLMServer(HttpRoutes):
         self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
-        self._init_routes(config, self.engine.tokenizer)
+        self.served = Served(self, config, self.engine.tokenizer)  # what the routes keep beside this replica
+        self.tokenizer = self.engine.tokenizer
         self.metrics = ServingMetrics(top_adapters)
-        self.pacer = EventPacer()
+        self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id, self._fetch_adapter)
         self.metrics.memory(self.engine.memory())
         self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
         self._peers = PeerView(routing) if routing is not None else None
@@ -110,12 +107,16 @@ class LLMServer(HttpRoutes):
         await asyncio.to_thread(self.adapter_cache.get, adapter_id)
         return adapter_id
 
-    def _stream(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The HTTP routes over this replica (Serve's late-bound ingress builds them after __init__)."""
+        return http_app(self.served, self.gate)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                 stream: bool = True) -> LocalEvents | ForwardedEvents:
         """Served here, unless a peer ranks better for this request (deployments/routing/peer_view.py): then forwarded
         through Serve's router, and served here after all if that peer dies before its first event
-        (deployments/replica/event_streams.py). The engine knows the adapter by its current key (lora_cache/registry.py: the
-        name, or a new key once it was loaded at run time); a forwarded request names it as routing does, by name
+        (deployments/replica/event_streams.py). The engine knows the adapter by its current key (lora_cache/registry.py:
+        the name, or a new key once it was loaded at run time); a forwarded request names it as routing does, by name
         and content id, and its target resolves the key itself."""
         key = self._key(adapter)
         route = self._forward_route(prompt, params, key)
@@ -159,17 +160,18 @@ class LLMServer(HttpRoutes):
 
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
                         stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
-        """A request another replica forwarded here (Serve's router reads `route`: deployments/routing/request_router.py)."""
+        """A request another replica forwarded here (Serve's router reads `route`:
+        deployments/routing/request_router.py)."""
         async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream):
             yield event
 
-    async def _register(self, name: str, lora_path: str) -> Registration:
+    async def load_adapter(self, name: str, lora_path: str) -> Registration:
         return await self._lora_cache().register(name, lora_path)
 
-    async def _unregister(self, name: str) -> None:
+    async def unload_adapter(self, name: str) -> None:
         await self._lora_cache().unregister(name)
 
-    async def _merge(self, spec: MergeSpec) -> str:
+    async def merge_adapters(self, spec: MergeSpec) -> str:
         return await self._lora_cache().merge(spec)
 
     def _lora_cache(self) -> RayAdapterCache:
@@ -186,67 +188,17 @@ class LLMServer(HttpRoutes):
         timer = self.metrics.start(key_name(adapter) if adapter is not None else None)
         self._in_flight[adapter] += 1
         try:
-            async for event in self._serve(request_id, prompt, params, adapter, stream, timer):
+            async for event in self.events.events(EventRequest(request_id, prompt, params, adapter, stream), timer):
                 yield event
         finally:
             self._in_flight[adapter] -= 1
             if not self._in_flight[adapter]:
                 del self._in_flight[adapter]
 
-    async def _serve(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                     stream: bool, timer) -> AsyncIterator[TokenEvent | Refusal]:
-        started = await self._start(request_id, prompt, params, adapter, timer)
-        if isinstance(started, Refusal):
-            yield started
-            return
-        async for event in self._paced(started, params, adapter, stream, timer):
-            yield event
+    def _content_id(self, key: str) -> str | None:
+        return self.adapter_cache.content_id(key)
 
-    async def _start(self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                     timer) -> StartedRequest | Refusal:
-        """The request's first chunk of outputs, or the refusal of a request the engine would not start."""
-        try:
-            if adapter is not None:
-                await self._fetch_adapter(adapter, timer)
-            chunks = self.engine.generate_chunks(request_id, prompt, params, adapter)
-            return StartedRequest(await chunks.__anext__(), chunks)
-        except (EngineOverloadedError, AdapterCacheUnavailableError, ValueError, TypeError) as exc:
-            return refusal(exc)
-
-    async def _paced(self, started: StartedRequest, params: SamplingParams, adapter: str | None, stream: bool,
-                     timer) -> AsyncIterator[TokenEvent]:
-        """The request's events, each holding every token ready when the pacer lets the next one go."""
-        held: TokenEvent | None = None
-        scored = params.prompt_logprobs is None  # the prompt's scores go out once, with the first token
-        with self.pacer.stream() as pace:
-            async for chunk in _chain(started.first, started.chunks):
-                timer.token()
-                event = _token_event(chunk, params)
-                if not scored:
-                    event.prompt_entries = self._prompt_entries(chunk)
-                    scored = event.prompt_entries is not None
-                last = chunk[-1]
-                if last.finished:
-                    self.metrics.finish(timer, last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
-                    event.final = Final(last.finish_reason, last.text, len(last.token_ids),
-                                        self.adapter_cache.content_id(adapter) if adapter is not None else None,
-                                        last.num_cached_tokens)
-                held = event if held is None else held.extend(event)
-                if last.finished or (stream and pace.due()):
-                    pace.sent(held)
-                    yield held
-                    held = None
-
-    def _prompt_entries(self, chunk: list) -> list[TokenEntry] | None:
-        """The prompt's tokens in the shape of generated ones, from the chunk's output that carries them (the engine
-        scores the prompt only when prompt logprobs were asked for, and hands the scores out with the first token)."""
-        out = next((out for out in chunk if out.prompt_logprobs), None)
-        if out is None:
-            return None
-        return [TokenEntry(t, self.token_texts.text(t), logprob, top, rank) for t, logprob, top, rank
-                in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)]
-
-    async def _fetch_adapter(self, adapter: str, timer) -> None:
+    async def _fetch_adapter(self, adapter: str, timer: RequestTimer) -> None:
         if self.adapter_cache is None:
             raise ValueError(f"adapter {adapter!r} requested but this server runs without LoRA "
                              f"(engine.max_loras is 0)")
@@ -259,15 +211,8 @@ class LLMServer(HttpRoutes):
         return ReplicaStats.of(self.replica, self.node_id, self.engine.stats(), self.engine.adapter_stats(),
                                self._forwarded, self._peers.held_by_peers() if self._peers is not None else {})
 
-    def _replica_info(self) -> dict:
-        """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity,
-        adapter slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, all of this
-        one replica, named."""
-        s = self.engine.stats()
-        return {"replica": self.replica, "memory": self.engine.memory().to_dict(),
-                "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
-                "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
-                "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
+    def replica_info(self) -> dict:
+        return engine_info(self.replica, self.engine)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.replica.autoscaling.EngineLoadPolicy."""
@@ -305,14 +250,18 @@ class LLMServer(HttpRoutes):
                 counts[key_name(key)] += n
         return dict(counts)
 
-    def _engine_running(self) -> bool:
+    def running(self) -> bool:
         return self.engine.is_healthy
 
-    def _max_model_len(self) -> int:
+    def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    async def adapter_stats(self) -> CacheStats | None:
+        """The cache actor's view of every adapter; None without LoRA."""
+        return await self.adapter_cache.cache_stats() if self.adapter_cache is not None else None
+
     def check_health(self) -> None:
-        if not self._engine_running():
+        if not self.running():
             raise RuntimeError("engine loop is not running")
 
     def __del__(self):
@@ -331,50 +280,13 @@ def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> Asy
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:
     """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
-    (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but one.
-    On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
-    spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events,
-    a separate ingress deployment and every op on OpenMP, 2 threads gave fewer tokens/s than 1 at 8 concurrent
-    streams and barely more at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this
-    concerns torch's own ops alone, a case not measured."""
+    (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but
+    one. On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
+    spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events, a
+    separate ingress deployment and every op on OpenMP, 2 threads gave fewer tokens/s than 1 at 8 concurrent streams and
+    barely more at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this concerns
+    torch's own ops alone, a case not measured."""
     if config.num_threads is not None or config.torch_device.type != "cpu":
         return config
     cores = os.cpu_count() or 2
     return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))
-
-
-def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:
-    """The new tokens of a chunk of outputs (one each; id None for an output without a new token), as columns;
-    logprobs only when the request asked for them."""
-    outs = chunk
-    logprobs = [out.new_logprobs[-1] if out.new_logprobs else None for out in outs] \
-        if params.logprobs is not None else None
-    top = [out.new_top_logprobs[-1] if out.new_top_logprobs else None for out in outs] if params.logprobs else None
-    return TokenEvent([out.new_token_ids[-1] if out.new_token_ids else None for out in outs],
-                      [out.delta_text for out in outs], logprobs, top, prompt_tokens=len(outs[-1].prompt_token_ids))
-
-
-async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for item in rest:
-        yield item
-
-
-@dataclass
-class StartedRequest:
-    """A request the engine took: its first chunk of outputs, and the stream of the rest."""
-    first: list
-    chunks: AsyncIterator[list]
-
-
-def refusal(exc: Exception) -> Refusal:
-    """What the edge is told of a request the engine would not start: the refusal's kind picks its HTTP status."""
-    if isinstance(exc, EngineOverloadedError):
-        return Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
-    if isinstance(exc, AdapterNotFoundError):
-        return Refusal(client_message(exc), RefusalKind.NOT_FOUND)
-    if isinstance(exc, AdapterCacheUnavailableError):  # the cache actor does not answer: this request only waits
-        return Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
-    if isinstance(exc, TokenBudgetError):  # its figures go too: the edge names the parameter as its API does
-        return Refusal(str(exc), budget=exc.budget)
-    return Refusal(client_message(exc))  # the request itself is bad: tell the client, keep serving

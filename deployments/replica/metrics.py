@@ -28,14 +28,19 @@ BASE = "base"
 
 @dataclass
 class RequestTimer:
-    """Timestamps of one request as its tokens arrive at the replica."""
+    """Timestamps of one request as its tokens arrive at the replica: a RequestWatch of its events
+    (deployments/replica/engine_events.py), which reports the request's series when it finishes."""
     adapter_label: str
+    metrics: ServingMetrics
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
 
     def token(self) -> None:
         if self.first_token is None:
             self.first_token = time.monotonic()
+
+    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.metrics.finish(self, finish_reason, prompt_tokens, generated_tokens)
 
 
 class ServingMetrics:
@@ -71,7 +76,7 @@ class ServingMetrics:
         self._prefix_totals = dict.fromkeys(self.prefix_counters, 0)
 
     def start(self, adapter: str | None) -> RequestTimer:
-        return RequestTimer(self.labels.label(adapter))
+        return RequestTimer(self.labels.label(adapter), self)
 
     def adapter_fetch(self, timer: RequestTimer, hit: bool, seconds: float) -> None:
         tags = {"adapter": timer.adapter_label}

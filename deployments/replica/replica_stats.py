@@ -10,10 +10,15 @@ the HTTP edge (dataclasses.asdict).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import key_name
 from engine.outputs import AdapterStats, EngineStats
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,13 @@ class ReplicaStats:
         return cls(replica, node_id, s.waiting, s.running, s.kv_blocks_used, s.kv_blocks_total, s.kv_utilisation,
                    s.waiting_for_adapter, list(s.resident_adapters), adapters, PrefixCacheStats.of(s), forwarded,
                    peer_adapters)
+
+
+def engine_info(name: str, engine: AsyncEngine) -> dict:
+    """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity, adapter
+    slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, of the engine `name`."""
+    s = engine.stats()
+    return {"replica": name, "memory": engine.memory().to_dict(),
+            "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
+            "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
+            "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}

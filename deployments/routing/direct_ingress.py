@@ -1,15 +1,15 @@
 """Direct ingress: each engine replica serves HTTP on a port of its own, behind HAProxy or beside Serve's proxy.
 
 Through Serve's HTTP proxy a request costs two Ray calls before its route runs: the proxy hands the replica the
-request's scope, and the replica calls the proxy back for the body. Its events then travel replica -> proxy ->
-client. Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS) starts the ingress deployment's own uvicorn
-server in each replica, on a port the controller allocates from [RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+request's scope, and the replica calls the proxy back for the body. Its events then travel replica -> proxy -> client.
+Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS) starts the ingress deployment's own uvicorn server in each
+replica, on a port the controller allocates from [RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT). With RAY_SERVE_ENABLE_HA_PROXY, HAProxy serves Serve's HTTP port and relays
 each request to the port of the replica that the ingress request router picks (deployments/routing/ingress_router.py);
-without it Serve's Python proxy keeps the HTTP port, with adapter-aware routing (deployments/routing/request_router.py). A
-replica that receives a request on its own port still forwards it to a better peer (deployments/routing/peer_view.py).
-Serve lists the replicas' ports as target groups for an external load balancer (ServeInstanceDetails.target_groups,
-the dashboard's /api/serve/applications/).
+without it Serve's Python proxy keeps the HTTP port, with adapter-aware routing (deployments/routing/request_router.py).
+A replica that receives a request on its own port still forwards it to a better peer (deployments/routing/peer_view.py).
+Serve lists the replicas' ports as target groups for an external load balancer (ServeInstanceDetails.target_groups, the
+dashboard's /api/serve/applications/).
 
 Per-request timestamps in the replica showed both costs: from the client to the route's first line took longer
 through the proxy (reaching the replica, then fetching the body and parsing) than on the replica's port, more so

@@ -30,8 +30,8 @@ DEFAULT_PATH = Path("~/.cache/lora-serve/bin/haproxy")
 
 # Runs as the HAProxy executable: stdlib only, and nothing that could outlive the parent before the signal is armed.
 LAUNCHER = '''#!{python} -I
-"""HAProxy that the kernel kills when the process that started it dies (written by deployments/routing/haproxy_launcher.py
-of lora-serve)."""
+"""HAProxy that the kernel kills when the process that started it dies (written by
+deployments/routing/haproxy_launcher.py of lora-serve)."""
 import ctypes, os, signal, sys
 
 PR_SET_PDEATHSIG = 1
