@@ -30,10 +30,10 @@ from ray.serve.config import BackpressureConfig
 
 from deployments.api.events import Refusal, TokenEvent
 from deployments.gate.gate import Gate, GateConfig
+from deployments.replica.engine_events import EngineEvents, EventRequest
 from deployments.replica.event_streams import ForwardedEvents, LocalEvents
 from deployments.replica.metrics import RequestTimer, ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
-from deployments.replica.engine_events import EngineEvents, EventRequest
 from deployments.replica.replica_stats import ReplicaStats, engine_info
 from deployments.routes.engine_client import Served
 from deployments.routes.routes import http_app
