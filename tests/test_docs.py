@@ -1,10 +1,12 @@
-"""The reference docs that are generated from the code, as docs/generate.py writes them: docs/configuration.md holds
+"""The docs. The references generated from the code are what docs/generate.py writes: docs/configuration.md holds
 every engine option and every build_app argument, each with a meaning; docs/api.md every route and the fields of its
-API's client that it refuses by name."""
+API's client that it refuses by name. The README is a short front door, and no doc is a diary: no dates. The
+committed benchmark results are each benchmark's current summary per machine kind, small enough to clone."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +59,23 @@ def test_the_api_reference_names_every_route_and_what_it_refuses():
         assert f"| `{route}` |" in text, route
     completions = text.split("### CompletionRequest")[1].split("###")[0]
     assert "`suffix`" in completions.split("Refused by name")[1]  # OpenAI's, refused: tests/test_serve.py sends it
+
+
+DATE = re.compile(r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b")
+
+
+def test_the_readme_is_short_and_no_doc_carries_a_date():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 400
+    dated = [f"{path.name}: {m.group()}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for m in DATE.finditer(path.read_text())]
+    assert dated == []
+
+
+def test_the_committed_results_are_one_summary_per_benchmark_and_kind_under_a_megabyte():
+    results = ROOT / "benchmarks" / "results"
+    files = [path for path in results.rglob("*") if path.is_file()]
+    assert sum(path.stat().st_size for path in files) < 1 << 20
+    assert all(path.parent.parent == results and path.suffix in (".md", ".png") for path in files)
+    summaries = {path.with_suffix("") for path in files if path.suffix == ".md"}
+    assert {path.with_suffix("") for path in files if path.suffix == ".png"} <= summaries
