@@ -1,12 +1,17 @@
 """The engine's refusals, apart from the engine: the serving side catches them and names their retry delay in its
 HTTP answers, and imports this module without torch (deployments/app.py is imported by Serve's build step).
 
+One refusal type travels from the engine to the edge: `Refusal`, made once from whatever refused a request (the
+engine's exceptions, and an adapter cache's, each say their RefusalKind), and turned into an HTTP status only at the
+edge (deployments/routes/edge.py).
+
 A refused max_tokens carries its figures (TokenBudget), so that each API words the refusal with its own name for the
 parameter (max_new_tokens, max_completion_tokens, max_output_tokens): the engine knows it only as max_tokens.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 OVERLOADED_RETRY_AFTER_S = 1.0
@@ -29,7 +34,37 @@ class TokenBudget:
                 f"{self.prompt_tokens}, so {name} may be at most {self.allowed}, got {self.asked}")
 
 
-class TokenBudgetError(ValueError):
+class RefusalKind(enum.Enum):
+    BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
+    NOT_FOUND = "not_found"  # no such adapter
+    OVERLOADED = "overloaded"  # the engine's waiting queue is full: retry later
+    UNAVAILABLE = "unavailable"  # the adapter cache does not answer: retry later
+
+
+class Refuses:
+    """What an exception that refuses a request says of it: its kind, and when to come back. Any other ValueError
+    or TypeError is a bad request."""
+    refusal_kind = RefusalKind.BAD_REQUEST
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request was not served, as the edge is told: the kind picks the HTTP status there."""
+    reason: str
+    kind: RefusalKind = RefusalKind.BAD_REQUEST
+    retry_after_s: float | None = None
+    budget: TokenBudget | None = None  # a refused max_tokens, which the edge words with its API's name for it
+
+    @classmethod
+    def of(cls, exc: Exception, reason: str) -> Refusal:
+        """The refusal of what `exc` refused, in the words `reason` gives the client."""
+        kind = exc.refusal_kind if isinstance(exc, Refuses) else RefusalKind.BAD_REQUEST
+        retry_after_s = exc.retry_after_s if isinstance(exc, Refuses) else None
+        return cls(reason, kind, retry_after_s, exc.budget if isinstance(exc, TokenBudgetError) else None)
+
+
+class TokenBudgetError(Refuses, ValueError):
     """max_tokens past the context or above the server's ceiling."""
 
     def __init__(self, budget: TokenBudget):
@@ -44,8 +79,9 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class EngineOverloadedError(RuntimeError):
+class EngineOverloadedError(Refuses, RuntimeError):
     """The waiting queue is full (max_waiting_requests): the caller should retry later."""
+    refusal_kind = RefusalKind.OVERLOADED
 
     def __init__(self, waiting: int, retry_after_s: float):
         super().__init__(f"the engine is overloaded: {waiting} requests are already waiting; retry later")
@@ -65,7 +101,7 @@ def key_name(key: str) -> str:
     return key.partition(KEY_SEPARATOR)[0]
 
 
-class AdapterError(ValueError):
+class AdapterError(Refuses, ValueError):
     """An adapter that cannot be served; the message names the adapter as requested (not its key's generation)
     and the reason."""
 
@@ -82,3 +118,4 @@ class AdapterError(ValueError):
 
 class AdapterNotFoundError(AdapterError):
     """No such adapter where it was looked for (HTTP 404); other AdapterErrors are bad adapters (HTTP 400)."""
+    refusal_kind = RefusalKind.NOT_FOUND

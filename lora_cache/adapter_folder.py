@@ -6,7 +6,7 @@ handling import them without torch (deployments/app.py is imported by Serve's bu
 
 from __future__ import annotations
 
-from engine.errors import key_name
+from engine.errors import RefusalKind, Refuses, key_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -14,9 +14,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 UNAVAILABLE_RETRY_AFTER_S = 5.0  # the Retry-After of a request refused for an unavailable adapter cache
 
-class AdapterCacheUnavailableError(RuntimeError):
+class AdapterCacheUnavailableError(Refuses, RuntimeError):
     """The cluster's adapter cache (a Ray actor) has stopped answering: the request can be retried later (HTTP 503
     with Retry-After), and other requests go on."""
+    refusal_kind = RefusalKind.UNAVAILABLE
     retry_after_s = UNAVAILABLE_RETRY_AFTER_S
 
     def __init__(self, adapter_id: str | None, reason: str):

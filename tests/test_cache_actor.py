@@ -136,7 +136,8 @@ def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor, sha
 def test_engine_through_actor_equals_local_cache(shared_actor, tiny_llama_path, adapters_root, shapes):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     adapters = ["a", None, "b", "c"]
-    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
+                log_stats=False)
     expected = [o.token_ids for o in local.generate(PROMPTS[:4], params, use_tqdm=False, adapters=adapters)]
     from engine import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -42,7 +42,8 @@ def test_graphs_equal_eager(tiny_llama_path, dtype, tolerance):
 def test_graphs_with_adapters_equal_eager(tiny_llama_path, tmp_path):
     root = write_tiny_adapters(tiny_llama_path, tmp_path, ["a", "b", "c"])
     names = [[None, "a", "b", "c"][i % 4] for i in range(len(PROMPTS))]
-    lora = dict(adapters=local_adapters, max_loras=2, max_lora_rank=8, adapters_root=str(root))  # 2 slots for 3 adapters: slots reload
+    lora = dict(adapters=local_adapters, max_loras=2, max_lora_rank=8,
+                adapters_root=str(root))  # 2 slots for 3 adapters: slots reload
     _, eager = _run(tiny_llama_path, names, enforce_eager=True, **lora)
     llm, graphs = _run(tiny_llama_path, names, **lora)
     assert llm.engine.runner.graphs.replays > 0

@@ -72,7 +72,8 @@ def test_adapter_steps_give_the_lora_linears_bits(request, name, tmp_path, monke
     stacked = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False)
     calls = _stack_calls(stacked, monkeypatch)
     got = stacked.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
-    modules = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), decoder_stack=False, log_stats=False)
+    modules = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), decoder_stack=False,
+                  log_stats=False)
     want = modules.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
     base = modules.generate(prompts[:1], SCORED, use_tqdm=False)
     assert _scores(got) == _scores(want)

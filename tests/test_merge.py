@@ -94,7 +94,8 @@ def _weighted(part, name: str, index: int) -> torch.Tensor:
 def test_linear_merge_generates_the_tokens_of_peft_merged_model(tiny_llama_path, adapters):
     spec = MergeSpec(("one", "two"), WEIGHTS)
     model = _peft_merged(tiny_llama_path, adapters, spec)
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), dtype="float32", log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters),
+              dtype="float32", log_stats=False)
     key = llm.merge_adapters(spec)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for prompt in PROMPTS[:3]:

@@ -174,6 +174,8 @@ def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama
         llm.generate([PROMPTS[1]], params, use_tqdm=False, adapters=[adapter])
     assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"].slot_loads == 1
     with pytest.raises(ValueError, match="leave none of the 2 device slots"):
-        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), pinned_adapters=["warm", "pinned"])
+        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root),
+            pinned_adapters=["warm", "pinned"])
     with pytest.raises(ValueError, match="not found"):
-        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False, preload_adapters=["nope"])
+        LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False,
+            preload_adapters=["nope"])

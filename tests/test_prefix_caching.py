@@ -79,7 +79,8 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _engines(path, adapters_root, **options):
-    common = dict(adapters=local_adapters, dtype="float32", log_stats=False, max_loras=2, adapters_root=str(adapters_root), **options)
+    common = dict(adapters=local_adapters, dtype="float32", log_stats=False, max_loras=2,
+                  adapters_root=str(adapters_root), **options)
     return LLM(str(path), **common), LLM(str(path), enable_prefix_caching=False, **common)
 
 

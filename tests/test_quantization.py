@@ -53,7 +53,8 @@ def _with_dequantized_weights(reference: LLM, quantized: LLM) -> None:
 
 @pytest.mark.parametrize("method, bits", [("int8", 8), ("nf4", 4)])
 def test_adapter_on_quantized_base_matches_a_dequantized_reference(tiny_llama_path, adapters_root, method, bits):
-    options = dict(adapters=local_adapters, dtype="float32", max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    options = dict(adapters=local_adapters, dtype="float32", max_loras=2, adapters_root=str(adapters_root),
+                   log_stats=False)
     quantized = LLM(str(tiny_llama_path), quantization=method, **options)
     linears = _quantized_linears(quantized.engine.runner.model)
     assert len(linears) == 2 * 4  # q/k/v, o, gate/up, down in each of the 2 layers

@@ -112,8 +112,10 @@ def hub_env(hub, monkeypatch):
 
 def test_hub_adapter_matches_the_local_one_and_downloads_once(tiny_llama_path, adapters, hub_env, tmp_path):
     publish(hub_env, "acme/one", "c1" * 20, adapters / "one")
-    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), log_stats=False)
-    options = dict(adapters=local_adapters, max_loras=2, adapter_source="hub", adapter_disk_cache=str(tmp_path), log_stats=False)
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters),
+                log_stats=False)
+    options = dict(adapters=local_adapters, max_loras=2, adapter_source="hub", adapter_disk_cache=str(tmp_path),
+                   log_stats=False)
     first = LLM(str(tiny_llama_path), **options)
     assert tokens(first, "acme/one") == tokens(local, "one")
     assert gets(hub_env, "acme/one") == [f"acme/one/{'c1' * 20}/{f}" for f in FILES]
@@ -182,7 +184,8 @@ def test_s3_adapter_matches_the_local_one_and_a_rewrite_is_a_new_version(tiny_ll
     endpoint, client = s3
     for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(key, value)
-    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters), log_stats=False)
+    local = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters),
+                log_stats=False)
     remote = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapter_source="s3", adapters_root="s3://adapters/models",
                  adapter_disk_cache=str(tmp_path), log_stats=False)
     assert tokens(remote, "acme/one") == tokens(local, "one")
@@ -281,7 +284,8 @@ def test_a_download_longer_than_the_cache_timeout_is_waited_for(ray_servers, tin
     (hub[1] / "acme/unhurried" / "faults.json").write_text(json.dumps({"slow_s": 1.2 / chunks}))
     actor = LoRACacheActor.remote(SourceConfig("hub", disk_cache=str(tmp_path)))
     ray.get(actor.ping.remote())  # started: the actor's own start is not the wait under test
-    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3).bound(SourceConfig(), lora_shapes_of(tiny_llama_path))
+    shapes = lora_shapes_of(tiny_llama_path)
+    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3).bound(SourceConfig(), shapes)
     try:
         start = time.monotonic()
         assert client.get("acme/unhurried").content_id == content_id(adapters / "one")
@@ -300,7 +304,8 @@ def test_registered_s3_and_hub_locations_load_and_outlive_an_actor_restart(ray_s
     publish(hub[1], "acme/registered", "b8" * 20, adapters / "one", refs=("main", "v3"))
     sources = SourceConfig("local", str(adapters), disk_cache=str(tmp_path))
     actor = LoRACacheActor.options(name="registry-test").remote(sources)
-    client = RayAdapterCache(actor, "test-replica", follow_registry=False).bound(sources, lora_shapes_of(tiny_llama_path))
+    client = RayAdapterCache(actor, "test-replica", follow_registry=False).bound(sources,
+                                                                                 lora_shapes_of(tiny_llama_path))
     try:
         shapes = lora_shapes_of(tiny_llama_path)
         from_s3 = ray.get(actor.register.remote("from-s3", "s3://adapters/models/acme/two", shapes))

@@ -276,7 +276,8 @@ def test_lorax_stop_sequences_end_the_text_as_lorax_ends_it(server):
 
 
 def test_adapter_requests_match_offline_engine(server, tiny_llama_path, adapters_root):
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
+              log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
     for adapter in ("alpha", "beta", None):
         expected = llm.generate([PROMPTS[2]], params, use_tqdm=False, adapters=[adapter])[0]
@@ -303,7 +304,8 @@ def test_openai_completions_and_chat_match_offline_engine(server, tiny_llama_pat
     import openai
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
+              log_stats=False)
     params = SamplingParams(max_tokens=8, temperature=0)
     for model, adapter in ((str(tiny_llama_path), None), ("alpha", "alpha")):
         expected = llm.generate([PROMPTS[3]], params, use_tqdm=False, adapters=[adapter])[0]
@@ -726,7 +728,8 @@ def test_lorax_client_generate_stream_and_async(server, tiny_llama_path, adapter
 
     from lorax import AsyncClient, Client
 
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
+              log_stats=False)
     expected = llm.generate([PROMPTS[5]], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False,
                             adapters=["alpha"])[0]
     client = Client(server)
@@ -775,7 +778,8 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
 
     from engine.merge_spec import MergeSpec
 
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
+              log_stats=False)
     params = SamplingParams(max_tokens=10, temperature=0)
     client = Client(server)
     for strategy, density in (("linear", 1.0), ("ties", 0.7)):

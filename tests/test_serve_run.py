@@ -66,7 +66,8 @@ def app_config(tiny_llama_path, tmp_path_factory) -> tuple[Path, Ports]:
     folder = tmp_path_factory.mktemp("serve-run")
     adapters = write_tiny_adapters(tiny_llama_path, folder / "adapters", ("alpha",))
     (folder / "file.key").write_text(SECRETS["file"] + "\n")
-    (folder / "keys.yaml").write_text(yaml.safe_dump([{"name": "listed", "key_sha256": hash_key(SECRETS["listed"]).hex()}]))
+    listed = [{"name": "listed", "key_sha256": hash_key(SECRETS["listed"]).hex()}]
+    (folder / "keys.yaml").write_text(yaml.safe_dump(listed))
     base = _free_block(3 + REPLICA_PORTS)
     ports = Ports(base, base + 1, base + 2, base + 3)
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())

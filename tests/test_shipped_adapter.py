@@ -20,7 +20,8 @@ QUESTIONS = ["What is the capital of Italy?", "What is the capital of Brazil?", 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m-instruct", adapters=local_adapters, max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False)
+    return LLM("smollm2-135m-instruct", adapters=local_adapters, max_loras=1, adapters_root=str(ADAPTERS),
+               dtype="float32", log_stats=False)
 
 
 def _chat(tokenizer, question: str) -> str:

@@ -107,7 +107,8 @@ def test_sampled_and_adapter_requests_stay_valid(smollm2_path, tmp_path):
     from benchmarks.lora_adapters import write_random_adapter
 
     write_random_adapter(tmp_path / "ada", AutoConfig.from_pretrained(smollm2_path), rank=8, seed=3)
-    llm = LLM(str(smollm2_path), dtype="bfloat16", adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path), log_stats=False)
+    llm = LLM(str(smollm2_path), dtype="bfloat16", adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path),
+              log_stats=False)
     _, schema = CASES["array of objects"]
     params = [SamplingParams(max_tokens=BUDGET, temperature=0.8, top_p=0.9, seed=seed,
                              response_format=ResponseFormat(schema)) for seed in range(3)]

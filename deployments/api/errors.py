@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayTaskError
 
-from engine.errors import EngineDeadError, TokenBudget
+from engine.errors import EngineDeadError
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -56,18 +56,6 @@ class RequestRefused(Exception):
         self.status = status
         self.retry_after_s = retry_after_s
         self.param = param  # the body's field at fault, when one is
-
-
-class BudgetRefused(RequestRefused):
-    """The engine's refusal of a max_tokens, in the engine's words until the route names the parameter as its API
-    does (named)."""
-
-    def __init__(self, budget: TokenBudget):
-        super().__init__(budget.message(), 400)
-        self.budget = budget
-
-    def named(self, name: str) -> RequestRefused:
-        return RequestRefused(self.budget.message(name), 400, param=name)
 
 
 def client_message(exc: BaseException) -> str:

@@ -1,8 +1,8 @@
 """Typed events from an engine replica to the ingress: the items of one request's Ray stream.
 
 A request's stream is zero or more TokenEvents (one or more new tokens each: every token ready when the ingress
-asks), the last of which carries a Final; or a single Refusal when the engine will not take the request. The
-replica says why it refuses (RefusalKind); the ingress, the HTTP edge, chooses the status code.
+asks), the last of which carries a Final; or a single Refusal when the engine will not take the request
+(engine/errors.py: the one refusal type, whose RefusalKind says why); the HTTP edge chooses the status code.
 
 Events are columns (ids, texts, logprobs) rather than one record per token, with slots: a Ray stream pays per item
 and per pickled object, and under load each item carries several tokens.
@@ -10,25 +10,7 @@ and per pickled object, and under load each item carries several tokens.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-
-from engine.errors import TokenBudget
-
-
-class RefusalKind(enum.Enum):
-    BAD_REQUEST = "bad_request"  # the prompt, parameters or adapter are invalid
-    NOT_FOUND = "not_found"  # no such adapter
-    OVERLOADED = "overloaded"  # the engine's waiting queue is full: retry later
-    UNAVAILABLE = "unavailable"  # the adapter cache does not answer: retry later
-
-
-@dataclass(slots=True)
-class Refusal:
-    reason: str
-    kind: RefusalKind = RefusalKind.BAD_REQUEST
-    retry_after_s: float | None = None
-    budget: TokenBudget | None = None  # a refused max_tokens, which the edge words with its API's name for it
 
 
 @dataclass(slots=True)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from deployments.api.errors import client_message
-from deployments.api.events import Final, Refusal, RefusalKind, TokenEntry, TokenEvent
+from deployments.api.events import Final, TokenEntry, TokenEvent
 from deployments.api.token_texts import TokenTexts
 from deployments.replica.pacing import EventPacer
-from engine.errors import AdapterNotFoundError, EngineOverloadedError, TokenBudgetError
+from engine.errors import EngineOverloadedError, Refusal
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 
@@ -132,16 +132,9 @@ class EngineEvents:
 
 
 def refusal(exc: Exception) -> Refusal:
-    """What the edge is told of a request the engine would not start: the refusal's kind picks its HTTP status."""
-    if isinstance(exc, EngineOverloadedError):
-        return Refusal(str(exc), RefusalKind.OVERLOADED, exc.retry_after_s)
-    if isinstance(exc, AdapterNotFoundError):
-        return Refusal(client_message(exc), RefusalKind.NOT_FOUND)
-    if isinstance(exc, AdapterCacheUnavailableError):  # the cache actor does not answer: this request only waits
-        return Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
-    if isinstance(exc, TokenBudgetError):  # its figures go too: the edge names the parameter as its API does
-        return Refusal(str(exc), budget=exc.budget)
-    return Refusal(client_message(exc))  # the request itself is bad: tell the client, keep serving
+    """What the edge is told of a request the engine would not start (the exception says its kind), in the words a
+    client may read: an error raised in another Ray process (the cache actor) by its own message."""
+    return Refusal.of(exc, client_message(exc))
 
 
 def _token_event(chunk: list, params: SamplingParams) -> TokenEvent:

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 
-from deployments.api.events import PeerLost, Refusal, TokenEvent
+from deployments.api.events import PeerLost, TokenEvent
+from engine.errors import Refusal
 
 log = logging.getLogger("ray.serve")
 

@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
-from deployments.api.events import Refusal, TokenEvent
+from deployments.api.events import TokenEvent
 from deployments.gate.gate import Gate, GateConfig
 from deployments.replica.engine_events import EngineEvents, EventRequest
 from deployments.replica.event_streams import ForwardedEvents, LocalEvents
@@ -43,6 +43,7 @@ from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
 from engine.config import EngineConfig
 from engine.errors import (
     OVERLOADED_RETRY_AFTER_S,
+    Refusal,
     key_name,
 )
 from engine.merge_spec import MergeSpec

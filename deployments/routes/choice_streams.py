@@ -12,12 +12,12 @@ import json
 from collections.abc import AsyncIterator
 
 from deployments.api.errors import mid_stream_status, openai_error
-from deployments.api.events import PeerLost, Refusal, RefusalKind, TokenEvent
+from deployments.api.events import PeerLost, TokenEvent
 from deployments.api.openai_protocol import OpenAISampling
 from deployments.api.openai_render import Renderer, usage, usage_counts
 from deployments.api.responses_render import ResponseRenderer
 from deployments.gate.gate import Tenant
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, Refusal, RefusalKind
 
 
 class Metered:

@@ -10,7 +10,6 @@ client that left, stops every choice started.
 
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -18,10 +17,9 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.api.chat import ChatMessage, TemplateOptions, chat_prompt
 from deployments.api.errors import (
-    BudgetRefused,
     RequestRefused,
 )
-from deployments.api.events import Refusal, RefusalKind, TokenEvent
+from deployments.api.events import TokenEvent
 from deployments.api.tools import ToolUse
 from deployments.gate.gate import Tenant
 from deployments.routes.choice_streams import (
@@ -30,7 +28,7 @@ from deployments.routes.choice_streams import (
     cancel,
 )
 from deployments.routes.engine_client import Served
-from engine.errors import OVERLOADED_RETRY_AFTER_S
+from engine.errors import OVERLOADED_RETRY_AFTER_S, Refusal, RefusalKind
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import AdapterResidence, CacheStats
 
@@ -40,25 +38,16 @@ def served_of(http: Request) -> Served:
     return http.app.state.served
 
 
-def refused_answer(refusal: Refusal) -> RequestRefused:
-    """The HTTP answer to an engine's refusal: 400 for a bad request, 429 with Retry-After when overloaded, 503
-    with Retry-After when the adapter cache does not answer."""
-    if refusal.kind is RefusalKind.OVERLOADED:
-        return RequestRefused(refusal.reason, 429, refusal.retry_after_s)
-    if refusal.kind is RefusalKind.UNAVAILABLE:
-        return RequestRefused(refusal.reason, 503, refusal.retry_after_s)
+STATUS = {RefusalKind.BAD_REQUEST: 400, RefusalKind.NOT_FOUND: 404, RefusalKind.OVERLOADED: 429,
+          RefusalKind.UNAVAILABLE: 503}
+
+
+def refused_answer(refusal: Refusal, max_tokens_name: str) -> RequestRefused:
+    """The HTTP answer to an engine's refusal: its kind's status (429 and 503 with Retry-After), and a refused
+    max_tokens worded with the route's own name for the parameter, which it names as the field at fault."""
     if refusal.budget is not None:
-        return BudgetRefused(refusal.budget)
-    return RequestRefused(refusal.reason, 404 if refusal.kind is RefusalKind.NOT_FOUND else 400)
-
-
-@contextlib.contextmanager
-def max_tokens_named(name: str):
-    """An engine's refusal of max_tokens, worded with the route's name for the parameter."""
-    try:
-        yield
-    except BudgetRefused as exc:
-        raise exc.named(name) from None
+        return RequestRefused(refusal.budget.message(max_tokens_name), 400, param=max_tokens_name)
+    return RequestRefused(refusal.reason, STATUS[refusal.kind], refusal.retry_after_s)
 
 
 def tenant_of(http: Request) -> Tenant:
@@ -73,7 +62,7 @@ def check_scope(tenant: Tenant, adapter: str | None) -> None:
         tenant.check_adapter(adapter)
 
 
-async def first_event(events) -> TokenEvent:
+async def first_event(events, max_tokens_name: str) -> TokenEvent:
     """The first token event; a refusal arrives as the only event and becomes an HTTP error."""
     try:
         first = await events.__anext__()
@@ -81,7 +70,7 @@ async def first_event(events) -> TokenEvent:
         raise RequestRefused(f"the server is overloaded, retry later: {exc}", 503,
                              OVERLOADED_RETRY_AFTER_S) from None
     if isinstance(first, Refusal):
-        raise refused_answer(first)
+        raise refused_answer(first, max_tokens_name)
     return first
 
 
@@ -89,7 +78,8 @@ async def refusal_events(reason: str) -> AsyncIterator[Refusal]:
     yield Refusal(reason)
 
 
-async def start_choices(served: Served, prompts: list[list[Callable[[bool], Metered]]], stream: bool) -> list[Choice]:
+async def start_choices(prompts: list[list[Callable[[bool], Metered]]], stream: bool,
+                        max_tokens_name: str) -> list[Choice]:
     """Every choice of every prompt (given as starters, in order), with its first event. Each prompt's first
     choice runs alone (streamed, whatever the request asked) until its first token, when the prompt's KV blocks are
     cached; then the prompt's other choices start at once and find them there. With n = 4 choices, a request over a long
@@ -105,9 +95,9 @@ async def start_choices(served: Served, prompts: list[list[Callable[[bool], Mete
 
     try:
         leads = [start(choices[0], stream or len(choices) > 1) for choices in prompts]
-        lead_firsts = await asyncio.gather(*(first_event(events) for events in leads))
+        lead_firsts = await asyncio.gather(*(first_event(events, max_tokens_name) for events in leads))
         rest = [[start(choice, stream) for choice in choices[1:]] for choices in prompts]
-        rest_firsts = iter(await asyncio.gather(*(first_event(e) for group in rest for e in group)))
+        rest_firsts = iter(await asyncio.gather(*(first_event(e, max_tokens_name) for group in rest for e in group)))
     except BaseException:
         cancel(opened)
         raise

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deployments.api.events import Refusal, TokenEvent
+from deployments.api.events import TokenEvent
 from deployments.api.tgi_render import TgiTokens
 from deployments.api.token_texts import TokenTexts
+from engine.errors import Refusal
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

@@ -31,7 +31,6 @@ from deployments.routes.choice_streams import (
 from deployments.routes.edge import (
     chat_prompt_of,
     check_scope,
-    max_tokens_named,
     served_of,
     start_choices,
     tenant_of,
@@ -91,9 +90,8 @@ async def _begin(served: Served, request: oai.OpenAISampling | ResponsesRequest,
             validate_adapter_id(adapter)
     except ValueError as exc:  # a combination the engine refuses, e.g. an empty stop string; a bad id
         raise RequestRefused(str(exc), 400) from None
-    with max_tokens_named(request.max_tokens_name()):
-        choices = await start_choices(served, 
-            [[_starter(served, prompt, p, adapter, tenant) for p in params] for prompt in prompts], request.stream)
+    starters = [[_starter(served, prompt, p, adapter, tenant) for p in params] for prompt in prompts]
+    choices = await start_choices(starters, request.stream, request.max_tokens_name())
     return Started(rid, choices)
 
 

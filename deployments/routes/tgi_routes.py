@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from deployments.api.errors import RequestRefused, client_message
-from deployments.api.events import Refusal, RefusalKind, TokenEvent
+from deployments.api.events import TokenEvent
 from deployments.api.tgi_protocol import GenerateRequest
 from deployments.api.tgi_render import TgiRenderer
 from deployments.gate.gate import Tenant
@@ -16,7 +16,6 @@ from deployments.routes.choice_streams import Metered, wholes
 from deployments.routes.edge import (
     check_scope,
     first_event,
-    max_tokens_named,
     refusal_events,
     served_of,
     start_choices,
@@ -24,6 +23,7 @@ from deployments.routes.edge import (
 )
 from deployments.routes.engine_client import Served
 from engine.adapter_ids import validate_adapter_id
+from engine.errors import Refusal
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 
@@ -46,8 +46,7 @@ async def generate(request: GenerateRequest, http: Request):
     served = served_of(http)
     tenant, count = tenant_of(http), request.parameters.sequences
     starter = lambda stream: _events(served, request, tenant, stream)  # noqa: E731
-    with max_tokens_named(request.max_tokens_name()):
-        lasts = await wholes(await start_choices(served, [[starter] * count], stream=False))
+    lasts = await wholes(await start_choices([[starter] * count], False, request.max_tokens_name()))
     return TgiRenderer(request, served.tgi).body(lasts)
 
 
@@ -58,8 +57,7 @@ async def generate_stream(request: GenerateRequest, http: Request):
     if request.parameters.sequences > 1:
         raise RequestRefused("best_of > 1 is not supported when streaming (as in TGI): use /generate", 422)
     events = _events(served, request, tenant_of(http))
-    with max_tokens_named(request.max_tokens_name()):
-        first = await first_event(events)
+    first = await first_event(events, request.max_tokens_name())
     return StreamingResponse(TgiRenderer(request, served.tgi).sse(first, events), media_type="text/event-stream")
 
 
@@ -95,11 +93,8 @@ async def _merged_stream(served: Served, request: GenerateRequest, params: Sampl
     """LoRAX's merged_adapters: the events of the request on the merge of its adapters."""
     try:
         key = await served.client.merge_adapters(request.parameters.merged_adapters.to_spec())
-    except ValueError as exc:  # a bad spec, or a server without LoRA
-        yield Refusal(client_message(exc))
-        return
-    except AdapterCacheUnavailableError as exc:
-        yield Refusal(str(exc), RefusalKind.UNAVAILABLE, exc.retry_after_s)
+    except (ValueError, AdapterCacheUnavailableError) as exc:  # a bad spec, no LoRA, a cache that does not answer
+        yield Refusal.of(exc, client_message(exc))
         return
     async for event in served.client.generate(request.inputs, params, key, stream):
         yield event

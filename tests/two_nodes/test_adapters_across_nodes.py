@@ -42,7 +42,8 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(two_nodes,
     url, llm_nodes = server, two_nodes.node_ids()
     assert {s.node_id for s in replica_stats().values()} == llm_nodes  # one replica on each of the two nodes
 
-    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=4, adapters_root=str(adapters_root), log_stats=False)
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=4, adapters_root=str(adapters_root),
+              log_stats=False)
     params = SamplingParams(max_tokens=8, temperature=0)
     expected = {a: llm.generate([PROMPTS[3]], params, use_tqdm=False, adapters=[a])[0].token_ids for a in ADAPTERS}
 
