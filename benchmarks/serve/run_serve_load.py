@@ -71,6 +71,7 @@ from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
+from lora_cache.local_cache import local_adapters  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 IDLE_SERVER = ", beside the idle server"
@@ -307,7 +308,9 @@ def offline_engines(args, top: int) -> dict[str, LoraServeOffline | VllmOffline]
 
 
 def _lora_serve_llm(args, max_num_seqs: int) -> LLM:
-    return LLM(**{**served_engine(args.config, args.dtype), "max_num_seqs": max_num_seqs, "log_stats": False})
+    """The config's engine offline, its adapters read in this process as the server's cache actor reads them."""
+    engine = {**served_engine(args.config, args.dtype), "max_num_seqs": max_num_seqs, "log_stats": False}
+    return LLM(adapters=local_adapters if engine.get("max_loras") else None, **engine)
 
 
 def _server_round(spec: ServerSpec, engine: LoraServeOffline | VllmOffline | None, args, tmp: Path, rnd: int,
