@@ -119,6 +119,39 @@ PRIORITY_MIN, PRIORITY_MAX = -2**31, 2**31 - 1  # a 32-bit integer: room for any
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """A parameter's allowed range: SamplingParams.validate checks it, and the HTTP schemas declare the same bounds
+    on their fields (pydantic then names the field at fault in its own API's words), so each limit is written once."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def holds(self, value) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def field(self) -> dict[str, float]:
+        """The bounds as pydantic's Field takes them."""
+        return {name: value for name, value in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if value is not None}
+
+
+MAX_TOKENS = Bounds(ge=1)
+MIN_TOKENS = Bounds(ge=0)  # and at most max_tokens
+TEMPERATURE = Bounds(ge=0)
+TOP_K = Bounds(ge=0)  # 0 is off (and -1, vLLM's spelling of it, becomes 0)
+PROBABILITY_MASS = Bounds(gt=0, le=1)  # top_p, typical_p
+MIN_P = Bounds(ge=0, le=1)
+PENALTY = Bounds(ge=-2, le=2)  # presence_penalty, frequency_penalty
+REPETITION_PENALTY = Bounds(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+LOGIT_BIAS = Bounds(ge=-100, le=100)
+TOKEN_ID = Bounds(ge=0)
+TRUNCATE = Bounds(ge=1)  # truncate_prompt_tokens
+SEED = Bounds(ge=SEED_MIN, le=SEED_MAX)
+PRIORITY = Bounds(ge=PRIORITY_MIN, le=PRIORITY_MAX)
+LOGPROBS = Bounds(ge=0, le=20)  # logprobs' and prompt_logprobs' alternatives
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the context leaves (up to the engine's max_tokens_limit)
@@ -164,58 +197,60 @@ class SamplingParams:
         self._check_request_fields()
 
     def _check_lengths(self) -> None:
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and not (isinstance(self.max_tokens, int) and MAX_TOKENS.holds(self.max_tokens)):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         most = self.max_tokens if self.max_tokens is not None else float("inf")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= most:
+        if not isinstance(self.min_tokens, int) or not MIN_TOKENS.holds(self.min_tokens) or self.min_tokens > most:
             raise ValueError(f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens!r}")
 
     def _check_knobs(self) -> None:
-        if self.temperature < 0:
+        if not TEMPERATURE.holds(self.temperature):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        if not TOP_K.holds(self.top_k):
             raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not PROBABILITY_MASS.holds(self.top_p):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 < self.typical_p <= 1.0:
+        if not PROBABILITY_MASS.holds(self.typical_p):
             raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not MIN_P.holds(self.min_p):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens < 1):
+                                                        or not TRUNCATE.holds(self.truncate_prompt_tokens)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
-        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+        if not REPETITION_PENALTY.holds(self.repetition_penalty):
             raise ValueError(f"repetition_penalty must be between {REPETITION_PENALTY_RANGE[0]} and "
                              f"{REPETITION_PENALTY_RANGE[1]}, got {self.repetition_penalty}")
-        if any(not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+        bias = self.logit_bias.items()
+        if not all(isinstance(t, int) and TOKEN_ID.holds(t) and LOGIT_BIAS.holds(b) for t, b in bias):
             raise ValueError("logit_bias maps token ids (integers >= 0) to biases between -100 and 100")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
+            if not PENALTY.holds(getattr(self, name)):
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
 
     def _check_token_lists(self) -> None:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+                not self.allowed_token_ids or any(not isinstance(t, int) or not TOKEN_ID.holds(t)
+                                                  for t in self.allowed_token_ids)):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-blank strings")
 
     def _check_request_fields(self) -> None:
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED.holds(self.seed)):
             raise ValueError(f"seed must be an integer between {SEED_MIN} and {SEED_MAX} (64 bits), got {self.seed!r}")
         if self.response_format is not None:
             self.response_format.validate()
-        if not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+        if not isinstance(self.priority, int) or not PRIORITY.holds(self.priority):
             raise ValueError(f"priority must be an integer between {PRIORITY_MIN} and {PRIORITY_MAX}, "
                              f"got {self.priority!r}")
         if self.watermark is not None and not isinstance(self.watermark, Watermark):
             raise ValueError(f"watermark must be a Watermark, got {type(self.watermark).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
+            if value is not None and not LOGPROBS.holds(value):
                 raise ValueError(f"{name} must be between 0 and 20, got {value}")
 
     def kept_prompt(self, token_ids: list[int]) -> list[int]:

@@ -13,16 +13,25 @@ from deployments.api.chat import ChatMessage, TemplateControls
 from deployments.api.strict import OpenAIModel
 from deployments.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolUse, may_call, tool_use
 from engine.sampling import (
+    LOGIT_BIAS,
+    LOGPROBS,
     MAX_CHOICE_CHARS,
     MAX_CHOICE_STRINGS,
     MAX_PATTERN_CHARS,
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,
-    PRIORITY_MAX,
-    PRIORITY_MIN,
-    REPETITION_PENALTY_RANGE,
-    SEED_MAX,
+    MAX_TOKENS,
+    MIN_P,
+    MIN_TOKENS,
+    PENALTY,
+    PRIORITY,
+    PROBABILITY_MASS,
+    REPETITION_PENALTY,
+    SEED,
     SEED_MIN,
+    TEMPERATURE,
+    TOKEN_ID,
+    TRUNCATE,
     ResponseFormat,
     SamplingParams,
 )
@@ -127,36 +136,38 @@ class OpenAIBookkeeping(OpenAIModel):
 
 class OpenAISampling(OpenAIBookkeeping):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, **MAX_TOKENS.field())
+    max_completion_tokens: int | None = Field(None, **MAX_TOKENS.field())
+    temperature: float = Field(1.0, **TEMPERATURE.field(), le=2)  # OpenAI's ceiling
+    top_p: float = Field(1.0, **PROBABILITY_MASS.field())
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, **SEED.field())
+    presence_penalty: float = Field(0.0, **PENALTY.field())
+    frequency_penalty: float = Field(0.0, **PENALTY.field())
     response_format: OpenAIResponseFormat | None = None
     stream_options: StreamOptions | None = None
     # token id (a JSON object key, so a string of digits) -> bias added to its logit
-    logit_bias: Annotated[dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]],
+    logit_bias: Annotated[dict[Annotated[int, Field(**TOKEN_ID.field())],
+                               Annotated[float, Field(**LOGIT_BIAS.field())]],
                           Field(max_length=MAX_LOGIT_BIAS,
                                 json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})] | None = None
     # vLLM's extra sampling parameters (openai clients send them in extra_body)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)  # tokens at least min_p x the most likely one's probability; 0: off
-    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    min_p: float = Field(0.0, **MIN_P.field())  # tokens at least min_p x the most likely one's probability; 0: off
+    repetition_penalty: float = Field(1.0, **REPETITION_PENALTY.field())
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
+    allowed_token_ids: list[Annotated[int, Field(**TOKEN_ID.field())]] | None = Field(None, min_length=1,
+                                                                                      max_length=MAX_ALLOWED_IDS)
     bad_words: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
     skip_special_tokens: bool = True
-    min_tokens: int = Field(0, ge=0)
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # only the prompt's last k tokens
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # each prompt token's logprob, rank and k alternatives
-    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # lower: admitted first, preempted last
+    min_tokens: int = Field(0, **MIN_TOKENS.field())
+    truncate_prompt_tokens: int | None = Field(None, **TRUNCATE.field())  # only the prompt's last k tokens
+    prompt_logprobs: int | None = Field(None, **LOGPROBS.field())  # each prompt token's logprob, rank, k others
+    priority: int = Field(0, **PRIORITY.field())  # lower: admitted first, preempted last
     request_id: RequestId | None = None  # vLLM's: names the response (its id); else the X-Request-Id header does
     # vLLM's structured output (engine/grammar.py): at most one constraint, response_format's included
     guided_json: Schema | None = None
@@ -245,7 +256,7 @@ class OpenAISampling(OpenAIBookkeeping):
 class CompletionRequest(OpenAISampling):
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])  # text, ids, or a batch
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, **LOGPROBS.field())
     echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs; a
                         # stream sends it in each choice's first chunk
 
@@ -276,7 +287,7 @@ class CompletionRequest(OpenAISampling):
 class ChatRequest(OpenAISampling, TemplateControls):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, **LOGPROBS.field())
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -33,7 +33,15 @@ from deployments.api.tools import (
     may_call,
     tool_use,
 )
-from engine.sampling import PRIORITY_MAX, PRIORITY_MIN, ResponseFormat, SamplingParams
+from engine.sampling import (
+    LOGPROBS,
+    MAX_TOKENS,
+    PRIORITY,
+    PROBABILITY_MASS,
+    TEMPERATURE,
+    ResponseFormat,
+    SamplingParams,
+)
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -143,17 +151,17 @@ class ResponsesRequest(OpenAIBookkeeping):
     model: str = Field(min_length=1)
     input: str | Annotated[list[InputItem], Field(min_length=1)] = Field(min_length=1)
     instructions: str | None = None  # a system message before the input
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, **MAX_TOKENS.field())
+    temperature: float = Field(1.0, **TEMPERATURE.field(), le=2)  # OpenAI's ceiling
+    top_p: float = Field(1.0, **PROBABILITY_MASS.field())
     stream: bool = False
     text: TextConfig = TextConfig()
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     include: list[str] | None = Field(None, max_length=8)
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives a token, with the output text's logprobs
-    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's: lower is admitted first
+    top_logprobs: int | None = Field(None, **LOGPROBS.field())  # alternatives a token, with the output text's logprobs
+    priority: int = Field(0, **PRIORITY.field())  # vLLM's: lower is admitted first
     request_id: RequestId | None = None  # vLLM's: names the response (its id); else the X-Request-Id header does
     # Derived once, when the request is validated
     _tool_use: ToolUse | None = PrivateAttr(None)

@@ -9,7 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from deployments.api.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.api.strict import StrictModel
 from engine.merge_spec import MergeSpec
-from engine.sampling import REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, ResponseFormat, SamplingParams
+from engine.sampling import (
+    LOGPROBS,
+    MAX_TOKENS,
+    PROBABILITY_MASS,
+    REPETITION_PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TRUNCATE,
+    ResponseFormat,
+    SamplingParams,
+)
 from engine.watermark import Watermark
 
 LORAX_WATERMARK = Watermark(greenlist_ratio=0.5, bias=2.0)  # LoRAX's (and TGI's) default gamma and delta
@@ -40,15 +51,15 @@ class MergedAdapters(StrictModel):
 
 
 class GenerateParameters(StrictModel):
-    max_new_tokens: int = Field(20, ge=1)
+    max_new_tokens: int = Field(20, **MAX_TOKENS.field())
     do_sample: bool = False
-    temperature: float | None = Field(None, ge=0)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    typical_p: float | None = Field(None, gt=0, le=1)  # locally typical sampling
-    truncate: int | None = Field(None, ge=1)  # only the prompt's last `truncate` tokens
-    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    temperature: float | None = Field(None, **TEMPERATURE.field())
+    top_k: int | None = Field(None, **TOP_K.field())
+    top_p: float | None = Field(None, **PROBABILITY_MASS.field())
+    typical_p: float | None = Field(None, **PROBABILITY_MASS.field())  # locally typical sampling
+    truncate: int | None = Field(None, **TRUNCATE.field())  # only the prompt's last `truncate` tokens
+    repetition_penalty: float | None = Field(None, **REPETITION_PENALTY.field())
+    seed: int | None = Field(None, **SEED.field())
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
     ignore_eos_token: bool = False
     return_full_text: bool = False
@@ -61,7 +72,7 @@ class GenerateParameters(StrictModel):
     merged_adapters: MergedAdapters | None = None  # instead of adapter_id
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sequences drawn; the likeliest answers
     watermark: bool = False  # the green-list watermark with LoRAX's gamma 0.5 and delta 2.0 (engine/watermark.py)
-    return_k_alternatives: int | None = Field(None, ge=0, le=20)  # each token's k most likely alternatives
+    return_k_alternatives: int | None = Field(None, **LOGPROBS.field())  # each token's k most likely alternatives
     response_format: JSONResponseFormat | None = None
 
     @model_validator(mode="after")

@@ -33,7 +33,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from deployments.api.strict import StrictModel
-from engine.sampling import PRIORITY_MAX, PRIORITY_MIN
+from engine.sampling import PRIORITY
 
 BEARER = "bearer "
 
@@ -94,7 +94,7 @@ class ApiKeyConfig(StrictModel):
     base_model: bool = Field(True, description="whether the key reaches the base model")
     manage_adapters: bool = Field(False, description="whether the key may load and unload adapters (within "
                                   "`adapters`)")
-    min_priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+    min_priority: int | None = Field(None, **PRIORITY.field(),
                                      description="the most urgent vLLM priority its requests may ask for")
     requests_per_minute: int | None = Field(None, ge=1, description="a token bucket of requests")
     tokens_per_minute: int | None = Field(None, ge=1, description="a token bucket of prompt and generated tokens")
