@@ -59,9 +59,9 @@ class Refusal:
     @classmethod
     def of(cls, exc: Exception, reason: str) -> Refusal:
         """The refusal of what `exc` refused, in the words `reason` gives the client."""
-        kind = exc.refusal_kind if isinstance(exc, Refuses) else RefusalKind.BAD_REQUEST
-        retry_after_s = exc.retry_after_s if isinstance(exc, Refuses) else None
-        return cls(reason, kind, retry_after_s, exc.budget if isinstance(exc, TokenBudgetError) else None)
+        says = exc if isinstance(exc, Refuses) else Refuses()  # any other ValueError or TypeError: a bad request
+        budget = exc.budget if isinstance(exc, TokenBudgetError) else None
+        return cls(reason, says.refusal_kind, says.retry_after_s, budget)
 
 
 class TokenBudgetError(Refuses, ValueError):

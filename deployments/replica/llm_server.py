@@ -85,7 +85,6 @@ class LLMServer:
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
         self.served = Served(self, config, self.engine.tokenizer)  # what the routes keep beside this replica
-        self.tokenizer = self.engine.tokenizer
         self.metrics = ServingMetrics(top_adapters)
         self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id, self._fetch_adapter)
         self.metrics.memory(self.engine.memory())
@@ -145,7 +144,7 @@ class LLMServer:
         prefix digests only when there are peers to compare, and cut as the engine will cut it."""
         if self._peers is None or not self._peers.has_peers:
             return None
-        token_ids = params.kept_prompt(self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt)
+        token_ids = params.kept_prompt(self.served.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt)
         digests = self.engine.prompt_digests(token_ids, key)
         # Its own counts are live, not the last report's: a burst for one adapter spreads as it builds up.
         own = dataclasses.replace(self._report, running=sum(self._in_flight.values()), waiting=0,
