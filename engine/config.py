@@ -49,6 +49,10 @@ class EngineConfig:
     device: str = dataclasses.field(default_factory=lambda: os.environ.get("LORA_SERVE_DEVICE", "auto"))
     load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
+    # a step's host work (scheduling step N+1, filling its inputs, reading back step N's tokens) overlapping the
+    # device's work on step N (engine/llm_engine.py). None: on for CUDA, off for CPU, where the model runs on the
+    # host's own cores and there is nothing to overlap
+    async_scheduling: bool | None = None
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
@@ -97,7 +101,7 @@ class EngineConfig:
     log_stats: bool = True  # print the model's memory plan when the engine starts
 
     @classmethod
-    def from_overrides(cls, model: str | None = None, **overrides) -> "EngineConfig":
+    def from_overrides(cls, model: str | None = None, **overrides) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -107,7 +111,7 @@ class EngineConfig:
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "EngineConfig":
+    def from_yaml(cls, path: str | Path, **overrides) -> EngineConfig:
         """Load a preset from configs/*.yaml (its `engine:` section, or the whole file), then apply overrides."""
         import yaml
 
@@ -201,6 +205,13 @@ class EngineConfig:
         if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32
         return self.torch_dtype
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """async_scheduling resolved for the device."""
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
 
     @property
     def torch_device(self) -> torch.device:

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata, KVCache
 from engine.layers.lora_batch import LoRAStepState, SlotOrder, slot_order_values
+from engine.tokens_in_flight import PendingInputs
 
 
 @dataclass
@@ -34,6 +35,7 @@ class DecodeInputs:
     block_tables: list[list[int]]  # each sequence's blocks, any width up to the static one
     context_lens: list[int]  # tokens attended, the new one included
     lora_slots: list[int]  # adapter slot per sequence, -1 for the base model
+    pending: PendingInputs  # the input tokens still on the device, from the step before (async scheduling)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -97,11 +99,13 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, step: DecodeInputs) -> torch.Tensor:
-        """Hidden states [n, hidden] of the step's n sequences."""
+    def run(self, step: DecodeInputs, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [n, hidden] of the step's n sequences; pending_tokens: the step before's tokens, on the
+        device, which step.pending places."""
         n = len(step.input_ids)
         size = next(bucket for bucket in self.buckets if bucket >= n)
         self._fill(step, n, size)
+        step.pending.fill(self.input_ids, pending_tokens)
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:n]

@@ -1,4 +1,15 @@
-"""LLMEngine: step() = schedule -> run the model -> sample -> update (the offline API over it: engine/llm.py)."""
+"""LLMEngine: step() = schedule -> run the model -> sample -> update (the offline API over it: engine/llm.py).
+
+With async scheduling (EngineConfig.async_scheduling, on by default on CUDA) the host does not wait for a step's
+tokens before scheduling the next, as vLLM v1 schedules: step N+1 is scheduled and launched while the device still
+runs step N, its decode inputs taken from step N's sampled tokens on the device; then step N's tokens are read back
+(copied behind N's sampling kernels, so the wait ends when N's tokens are ready, not N+1's) and processed, and step
+N+1 is sampled. Every request gets the synchronous engine's tokens: a sequence that step N's token finished has its
+row of step N+1 dropped before sampling, so no generator is drawn for it, and sampling N+1 sees every token before
+it. The cost: a token reaches its request once the next step is launched rather than before, and a sequence ended by
+EOS or a stop string computes one row more, whose result is dropped. Nothing on the host may wait for the device
+between launching a step and reading the step before back (engine/transfer.py), or the overlap is lost.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +18,6 @@ import gc
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -23,13 +33,15 @@ from engine.grammar import GrammarCompiler, TokenMasks
 from engine.layers.rotary import long_rope_switch, runs_long
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepResult
 from engine.models import context_limit, lora_shapes
 from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import SampledTokens, Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.tokens_in_flight import Readback
+from engine.transfer import to_device
 
 Prompt = str | list[int]
 
@@ -40,6 +52,22 @@ class TrackedRequest:
     makes one, validated, and add_prepared hands it to the scheduler)."""
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model run is launched: what was scheduled, and the logits to sample."""
+    scheduled: list[ScheduledSeq]
+    result: StepResult
+
+
+@dataclass
+class InFlight:
+    """A step's sampled tokens: on the device, where the next step takes them as inputs, and on their way to the
+    host (engine/tokens_in_flight.py)."""
+    seqs: list[Sequence]
+    sampled: SampledTokens
+    readback: Readback[SampledTokens]
 
 
 class LLMEngine:
@@ -71,8 +99,8 @@ class LLMEngine:
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
-        self._mask_worker = (ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-                             if config.torch_device.type == "cuda" else None)
+        self.overlap = config.overlaps_steps  # async scheduling (step)
+        self._in_flight: InFlight | None = None
         self._preload(config.preload_adapters, pin=False)
         self._preload(config.pinned_adapters, pin=True)
         _freeze_startup_objects()
@@ -222,7 +250,7 @@ class LLMEngine:
         return self._output(entry.seq, entry.detokenizer, [], [], [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def num_waiting(self) -> int:
         """Requests waiting for their first step (the length of a deque: safe to read from another thread)."""
@@ -271,43 +299,79 @@ class LLMEngine:
         return stats
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return the outputs of the tokens read back. With async scheduling
+        the tokens sampled here are read back by the next call, once the next step is launched: the device runs
+        one step while the host prepares the next and reads the last, and each call returns the step before's
+        outputs."""
         plan = self.scheduler.schedule()
         for load in plan.adapter_loads:
             self.runner.load_adapter(load.slot, self.adapters.get(load.adapter_id))
-        if not plan.scheduled:
-            return []
-        masks = self._start_masks(plan.scheduled)
-        step = self.runner.execute(plan.scheduled)
-        for scores in step.prompt_scores:
+        launched = self._launch(plan.scheduled)
+        if self.overlap:
+            outputs = self._read_back()
+            self._sample(launched)
+            return outputs
+        self._sample(launched)
+        return self._read_back()
+
+    def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep | None:
+        """Run the model on the scheduled tokens (queued, on CUDA): a token still in flight is read on the
+        device. Their K/V count as computed from now on, as the next step's scheduling must see them."""
+        if not scheduled:
+            return None
+        pending = self._in_flight.sampled.tokens if self._in_flight is not None else None
+        result = self.runner.execute(scheduled, pending)
+        for scores in result.prompt_scores:
             _record_prompt_logprobs(scores)
-        for s in plan.scheduled:
+        for s in scheduled:
             s.seq.computed(s.num_new_tokens)
-            self.block_manager.cache_computed_blocks(s.seq)
-            if self.kv_window is not None:
-                self.block_manager.release_behind(s.seq, self.kv_window)
-        if not step.sampling:
+        return LaunchedStep(scheduled, result)
+
+    def _sample(self, launched: LaunchedStep | None) -> None:
+        """Key the step's computed blocks (its tokens are all known by now), then sample the sequences it
+        completed that are still running, leaving their tokens in flight. One that the token read back before
+        finished has its row dropped: the synchronous engine never ran it."""
+        if launched is None:
+            return
+        for s in launched.scheduled:
+            if not s.seq.is_finished:
+                self._settle(s.seq)
+        rows = [i for i, s in enumerate(launched.result.sampling) if not s.seq.is_finished]
+        if not rows:
+            return
+        logits, seqs = launched.result.logits, [launched.result.sampling[i].seq for i in rows]
+        if len(rows) < len(launched.result.sampling):
+            logits = logits[to_device(rows, logits.device)]
+        sampled = self.sampler.sample(logits, seqs, self._masks(seqs))
+        for index, seq in enumerate(seqs):
+            seq.reserve_token(index)
+        self._in_flight = InFlight(seqs, sampled, Readback(sampled, logits.device))
+
+    def _settle(self, seq: Sequence) -> None:
+        self.block_manager.cache_computed_blocks(seq)
+        if self.kv_window is not None:
+            self.block_manager.release_behind(seq, self.kv_window)
+
+    def _read_back(self) -> list[RequestOutput]:
+        """The tokens in flight, into their sequences: detokenized, checked for stops, and out."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return []
-        result = self.sampler(step.logits, [s.seq for s in step.sampling], masks.result() if masks else None)
+        result = in_flight.readback.result().output()
         outputs = []
-        for i, s in enumerate(step.sampling):
-            detok = self.requests[s.seq.request_id].detokenizer
+        for i, seq in enumerate(in_flight.seqs):
+            if seq.is_finished:  # aborted while its token was in flight
+                continue
+            detok = self.requests[seq.request_id].detokenizer
             top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else []
-            outputs.append(self._process_token(s.seq, detok, result.token_ids[i], result.logprobs[i], top))
+            outputs.append(self._process_token(seq, detok, result.token_ids[i], result.logprobs[i], top))
         return outputs
 
-    def _start_masks(self, scheduled) -> Future[TokenMasks] | None:
-        """Structured-output masks of the requests that sample this step (a mask depends only on the tokens so
-        far). On a GPU they are computed on a worker thread while the model runs; on a CPU, before it: there the
-        overlap cost throughput, as the mask threads and torch's threads fought over the cores."""
-        constrained = [(s.seq.request_id, s.seq.grammar) for s in scheduled
-                       if s.seq.grammar is not None and s.completes_prompt]
-        if not constrained:
-            return None
-        if self._mask_worker is not None:
-            return self._mask_worker.submit(self.grammars.fill_masks, constrained)
-        done: Future[TokenMasks] = Future()
-        done.set_result(self.grammars.fill_masks(constrained))
-        return done
+    def _masks(self, seqs: list[Sequence]) -> TokenMasks | None:
+        """Structured-output masks of the sequences about to sample (a mask depends only on the tokens so far).
+        With async scheduling they are computed while the device runs the step's forward."""
+        constrained = [(seq.request_id, seq.grammar) for seq in seqs if seq.grammar is not None]
+        return self.grammars.fill_masks(constrained) if constrained else None
 
     def _process_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int, logprob: float | None,
                        top: list[dict[int, float]]) -> RequestOutput:

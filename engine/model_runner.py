@@ -20,7 +20,14 @@ from engine import huge_pages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kernels import cpu_attention, cpu_ops
-from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
+from engine.layers.attention import (
+    IN_PLACE_CHUNK,
+    AttentionMetadata,
+    InPlaceQueries,
+    PrefillSegment,
+    block_rows,
+    paged_prefill,
+)
 from engine.layers.lora import wrap_lora_linears
 from engine.layers.lora_batch import (
     AdapterRun,
@@ -37,6 +44,8 @@ from engine.models.decoder_stack import build_decoder_stack
 from engine.sampler import token_logprobs, token_ranks
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.tokens_in_flight import PendingInputs
+from engine.transfer import to_device
 
 SCORED_ROWS_PER_SLICE = 256  # prompt-scoring logits are [rows, vocab] float32: bounded, whatever the chunk size
 
@@ -64,13 +73,14 @@ class PromptChunkScoring:
 @dataclass
 class StepInputs:
     """A step's flattened batch (decodes first), as _prepare builds it for the model."""
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # a token still on the device (`pending`) is filled in there
     positions: torch.Tensor  # each token's position (its rotary row: layers/rotary.py)
     attention: AttentionMetadata
     sample_rows: list[int]  # the rows whose logits are sampled: the last of each chunk that completes its prompt
     sampling: list[ScheduledSeq]  # their sequences, in the same order
     adapter_runs: list[AdapterRun]  # row after row
     scoring: list[PromptChunkScoring]
+    pending: PendingInputs
 
 
 @dataclass
@@ -260,14 +270,16 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(lay.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def execute(self, scheduled: list[ScheduledSeq], pending_tokens: torch.Tensor | None = None) -> StepResult:
         """Run one step: the logits of the sequences that sample now, and the prompt logprobs of this step's
-        prompt chunks that asked for them."""
+        prompt chunks that asked for them. pending_tokens: the tokens the step before sampled, on the device,
+        which sequences holding a reserved token (Sequence.pending_index) take as their input."""
         ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
         if self._fits_graph(ordered):
-            hidden = self.graphs.run(self._decode_inputs(ordered))
+            hidden = self.graphs.run(self._decode_inputs(ordered), pending_tokens)
             return StepResult(self.model.compute_logits(hidden), ordered, [])
         step = self._prepare(ordered)
+        step.pending.fill(step.input_ids, pending_tokens)
         self._set_lora_state(step.adapter_runs)
         try:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attention)
@@ -284,7 +296,7 @@ class ModelRunner:
         gathered, on CPU by the C++ operators (cpu/gather.cpp: torch's indexing woke OpenMP's threads)."""
         if len(rows) == hidden.shape[0]:
             return hidden
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, self.device)
         return hidden[index] if self.cpu_ops is None else self.cpu_ops.gather_rows(hidden, index)
 
     def _set_lora_state(self, runs: list[AdapterRun]) -> None:
@@ -326,7 +338,8 @@ class ModelRunner:
             slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
             block_tables=[seq.block_table for seq in seqs],
             context_lens=[p + 1 for p in positions],
-            lora_slots=[-1 if seq.lora_slot is None else seq.lora_slot for seq in seqs])
+            lora_slots=[-1 if seq.lora_slot is None else seq.lora_slot for seq in seqs],
+            pending=_pending_inputs(seqs, range(len(seqs))))
 
     def _row_offset(self, seq: Sequence) -> int:
         """A token's row in the rotary tables less its position: past its long_rope switch, a sequence reads a
@@ -349,11 +362,13 @@ class ModelRunner:
         in_place: list[InPlaceChunk] = []
         prefills: list[PrefillSegment] = []
         scoring: list[PromptChunkScoring] = []
+        last_rows: list[int] = []
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             row = len(input_ids)
             input_ids += seq.token_slice(start, end)
+            last_rows.append(len(input_ids) - 1)
             offset = self._row_offset(seq)
             positions += range(start + offset, end + offset)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
@@ -372,7 +387,7 @@ class ModelRunner:
                 sampling.append(s)
         meta = self._attention_metadata(self._tensor(slots), decode, prefills, in_place)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs,
-                          scoring)
+                          scoring, _pending_inputs([s.seq for s in ordered], last_rows))
 
     @staticmethod
     def _prompt_scoring(seq: Sequence, row: int, start: int, end: int) -> list[PromptChunkScoring]:
@@ -397,8 +412,10 @@ class ModelRunner:
             return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries, kv_write=write,
                                      cpu_prompt_kernel=self.prompt_kernel)
         tables = self._decode_tables(decode)
+        batch = paged_prefill(prefills, slots, self.block_size) if self.device.type == "cuda" and prefills else None
         return AttentionMetadata(slots, len(decode), tables.block_tables, tables.mask, prefills, tables.context_lens,
-                                 tables.rows, kv_write=write, cpu_prompt_kernel=self.prompt_kernel)
+                                 tables.rows, kv_write=write, cpu_prompt_kernel=self.prompt_kernel,
+                                 paged_prefill=batch)
 
     def _in_place_queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
         """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);
@@ -435,4 +452,11 @@ class ModelRunner:
         give it back (py-spy, 32 streams: a large share of the step thread's GIL waits)."""
         if self.device.type == "cpu":
             return torch.from_numpy(np.array(values, dtype=np.int64))
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, self.device, torch.long)
+
+
+def _pending_inputs(seqs: list[Sequence], last_rows) -> PendingInputs:
+    """The rows whose token is still on the device: a reserved token is always its sequence's last, fed in the row
+    of the sequence's last token this step (last_rows, one per sequence)."""
+    held = [(row, seq.pending_index) for seq, row in zip(seqs, last_rows) if seq.pending_index is not None]
+    return PendingInputs([row for row, _ in held], [index for _, index in held])

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.transfer import to_device
+
 
 @dataclass
 class PenaltyTokens:
@@ -27,7 +29,7 @@ class PenaltyTokens:
     @classmethod
     def of_prompt(cls, prompt_token_ids: list[int], device: torch.device) -> PenaltyTokens:
         seen = set(prompt_token_ids)
-        return cls(seen, torch.tensor(sorted(seen), dtype=torch.long, device=device))
+        return cls(seen, to_device(sorted(seen), device, torch.long))
 
     def absorb(self, output_token_ids: list[int]) -> None:
         """Fold in the outputs appended since the last call."""
@@ -39,8 +41,7 @@ class PenaltyTokens:
         unseen = sorted(set(new) - self.seen)
         if unseen:
             self.seen.update(unseen)
-            self.seen_ids = torch.cat([self.seen_ids, torch.tensor(unseen, dtype=torch.long,
-                                                                   device=self.seen_ids.device)])
+            self.seen_ids = torch.cat([self.seen_ids, to_device(unseen, self.seen_ids.device, torch.long)])
 
     def penalise_repetition(self, row: torch.Tensor, penalty: float) -> None:
         """transformers' rule over prompt and output: positive logits divided by the penalty, negative multiplied."""
@@ -49,6 +50,6 @@ class PenaltyTokens:
 
     def penalise_output(self, row: torch.Tensor, presence: float, frequency: float) -> None:
         """logit -= frequency * (times the output holds the token) + presence * (it holds it)."""
-        ids = torch.tensor(list(self.output_counts), dtype=torch.long, device=row.device)
-        counts = torch.tensor(list(self.output_counts.values()), dtype=row.dtype, device=row.device)
+        ids = to_device(list(self.output_counts), row.device, torch.long)
+        counts = to_device(list(self.output_counts.values()), row.device, row.dtype)
         row[ids] -= frequency * counts + presence

@@ -28,6 +28,7 @@ from engine.grammar import TokenMasks, mask_penalty
 from engine.penalty_tokens import PenaltyTokens
 from engine.sampling_filters import filter_logits
 from engine.sequence import Sequence
+from engine.transfer import to_device
 
 BANNED_LOGIT = -1e30
 
@@ -41,10 +42,48 @@ class TokenScores:
 
 
 @dataclass
+class ScoresOnDevice:
+    """token_logprobs' results as tensors, not yet read: one token's raw log-probability per row, and each row's k
+    likeliest tokens and theirs, best first (None when k is 0)."""
+    picked: torch.Tensor  # [n] float32
+    top_ids: torch.Tensor | None  # [n, k]
+    top_values: torch.Tensor | None  # [n, k] float32
+
+    def lists(self) -> TokenScores:
+        picked = self.picked.tolist()
+        if self.top_ids is None:
+            return TokenScores(picked, [None] * len(picked))
+        return TokenScores(picked, [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())])
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # None where the request asked for no logprobs
     top_logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class SampledTokens:
+    """One token per row, as the sampler leaves them on the device: `tokens` can feed the next step before the host
+    reads them (engine/readback.py reads them, a step later on CUDA)."""
+    tokens: torch.Tensor  # [n] int64
+    asked: list[int | None]  # each row's params.logprobs: None for no logprobs, else how many alternatives
+    scored_rows: list[int]  # the rows that asked, in order: the rows of `scores`
+    scores: ScoresOnDevice | None
+
+    def output(self) -> SamplerOutput:
+        """The tokens and scores as lists (read on the host)."""
+        n = len(self.asked)
+        logprobs: list[float | None] = [None] * n
+        top: list[dict[int, float] | None] = [None] * n
+        if self.scores is not None:
+            scored = self.scores.lists()
+            for j, i in enumerate(self.scored_rows):
+                logprobs[i] = scored.logprobs[j]
+                if self.asked[i]:  # its top k' of the batch's k
+                    top[i] = dict(itertools.islice(scored.top[j].items(), self.asked[i]))
+        return SamplerOutput(self.tokens.tolist(), logprobs, top)
 
 
 class Sampler:
@@ -55,12 +94,16 @@ class Sampler:
         self._float_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SamplerOutput:
+        """sample(), read at once."""
+        return self.sample(logits, seqs, masks).output()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SampledTokens:
         """`logits` [len(seqs), vocab] in the model's dtype. A step whose every row is plain greedy (no mask, no
         processor) takes the argmax of the logits as they are; any other widens them to float32 first. Logprobs
-        are read from the logits as they are, either way."""
+        are read from the logits as they are, either way. Nothing here waits for the device."""
         if masks is None and all(_plain_greedy(seq) for seq in seqs):
             tokens = self._argmax(logits)
-            return _output(tokens, self._logprobs(logits, tokens, seqs))
+            return self._logprobs(logits, tokens, seqs)
         model_logits = logits
         logits = self._float(logits)
         if masks is not None:
@@ -69,11 +112,11 @@ class Sampler:
         tokens = self._argmax(logits)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            rows = to_device(sampled_rows, logits.device)
             sampled = logits if len(sampled_rows) == len(seqs) else logits[rows]  # a 12 MB copy at 64 rows
             probs = self._filtered_probs(sampled, [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
-        return _output(tokens, self._logprobs(model_logits, tokens, seqs))
+        return self._logprobs(model_logits, tokens, seqs)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop, much slower than
@@ -98,34 +141,29 @@ class Sampler:
         self.cpu_ops.widen_(out, logits)
         return out
 
-    def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> TokenScores:
-        """Only for rows that asked (params.logprobs not None): the raw distribution's."""
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        scores = TokenScores([None] * len(seqs), [None] * len(seqs))
+    def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """The tokens, with scores only for rows that asked (params.logprobs not None): the raw distribution's."""
+        asked = [s.params.logprobs for s in seqs]
+        rows = [i for i, k in enumerate(asked) if k is not None]
         if not rows:
-            return scores
-        k = max(seqs[i].params.logprobs for i in rows)
+            return SampledTokens(tokens, asked, rows, None)
+        raw, picked = raw_logits, tokens
         if len(rows) < len(seqs):
-            index = torch.tensor(rows, device=raw_logits.device)
-            raw_logits, tokens = raw_logits[index], tokens[index]
-        asked = token_logprobs(raw_logits, tokens, k, self.cpu_ops)
-        for j, i in enumerate(rows):
-            scores.logprobs[i] = asked.logprobs[j]
-            want = seqs[i].params.logprobs
-            if want:
-                scores.top[i] = dict(itertools.islice(asked.top[j].items(), want))  # its top k' of the batch's k
-        return scores
+            index = to_device(rows, raw_logits.device)
+            raw, picked = raw_logits[index], tokens[index]
+        k = max(asked[i] for i in rows)
+        return SampledTokens(tokens, asked, rows, scores_on_device(raw, picked, k, self.cpu_ops))
 
     @staticmethod
     def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks) -> torch.Tensor:
         row_of = {seq.request_id: i for i, seq in enumerate(seqs)}
-        rows = torch.tensor([row_of[request_id] for request_id in masks.request_ids], device=logits.device)
+        rows = to_device([row_of[request_id] for request_id in masks.request_ids], logits.device)
         penalty = mask_penalty(masks.bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
         return logits.index_add(0, rows, penalty)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        temperature = to_device([s.params.temperature for s in seqs], logits.device)
         logits = logits / temperature[:, None]
         return filter_logits(logits, [s.params for s in seqs]).softmax(dim=-1)
 
@@ -150,23 +188,23 @@ class Sampler:
 def inverse_cdf(cumulative: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Each row's first token whose cumulative probability exceeds the row's target (so a token of zero probability
     never is); a target at the row's total (u * total rounded up) takes its last token of nonzero probability."""
-    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
-    past = tokens >= cumulative.shape[1]
-    if bool(past.any()):
-        tokens[past] = (cumulative[past] < cumulative[past, -1:]).sum(dim=-1)
-    return tokens
+    # A target just below the total selects the first token whose cumulative sum reaches the total: the last of
+    # nonzero probability. Clamped so, not tested on the host, nothing here waits for the device.
+    total = cumulative[:, -1:]
+    targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
 
 
 def _ban_early_stops(row: torch.Tensor, seq: Sequence) -> None:
     """min_tokens: EOS and stop tokens get the masks' penalty (finite, so a fully masked row stays a
     distribution) until the output is long enough."""
     stops = sorted(seq.eos_token_ids | set(seq.params.stop_token_ids))
-    row[torch.tensor(stops, device=row.device)] = BANNED_LOGIT
+    row[to_device(stops, row.device)] = BANNED_LOGIT
 
 
 def _allow_only(row: torch.Tensor, seq: Sequence) -> None:
     """allowed_token_ids: every other token gets the masks' penalty."""
-    allowed = torch.tensor(seq.params.allowed_token_ids, device=row.device)
+    allowed = to_device(seq.params.allowed_token_ids, row.device)
     kept = row[allowed]
     row.fill_(BANNED_LOGIT)
     row[allowed] = kept
@@ -179,13 +217,12 @@ def _ban_bad_words(row: torch.Tensor, seq: Sequence) -> None:
     banned = [ids[-1] for ids in seq.bad_words_ids
               if len(ids) <= len(out) + 1 and tuple(out[len(out) - len(ids) + 1:]) == ids[:-1]]
     if banned:
-        row[torch.tensor(banned, device=row.device)] = BANNED_LOGIT
+        row[to_device(banned, row.device)] = BANNED_LOGIT
 
 
 def _add_logit_bias(row: torch.Tensor, seq: Sequence) -> None:
     bias = seq.params.logit_bias
-    row[torch.tensor(list(bias), device=row.device)] += torch.tensor(list(bias.values()), device=row.device,
-                                                                     dtype=row.dtype)
+    row[to_device(list(bias), row.device)] += to_device(list(bias.values()), row.device, row.dtype)
 
 
 def _penalty_tokens(row: torch.Tensor, seq: Sequence) -> PenaltyTokens:
@@ -247,23 +284,24 @@ def _process_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _output(tokens: torch.Tensor, scores: TokenScores) -> SamplerOutput:
-    return SamplerOutput(tokens.tolist(), scores.logprobs, scores.top)
-
-
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int, cpu_ops=None) -> TokenScores:
+    """scores_on_device(), read at once."""
+    return scores_on_device(logits, targets, k, cpu_ops).lists()
+
+
+def scores_on_device(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int,
+                     cpu_ops=None) -> ScoresOnDevice:
     """Raw log-probabilities of `targets` under `logits` [n, vocab] (any float dtype, computed in float32), and each
-    row's k most likely tokens, best first (None when k is 0): sampled tokens and prompt scoring alike. A logprob is
+    row's k most likely tokens, best first (none when k is 0): sampled tokens and prompt scoring alike. A logprob is
     the logit minus its row's logsumexp, so no [n, vocab] log_softmax is written; on CPU the C++ operators
     (`cpu_ops`) reduce the rows as they are (cpu/argmax.cpp)."""
     normalizers = _log_normalizers(logits, cpu_ops)
     targets = torch.as_tensor(targets, device=logits.device)
-    picked = (logits.gather(1, targets[:, None]).squeeze(1).float() - normalizers).tolist()
+    picked = logits.gather(1, targets[:, None]).squeeze(1).float() - normalizers
     if not k:
-        return TokenScores(picked, [None] * len(picked))
+        return ScoresOnDevice(picked, None, None)
     values, ids = logits.topk(k, dim=-1)
-    values = values.float() - normalizers[:, None]
-    return TokenScores(picked, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
+    return ScoresOnDevice(picked, ids, values.float() - normalizers[:, None])
 
 
 def token_ranks(logits: torch.Tensor, targets: torch.Tensor | list[int]) -> list[int]:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.transfer import to_device
+
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
 
@@ -41,14 +43,14 @@ def _on_rows(logits: torch.Tensor, values: list, active: Callable, apply: Callab
         return apply(logits, values)
     if not rows:
         return logits
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     return logits.index_copy(0, index, apply(logits[index], [values[i] for i in rows]))
 
 
 def top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Each row keeps the tokens at or above its k-th largest logit (k >= 1)."""
-    k = torch.tensor([min(k, logits.shape[1]) for k in ks], device=logits.device)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    k = to_device([min(k, logits.shape[1]) for k in ks], logits.device)
+    kth = logits.topk(max(min(k, logits.shape[1]) for k in ks), dim=-1).values.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -56,7 +58,7 @@ def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Each row keeps its most likely tokens, most likely first, until they hold p of its mass: a token is kept
     when the mass before it is at most p, so the top token always is."""
     probs = logits.softmax(dim=-1)
-    mass = torch.tensor(ps, device=logits.device, dtype=logits.dtype)[:, None]
+    mass = to_device(ps, logits.device, logits.dtype)[:, None]
 
     def cut(rows: Rows, values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         ranked_probs = probs[rows].gather(1, order)
@@ -69,7 +71,7 @@ def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
 def min_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Each row keeps the tokens whose probability is at least p times its most likely token's (which always is)."""
     probs = logits.softmax(dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(ps, device=logits.device, dtype=probs.dtype)[:, None]
+    floor = probs.amax(dim=-1, keepdim=True) * to_device(ps, logits.device, probs.dtype)[:, None]
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
@@ -80,7 +82,7 @@ def typical_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     probs = logprobs.exp()
     entropy = -(probs * logprobs).nan_to_num().sum(dim=-1, keepdim=True)  # a masked token's 0 * -inf is NaN
     distance = (logprobs + entropy).abs()  # |surprisal - entropy|; infinite for masked tokens
-    mass = torch.tensor(ps, device=logits.device, dtype=logits.dtype)[:, None]
+    mass = to_device(ps, logits.device, logits.dtype)[:, None]
 
     def cut(rows: Rows, closeness: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         held = probs[rows].gather(1, order).cumsum(dim=-1)
@@ -95,6 +97,9 @@ def _by_ranking(keys: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor, cut
     TIERS[0] where those hold more than its mass of probs, else its top TIERS[1], else the whole row sorted;
     the rows' results put back in order. A batch whose rows all stop at the first tier is cut without a copy."""
     vocab = keys.shape[1]
+    if keys.device.type == "cuda":  # one sort: the tiers' tests would wait for the device (async scheduling)
+        values, order = keys.sort(dim=-1, descending=True)
+        return cut(slice(None), values, order)
     out, pending = None, torch.arange(keys.shape[0], device=keys.device)
     for count in [c for c in TIERS if c < vocab] + [vocab]:
         first = out is None

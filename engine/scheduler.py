@@ -22,6 +22,11 @@ A longrope model (engine/layers/rotary.py) turns a sequence with its long factor
 `long_rope_switch`: one admitted longer runs on them from its start, and a running one that grows past the switch
 is recomputed on them from its start (restarted as a preemption is, though not counted as one), as transformers'
 Phi-3 drops its cache there. Its blocks are keyed apart in the prefix cache (block_manager.py).
+
+With async scheduling (engine/llm_engine.py) a step is scheduled before the tokens of the step before are read
+back: a sequence counts its token in flight (Sequence.reserve_token), and one whose token in flight is its last by
+length is not scheduled again. One that the token in flight ends otherwise (EOS, a stop string) runs one step whose
+result is dropped.
 """
 
 from __future__ import annotations
@@ -100,6 +105,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.final_by_length:  # finishes once its token in flight is read back: nothing left to compute
+                i += 1
+                continue
             if self._past_long_rope_switch(seq):  # its K/V turned with the short factors: recomputed with the long
                 self._restart(self.running.pop(i))
                 continue
@@ -121,6 +129,8 @@ class Scheduler:
         starving = self._starving_adapter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending_index is not None:  # restarted with a token in flight: admitted once it is read back
+                break
             seq.admit(self._past_long_rope_switch(seq))  # before its prefix is looked up
             prefix = self.block_manager.cached_prefix(seq)
             computed = len(prefix) * self.block_manager.block_size

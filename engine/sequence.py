@@ -17,6 +17,8 @@ import torch
 from engine.penalty_tokens import PenaltyTokens
 from engine.sampling import SamplingParams
 
+PENDING_TOKEN = -1  # the placeholder of a sampled token not yet read back from the device (reserve_token)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -55,6 +57,9 @@ class Sequence:
     penalty_tokens: PenaltyTokens | None = None  # made by the sampler when a penalty first applies
     grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (LLMEngine tokenizes)
+    # set while its last output token is a placeholder: the token a step sampled that is still on the device, row
+    # `pending_index` of that step's tokens (reserve_token); the next step reads its input from there
+    pending_index: int | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -85,19 +90,38 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def final_by_length(self) -> bool:
+        """Its reserved token is its last: the output is at max_tokens with it (which is within the context)."""
+        return self.pending_index is not None and len(self.output_token_ids) >= self.params.max_tokens
+
+    def reserve_token(self, index: int) -> None:
+        """A step sampled its next token, row `index` of the step's tokens, not yet read back: a placeholder
+        holds its place, so it counts in num_tokens and the next step can be scheduled before it is known."""
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.pending_index = index
+
     def append_token(self, token_id: int, logprobs: list[float] = (),
                      top_logprobs: list[dict[int, float]] = ()) -> None:
-        """A sampled token, with its logprob and top alternatives when the request asked for them; a structured
-        output's matcher takes it too."""
+        """A sampled token (into the place reserved for it, if one was), with its logprob and top alternatives
+        when the request asked for them; a structured output's matcher takes it too."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        self._drop_reservation()
         self.output_token_ids.append(token_id)
         self.logprobs.extend(logprobs)
         self.top_logprobs.extend(top_logprobs)
         if self.grammar is not None:
             self.grammar.consume_token(token_id)
 
+    def _drop_reservation(self) -> None:
+        if self.pending_index is not None:
+            self.output_token_ids.pop()
+            self.pending_index = None
+
     def finish(self, reason: str) -> None:
+        """Its output ends here: a token still on its way (aborted meanwhile) is not part of it."""
+        self._drop_reservation()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()

@@ -6,8 +6,10 @@ every decode token and every prompt chunk shorter than IN_PLACE_CHUNK attend in 
 their blocks in place; longer chunks attend one sequence at a time, through the C++ prompt kernel in bf16 on a
 CPU with AVX-512 BF16 and no AMX, else through SDPA's flash kernel (_prefill).
 On CUDA, decode tokens (one new token per sequence, placed first in the flat batch) attend in one call to a
-Triton kernel that reads their blocks in place, and prompt chunks take SDPA one sequence at a time too. On CPU
-without the kernel, decodes take SDPA or grouped matmuls over gathered copies of the blocks.
+Triton kernel that reads their blocks in place, and the step's prompt chunks, fresh or after cached tokens, in one
+call to a Triton prefill kernel that reads theirs in place too (engine/kernels/paged_prefill.py; CUDA_PREFILL
+chooses it, its FlexAttention variant or gather + SDPA per chunk). On CPU without the kernel, decodes take SDPA or
+grouped matmuls over gathered copies of the blocks.
 
 Why head-major: a sequence's blocks gathered for one KV head are one contiguous [tokens, head_dim]
 run, so the gathered K/V feed the batched matmuls as they are. With the token-major layout
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_attention
+from engine.kernels.prefill_batch import PagedPrefill
+from engine.transfer import to_device
 
 
 @dataclass
@@ -64,11 +68,17 @@ class AttentionMetadata:
     kv_write: Callable[..., None] | None = None
     # long prompt chunks attend in the C++ prompt kernel (cpu_attention.prompt_kernel_usable), not SDPA's
     cpu_prompt_kernel: bool = False
+    # CUDA: `prefills` for the prefill kernel (paged_prefill()), built once per step: by the runner, else by the
+    # step's first layer for all the others
+    paged_prefill: PagedPrefill | None = None
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the cache in place with the decodes
+# CUDA prompt chunks: "triton" (engine/kernels/paged_prefill.py, in place, one call per step), "flex" (its
+# FlexAttention variant, compiled, the alternative the device benchmark measures) or "sdpa" (gather + SDPA per chunk)
+CUDA_PREFILL = "triton"
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -92,10 +102,46 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = _decode(q[:meta.num_decode], k_cache, v_cache, meta)
+    if meta.prefills and _prefill_in_place(q):
+        _paged_prefill(q, k_cache, v_cache, meta, out)
+        return out.flatten(1)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)
     return out.flatten(1)
+
+
+def paged_prefill(prefills: list[PrefillSegment], slot_mapping: torch.Tensor, block_size: int) -> PagedPrefill:
+    """The prefill kernel's view of a step's segments. A fresh prompt's segment has no block table on CUDA: its
+    blocks are those of its own slots, one every block_size rows (its positions start at 0). Two small launches and
+    one host-to-device copy, from pinned memory so that the host does not wait for the device's queue (the first
+    layer may build it in the middle of the forward pass)."""
+    blocks = slot_mapping // block_size
+    tables = [seg.block_table if seg.block_table is not None else blocks[seg.start:seg.start + seg.length:block_size]
+              for seg in prefills]
+    sizes = [table.shape[0] for table in tables]
+    lengths = [seg.length for seg in prefills]
+    ints = to_device([[sum(sizes[:i]) for i in range(len(sizes))], [seg.start for seg in prefills], lengths,
+                      [seg.context_len for seg in prefills]], slot_mapping.device, torch.long)
+    return PagedPrefill(torch.cat(tables), *ints, max(lengths), sum(lengths),
+                        max(-(-seg.context_len // block_size) for seg in prefills))
+
+
+def _prefill_in_place(q: torch.Tensor) -> bool:
+    """Whether prompt chunks take the CUDA prefill kernels (a test forces them on CPU, under Triton's interpreter)."""
+    return q.is_cuda and CUDA_PREFILL != "sdpa"
+
+
+def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   out: torch.Tensor) -> None:
+    """Every prompt chunk of a CUDA step in one call that reads the cache in place, into its rows of out (imported
+    here only: triton may be absent on CPU)."""
+    from engine.kernels import paged_prefill as kernels
+
+    if meta.paged_prefill is None:  # the runner did not build it: the step's first layer does, for the others
+        meta.paged_prefill = paged_prefill(meta.prefills, meta.slot_mapping, k_cache.shape[2])
+    attend = kernels.flex_prefill_attention if CUDA_PREFILL == "flex" else kernels.paged_prefill_attention
+    attend(q, k_cache, v_cache, meta.paged_prefill, out)
 
 
 def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

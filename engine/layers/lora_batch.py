@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.transfer import to_device
+
 # An extra group costs about as much as this much padded LoRA math (the fixed cost of its ~6 kernel launches).
 GROUP_COST_FLOPS = 1_000_000
 # Copying one segment's weights costs about as much as this many padded rows of LoRA math (a copy moves
@@ -81,7 +83,7 @@ def slot_order(slots: list[int], num_slots: int, device: torch.device) -> SlotOr
     """The SlotOrder of the rows' slots (-1: base model), for slots 0 .. num_slots - 1."""
     if any(slot >= num_slots for slot in slots):
         raise ValueError(f"slot_order: a slot in {sorted(set(slots))} is not below {num_slots}")
-    values = torch.tensor(slot_order_values(slots, num_slots), dtype=torch.long).to(device)
+    values = to_device(slot_order_values(slots, num_slots), device, torch.long)
     tokens, starts, counts = values.split([len(slots), num_slots, num_slots])
     return SlotOrder(tokens, starts, counts)
 
