@@ -62,3 +62,11 @@ def device_name(device: str) -> str:
     from benchmarks.common import cpu_model
 
     return cpu_model()
+
+
+def matmul_rate(device: str, n: int = 8192, dtype=torch.bfloat16, repeats: int = 10) -> float:
+    """FLOP/s of an n x n by n x n matrix product in `dtype`, the yardstick of a compute-bound figure (prefill). The
+    largest square that fits a prefill's shapes: 8,192 is the width of the 8B shape's wider projections' order."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / median_seconds(device, lambda: torch.matmul(a, b), repeats=repeats, warmup=2)

@@ -17,12 +17,11 @@ every section, so a run cut short still leaves the figures it has.
 
 from __future__ import annotations
 
-import random
 import statistics
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -31,98 +30,14 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import Folders, benchmark_args, environment, markdown_table, write_raw, write_summary
 from benchmarks.engine.hf_baselines import NO_EOS
-from benchmarks.gpu.gpu_models import build_model_dir, decode_weight_bytes, kv_bytes_per_token, shape
-from benchmarks.gpu.gpu_timing import copy_bandwidth, device_name, free_device, timed
+from benchmarks.gpu.gpu_bounds import BOUND_SECTIONS, bounds_lines
+from benchmarks.gpu.gpu_engine import Bench, Plan, decode_ms, error_text, guarded, llm_throughput, make_llm, run_llm
+from benchmarks.gpu.gpu_models import build_model_dir, decode_weight_bytes, shape
+from benchmarks.gpu.gpu_timing import copy_bandwidth, device_name, free_device, matmul_rate, timed
 from benchmarks.lora_adapters import write_random_adapter
 
 DEFAULT_TOKENIZERS = (Path(__file__).parents[2] / ".gpu/cache/models/smollm2-135m-instruct",
                       Path.home() / ".cache/lora-serve/models/smollm2-135m-instruct")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Sizes of every section; `full()` is the benchmark, `quick()` fewer tokens, `tiny()` a CPU smoke run."""
-    copy_bytes: int
-    decode_prompt: int  # batch-1 decode: prompt tokens and new tokens
-    decode_new: int
-    decode_repeats: int
-    batches: tuple[int, ...]  # throughput: concurrent sequences
-    prompt: int
-    new: int
-    adapters: int
-    adapter_rank: int
-    ttft_prompt: int
-    step_batches: tuple[int, ...]  # eager vs graphs: decode step time at these batch sizes
-    step_new: int
-    lora_rounds: int = 3  # base and adapter runs, interleaved, after a full-length warm-up of each
-
-    @staticmethod
-    def full() -> Plan:
-        return Plan(1 << 30, 128, 128, 3, (64, 256), 512, 256, 32, 16, 512, (1, 64), 64)
-
-    @staticmethod
-    def quick() -> Plan:
-        return Plan(1 << 30, 128, 64, 3, (64, 256), 128, 64, 32, 16, 512, (1, 64), 32)
-
-    @staticmethod
-    def tiny() -> Plan:
-        return Plan(1 << 24, 16, 8, 2, (4, 8), 16, 8, 4, 8, 16, (1, 4), 8, 1)
-
-
-@dataclass
-class Bench:
-    """What every section needs: the device, the plan, the model folders and where adapters go."""
-    device: str
-    plan: Plan
-    tiny: bool
-    models: dict[str, Path]
-    work: Path
-    vocab_limit: dict[str, int]  # prompt ids stay below min(tokenizer length, model vocabulary)
-    bandwidth: float | None = None
-
-    def prompts(self, model: str, num: int, length: int, seed: int = 0) -> list[list[int]]:
-        rng = random.Random(seed)
-        return [[rng.randrange(3, self.vocab_limit[model]) for _ in range(length)] for _ in range(num)]
-
-
-# ---------------------------------------------------------------------------------------------------- engine
-
-
-def make_llm(bench: Bench, model: str, max_seqs: int, max_len: int, **overrides):
-    from engine import LLM
-    from lora_cache.local_cache import local_adapters
-
-    kv = int(1.3 * max_seqs * (max_len + 16) * kv_bytes_per_token(shape(model, bench.tiny))) + (64 << 20)
-    options = {"dtype": "bfloat16", "device": bench.device, "load_format": "dummy", "enforce_eager": False,
-               "max_num_seqs": max_seqs, "max_num_batched_tokens": max(8192, max_len), "kv_cache_bytes": kv,
-               "max_model_len": max_len, "log_stats": False, "enable_prefix_caching": False}
-    adapters = local_adapters if overrides.get("max_loras") else None
-    return LLM(str(bench.models[model]), adapters, **{**options, **overrides})
-
-
-def run_llm(llm, prompts: list[list[int]], new: int, adapters: list[str | None] | None = None):
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False, adapters=adapters)
-    got = [len(o.token_ids) for o in outputs]
-    if got != [new] * len(prompts):
-        raise RuntimeError(f"lora-serve generated {got[:8]}... tokens, asked for {new}")
-    return outputs
-
-
-def decode_ms(outputs) -> float:
-    """Median over requests of (latency - time to first token) / (new tokens - 1), in ms."""
-    return statistics.median((o.latency - o.ttft) / (len(o.token_ids) - 1) * 1e3 for o in outputs)
-
-
-def llm_throughput(bench: Bench, llm, model: str, prompts, new: int, adapters=None) -> dict:
-    """Warm-up at the same batch size on other prompts (kernels compiled for these shapes, adapters loaded)."""
-    run_llm(llm, bench.prompts(model, len(prompts), len(prompts[0]), seed=99), 4, adapters)
-    outputs, seconds = timed(bench.device, run_llm, llm, prompts, new, adapters)
-    return {"tok_s": len(prompts) * new / seconds, "seconds": seconds,
-            "ttft_median_ms": statistics.median(o.ttft for o in outputs) * 1e3,
-            "decode_ms_per_token": decode_ms(outputs)}
 
 
 # ---------------------------------------------------------------------------------------------------- HF
@@ -176,19 +91,11 @@ def hf_throughput(bench: Bench, fn, hf, model: str, prompts, new: int) -> dict:
 
 
 def section_bandwidth(bench: Bench) -> dict:
+    """The yardsticks: copy bandwidth (memory-bound figures) and the bf16 matmul rate (prefill)."""
     bench.bandwidth = copy_bandwidth(bench.device, bench.plan.copy_bytes)
-    return {"copy_bandwidth_gb_s": bench.bandwidth / 1e9, "copy_bytes": bench.plan.copy_bytes}
-
-
-def guarded(label: str, device: str, fn, *args) -> dict:
-    """fn(*args), or its error and traceback (printed): a part that fails leaves the rest of its section."""
-    try:
-        return fn(*args)
-    except Exception as error:  # noqa: BLE001 - recorded in the results instead of ending the run
-        tb = traceback.format_exc()
-        tqdm.write(f"{label} failed:\n{tb}")
-        free_device(device)
-        return {"error": _error(error), "traceback": tb}
+    bench.matmul_flops = matmul_rate(bench.device, 8192 if not bench.tiny else 256)
+    return {"copy_bandwidth_gb_s": bench.bandwidth / 1e9, "copy_bytes": bench.plan.copy_bytes,
+            "matmul_tflop_s": bench.matmul_flops / 1e12}
 
 
 def decode_one(bench: Bench, model: str, overrides: dict | None = None) -> dict:
@@ -310,11 +217,10 @@ def section_ttft_graphs(bench: Bench) -> dict:
 
 
 SECTIONS = (("bandwidth", section_bandwidth), ("decode", section_decode), ("throughput", section_throughput),
-            ("lora", section_lora), ("ttft_graphs", section_ttft_graphs), ("hf_baselines", section_hf))
+            *BOUND_SECTIONS, ("lora", section_lora), ("ttft_graphs", section_ttft_graphs),
+            ("hf_baselines", section_hf))
 
 
-def _error(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
 
 
 def run_sections(bench: Bench, only: set[str] | None, checkpoint) -> dict:
@@ -329,7 +235,7 @@ def run_sections(bench: Bench, only: set[str] | None, checkpoint) -> dict:
         except Exception as error:  # noqa: BLE001 - record, print and go on: the run must yield every section it can
             tb = traceback.format_exc()
             tqdm.write(f"section {name} failed:\n{tb}")
-            results[name] = {"ok": False, "error": _error(error), "traceback": tb}
+            results[name] = {"ok": False, "error": error_text(error), "traceback": tb}
             free_device(bench.device)
         results[name]["seconds"] = time.perf_counter() - start
         tqdm.write(f"section {name}: {'ok' if results[name]['ok'] else 'FAILED'} "
@@ -355,8 +261,10 @@ def markdown(raw: dict) -> str:
              (f"torch {raw['environment']['torch']}, transformers {raw['environment']['transformers']}, "
               f"bf16, random weights of typed-in shapes, mode {raw['mode']}, {raw['date']}."), ""]
     bw = _figures(results, "bandwidth").get("copy_bandwidth_gb_s")
-    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s.", ""]
-    lines += _decode_section(results) + _throughput_section(results, plan) + _lora_section(results)
+    rate = _figures(results, "bandwidth").get("matmul_tflop_s")
+    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s; bf16 matmul: {_f(rate, 0)} TFLOP/s.", ""]
+    lines += _decode_section(results) + bounds_lines(results) + _throughput_section(results, plan)
+    lines += _lora_section(results)
     lines += _graphs_section(results, plan)
     lines += ["## Sections", "", markdown_table(
         ["section", "status", "seconds"],
