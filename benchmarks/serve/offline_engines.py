@@ -42,10 +42,11 @@ class LoraServeOffline:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def run(self, prompts: list[str], max_tokens: int) -> OfflineRun:
+    def run(self, prompts: list[str], max_tokens: int, adapters: list[str | None] | None = None) -> OfflineRun:
+        """adapters: one adapter (None: the base model) per prompt; none: the base model for all."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, adapters=adapters)
         seconds = time.perf_counter() - start
         return OfflineRun(len(outputs), seconds, sum(len(o.token_ids) for o in outputs),
                           statistics.median(o.ttft * 1000 for o in outputs))
