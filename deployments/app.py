@@ -13,6 +13,7 @@ from deployments.gate.auth import ApiKeyConfig, KeyRing
 from deployments.gate.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.replica.llm_server import LLMServer
 from deployments.replica.openmp import replica_env_vars
+from deployments.replica.pacing import STREAM_INTERVAL_MS
 from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabled
 from deployments.routing.ingress_router import AdapterRouter
 from deployments.routing.policy import RoutingPolicy
@@ -45,6 +46,10 @@ class AppArgs(StrictModel):
     api_keys_file: str | None = Field(None, description="a YAML or JSON file holding a list of api_keys entries")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1024, description="a larger request body gets 413")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="which replica serves a request (below)")
+    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, gt=0, le=10_000,
+                                      description="the longest a streamed response that is producing tokens waits "
+                                                  "between events; under load an event holds several tokens "
+                                                  "(deployments/replica/pacing.py)")
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
@@ -61,7 +66,7 @@ def build_app(args: dict | None = None) -> Application:
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
     server = LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
-        parsed.engine, gate=gate, routing=policy)
+        parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms)
     if not haproxy_enabled():
         return server
     return with_ingress_router(server, engine.model)

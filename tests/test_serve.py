@@ -1035,7 +1035,11 @@ def test_prometheus_metrics_are_exported(server):
     for adapter in ("alpha", None):
         requests.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3,
                                                                                  "adapter_id": adapter}}, timeout=60)
+    streamed = requests.post(f"{server}/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 4}},
+                             stream=True, timeout=60)
+    assert streamed.status_code == 200 and len([line for line in streamed.iter_lines() if line]) >= 2
     names = ("lora_serve_time_to_first_token_seconds_bucket", "lora_serve_time_per_output_token_seconds",
+             "lora_serve_inter_token_latency_seconds_bucket",
              "lora_serve_request_latency_seconds", "lora_serve_generation_tokens", "lora_serve_prompt_tokens",
              "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests",
              'lora_serve_weight_bytes{', "lora_serve_kv_cache_capacity_tokens", "lora_serve_adapter_slot_bytes",

@@ -16,7 +16,8 @@ starts every server in turn, alone on the machine (who goes first alternates), r
 stops it, so drift on this shared machine hits all of them alike and no idle server takes CPU from the one measured
 (an idle server's processes still take some, and on 2 cores the engine loses more throughput than the share of
 the CPU taken from it). TTFT = request sent -> first chunk with text; TPOT = (last - first chunk) /
-(tokens - 1). Each server's own engine runs offline on the same requests (benchmarks/serve/offline_engines.py):
+(tokens - 1); ITL = the gaps between a stream's chunks with text, p99 over every gap of the run (what a reader of
+the stream waits between bursts of text). Each server's own engine runs offline on the same requests (benchmarks/serve/offline_engines.py):
 lora-serve's LLM.generate (both cores, with the engine args of the config's application: the same LoRA slots and KV
 cache as the server) all at once at the start of every round; and each server's engine, lora-serve's or vLLM's
 LLM, at most 32 at a time (max_num_seqs = the top concurrency, so a finished request lets the next one in, as a
@@ -50,7 +51,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -83,6 +84,7 @@ class Timing:
     start: float
     first: float | None = None
     end: float | None = None
+    texts: list[float] = field(default_factory=list)  # when each chunk with text arrived: ITL is their gaps
     tokens: int = 0
     status: int = 0
     error: str | None = None  # the body of a refusal, or an error event in the stream (the first 300 characters)
@@ -102,6 +104,8 @@ class Scenario:
     tpot_ms_p50: float | None
     ttft_ms_p90: float | None = None
     tpot_ms_p90: float | None = None
+    itl_ms_p50: float | None = None  # the gaps between a stream's chunks with text, over every stream of the run
+    itl_ms_p99: float | None = None
     cores: dict | None = None
     beside: str | None = None  # an offline run: the server whose start (or stop) it came right before (after)
     steal: float | None = None  # share of the machine's CPU time the hypervisor gave to other guests meanwhile
@@ -125,8 +129,9 @@ async def stream_one(session: aiohttp.ClientSession, server: Server, prompt: str
                 timing.error = json.dumps(chunk["error"])[:300]
             elif chunk.get("usage"):
                 timing.tokens = chunk["usage"]["completion_tokens"]
-            elif timing.first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                timing.first = time.perf_counter()
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                timing.texts.append(time.perf_counter())
+                timing.first = timing.first or timing.texts[0]
     timing.end = time.perf_counter()
     return timing
 
@@ -148,10 +153,16 @@ def summarise(system: str, concurrency: int, rnd: int, timings: list[Timing], se
     ok = [t for t in timings if t.status == 200 and t.first is not None and t.tokens]
     ttft = sorted((t.first - t.start) * 1000 for t in ok)
     tpot = sorted((t.end - t.first) / (t.tokens - 1) * 1000 for t in ok if t.tokens > 1)
-    p90 = lambda v: v[min(len(v) - 1, int(0.9 * len(v)))] if v else None  # noqa: E731
+    itl = sorted((b - a) * 1000 for t in ok for a, b in zip(t.texts, t.texts[1:]))
     median = lambda v: statistics.median(v) if v else None  # noqa: E731
     return Scenario(system, concurrency, rnd, len(timings), len(ok), seconds, sum(t.tokens for t in ok) / seconds,
-                    median(ttft), median(tpot), p90(ttft), p90(tpot))
+                    median(ttft), median(tpot), quantile(ttft, 0.9), quantile(tpot, 0.9), median(itl),
+                    quantile(itl, 0.99))
+
+
+def quantile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (the nearest rank at or below it), None for none."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def run_scenario(server: Server, prompts: list[str], max_tokens: int, concurrency: int, rnd: int,
@@ -337,9 +348,9 @@ def _of(raw: dict, system: str, concurrency: int | None = None) -> list[dict]:
 
 
 def table(raw: dict) -> str:
-    """Per concurrency and server: tok/s, TTFT and TPOT p50 (ranges over rounds) and the ratio to vLLM."""
+    """Per concurrency and server: tok/s, TTFT and TPOT p50, ITL p99 (ranges over rounds) and the ratio to vLLM."""
     peer = "vLLM" if "vLLM" in raw["systems"] else None
-    header = ["concurrent", "server", "tok/s", "vs vLLM", "TTFT p50 ms", "TPOT p50 ms", "ok / requests"]
+    header = ["concurrent", "server", "tok/s", "vs vLLM", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms", "ok / requests"]
     rows = []
     for c in raw["concurrency"]:
         for system in raw["systems"]:
@@ -350,6 +361,7 @@ def table(raw: dict) -> str:
             rows.append([c, system, value_range([r["tok_s"] for r in runs]), ratio,
                          value_range([r["ttft_ms_p50"] for r in runs], 0),
                          value_range([r["tpot_ms_p50"] for r in runs]),
+                         value_range([r.get("itl_ms_p99") for r in runs], 0),
                          f"{sum(r['ok'] for r in runs)} / {sum(r['requests'] for r in runs)}"])
     return markdown_table(header, rows)
 
@@ -418,17 +430,17 @@ def _busy(cores: dict[str, float]) -> float:
 
 
 def plot(raw: dict):
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for system in raw["systems"]:
-        for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50")):
-            values = [statistics.median([r[key] for r in _of(raw, system, c)]) for c in raw["concurrency"]]
+        for ax, key in zip(axes, ("tok_s", "ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99")):
+            values = [statistics.median([r.get(key) or 0 for r in _of(raw, system, c)]) for c in raw["concurrency"]]
             ax.plot([str(c) for c in raw["concurrency"]], values, marker="o", label=system)
     styles = itertools.cycle(("--", ":", "-.", (0, (5, 1))))
     for name, style in zip(raw["offline"], styles):
         offline_tok_s = statistics.median(r["tok_s"] for r in _of(raw, name))
         color = "gray" if name.startswith(LORA_SERVE) else "tan"
         axes[0].axhline(offline_tok_s, color=color, linestyle=style, label=name)
-    for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
+    for ax, label in zip(axes, ("generated tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)", "ITL p99 (ms)")):
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

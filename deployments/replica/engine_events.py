@@ -41,6 +41,8 @@ class RequestWatch(Protocol):
 
     def token(self) -> None: ...
 
+    def sent(self, event: TokenEvent) -> None: ...
+
     def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None: ...
 
 
@@ -48,6 +50,9 @@ class Unwatched:
     """A request nobody measures (an engine served in one process exports no metrics)."""
 
     def token(self) -> None:
+        pass
+
+    def sent(self, event: TokenEvent) -> None:
         pass
 
     def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
@@ -63,14 +68,16 @@ class StartedRequest:
 
 class EngineEvents:
     def __init__(self, engine: AsyncEngine, token_texts: TokenTexts, content_id: Callable[[str], str | None],
-                 fetch: Callable[[str, RequestWatch], Awaitable[None]] | None = None):
+                 fetch: Callable[[str, RequestWatch], Awaitable[None]] | None = None,
+                 pacer: EventPacer | None = None):
         """content_id: the content id of an adapter key's weights, for the Final. fetch: awaited for an adapter
-        request before the engine takes it (a Serve replica loads the adapter through Serve's multiplexing)."""
+        request before the engine takes it (a Serve replica loads the adapter through Serve's multiplexing).
+        pacer: how often the streams send (deployments/replica/pacing.py; its defaults when None)."""
         self.engine = engine
         self.token_texts = token_texts
         self.content_id = content_id
         self.fetch = fetch
-        self.pacer = EventPacer()
+        self.pacer = pacer or EventPacer()
 
     async def events(self, request: EventRequest, watch: RequestWatch) -> AsyncIterator[TokenEvent | Refusal]:
         """TokenEvents of one or more new tokens each, the last carrying the Final; with stream False, one event
@@ -105,6 +112,7 @@ class EngineEvents:
                 held = event if held is None else held.extend(event)
                 if event.final is not None or (request.stream and pace.due()):
                     pace.sent(held)
+                    watch.sent(held)
                     yield held
                     held = None
 

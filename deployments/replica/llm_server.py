@@ -34,6 +34,7 @@ from deployments.replica.engine_events import EngineEvents, EventRequest
 from deployments.replica.event_streams import ForwardedEvents, LocalEvents
 from deployments.replica.metrics import RequestTimer, ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
+from deployments.replica.pacing import STREAM_INTERVAL_MS, EventPacer
 from deployments.replica.replica_stats import ReplicaStats, engine_info
 from deployments.routes.engine_client import Served
 from deployments.routes.routes import http_app
@@ -69,9 +70,11 @@ REPORT_INTERVAL_S = 1.0
 @serve.ingress()
 class LLMServer:
     def __init__(self, engine: dict | None = None, top_adapters: int = 20,
-                 gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy()):
+                 gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy(),
+                 stream_interval_ms: float = STREAM_INTERVAL_MS):
         """routing: how this replica places the requests it parses (deployments/routing/policy.py); None serves each
-        where Serve's router put it (plain multiplexing, for comparison)."""
+        where Serve's router put it (plain multiplexing, for comparison). stream_interval_ms: the longest a
+        producing stream waits between events (deployments/replica/pacing.py)."""
         self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate/gate.py
         config = EngineConfig.from_overrides(**(engine or {}))
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -86,7 +89,8 @@ class LLMServer:
             self.adapter_cache.wait_ready()
         self.served = Served(self, config, self.engine.tokenizer)  # what the routes keep beside this replica
         self.metrics = ServingMetrics(top_adapters)
-        self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id, self._fetch_adapter)
+        self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id, self._fetch_adapter,
+                                   EventPacer(max_interval_s=stream_interval_ms / 1000))
         self.metrics.memory(self.engine.memory())
         self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
         self._peers = PeerView(routing) if routing is not None else None

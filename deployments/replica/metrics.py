@@ -19,6 +19,7 @@ from deployments.gate.tenant_metrics import TopLabels
 from engine.outputs import EngineStats
 
 if TYPE_CHECKING:
+    from deployments.api.events import TokenEvent
     from engine.memory import MemoryReport
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
@@ -34,10 +35,19 @@ class RequestTimer:
     metrics: ServingMetrics
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_event: float | None = None  # when its stream last sent an event
 
     def token(self) -> None:
         if self.first_token is None:
             self.first_token = time.monotonic()
+
+    def sent(self, event: TokenEvent) -> None:
+        """An event left for the client: the gap since its last one is an inter-token latency as a reader sees it
+        (an event holds every token since the last under load: deployments/replica/pacing.py)."""
+        now = time.monotonic()
+        if self.last_event is not None:
+            self.metrics.itl.observe(now - self.last_event, {"adapter": self.adapter_label})
+        self.last_event = now
 
     def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
         self.metrics.finish(self, finish_reason, prompt_tokens, generated_tokens)
@@ -53,6 +63,9 @@ class ServingMetrics:
                                       "Mean time between output tokens of a request.", TOKEN_GAP_BUCKETS, tags)
         self.e2e = metrics.Histogram("lora_serve_request_latency_seconds", "End-to-end request latency.",
                                      LATENCY_BUCKETS, tags)
+        self.itl = metrics.Histogram("lora_serve_inter_token_latency_seconds",
+                                     "Gap between successive events of a streamed response (each holds one or more "
+                                     "tokens).", TOKEN_GAP_BUCKETS, tags)
         self.requests = metrics.Counter("lora_serve_requests", "Finished requests.", ("adapter", "finish_reason"))
         self.prompt_tokens = metrics.Counter("lora_serve_prompt_tokens", "Prompt tokens of finished requests.", tags)
         self.generation_tokens = metrics.Counter("lora_serve_generation_tokens", "Generated tokens.", tags)

@@ -8,6 +8,10 @@ and last events always go at once). A lone stream still gets each token as it co
 than a step); 32 streams get a few tokens per event. The engine adds to this: a step's outputs wake each event
 loop once (engine/async_engine.py), not once per request.
 
+The budget alone makes a reader wait n / events_per_s between bursts of text (half a second at 32 streams), so the
+interval is capped at `stream_interval_ms` (AppArgs): under load a stream's events still hold several tokens, and
+none of its gaps is much longer than the cap plus a step.
+
 Under `serve run serve_config.yaml` with one engine thread, four tokens per event instead of one raised the
 tokens/s of 8 and of 32 concurrent streams and lowered their TPOT. With the engine on both cores (Intel OpenMP), a
 budget of 32 events/s served the same as 64; 128 served less.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from deployments.api.events import TokenEvent
 
 EVENTS_PER_S = 64.0
+STREAM_INTERVAL_MS = 50.0  # the longest a producing stream holds its tokens (AppArgs.stream_interval_ms)
 
 
 @dataclass
@@ -47,12 +52,15 @@ class StreamPace:
 
 @dataclass
 class EventPacer:
-    """The replica's streams share an event budget; stream() opens one (as a context manager)."""
+    """The replica's streams share an event budget, but none waits longer than max_interval_s between events;
+    stream() opens one (as a context manager) once its request produces tokens, so requests still queued in the
+    engine take none of the budget."""
     events_per_s: float = EVENTS_PER_S
+    max_interval_s: float = STREAM_INTERVAL_MS / 1000
     open_streams: int = field(default=0)
 
     def interval_s(self) -> float:
-        return self.open_streams / self.events_per_s
+        return min(self.open_streams / self.events_per_s, self.max_interval_s)
 
     def stream(self) -> StreamPace:
         return StreamPace(self)
