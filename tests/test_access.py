@@ -330,3 +330,42 @@ def test_many_keys_at_once_are_each_counted(server, tiny_llama_path):
                               [ADMIN, SINGLE, ADMIN, SINGLE]))
     assert codes.count(200) >= 3 and set(codes) <= {200, 429}
     assert _complete(server, str(tiny_llama_path), SINGLE).status_code == 200  # nothing left counted in
+
+
+def _dashboard_queries() -> list[str]:
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lora-serve.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def _names_and_labels(queries: list[str]) -> tuple[set[str], set[str]]:
+    """The metrics a dashboard's PromQL reads (with a histogram's _bucket), and the labels it groups or filters by."""
+    import re
+
+    names = {name for q in queries for name in re.findall(r"\b(lora_serve_[a-z_]+)", q)}
+    grouped = {label.strip() for q in queries for group in re.findall(r"by \(([^)]*)\)", q)
+               for label in group.split(",")}
+    filtered = {label for q in queries for label in re.findall(r"(\w+)\s*!?=", q)}
+    return names, (grouped | filtered) - {"le"}
+
+
+@pytest.mark.slow
+def test_the_grafana_dashboard_reads_only_what_the_server_exports(server, tiny_llama_path):
+    """Every metric and label of deploy/grafana/lora-serve.json's queries is in what Ray exports for this app, once
+    it has served base, adapter and streamed requests and refused one: a renamed metric fails here."""
+    assert _complete(server, str(tiny_llama_path)).status_code == 200
+    for _ in range(2):  # an adapter: loaded into the replica, then found there
+        assert _complete(server, "team-a-chat").status_code == 200
+    streamed = _post(server, "/v1/completions", {"model": str(tiny_llama_path), "prompt": "hi", "max_tokens": 8,
+                                                 "stream": True}, stream=True)
+    assert streamed.status_code == 200 and len([line for line in streamed.iter_lines() if line]) >= 3
+    assert _complete(server, str(tiny_llama_path), key=None).status_code == 401
+    names, labels = _names_and_labels(_dashboard_queries())
+    assert "lora_serve_inter_token_latency_seconds_bucket" in names and "tenant" in labels  # the parse found them
+    deadline = time.monotonic() + 60
+    while True:
+        text = requests.get(METRICS["url"], timeout=10).text
+        missing = [n for n in names if n not in text] + [f'{label}="' for label in labels if f'{label}="' not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"the dashboard reads what the server does not export: {missing}"
+        time.sleep(2)

@@ -81,7 +81,10 @@ class ServingMetrics:
             ("waiting_for_adapter", "Waiting requests whose adapter has no device slot yet."),
             ("kv_cache_utilisation", "Fraction of KV cache blocks in use."),
             ("resident_adapters", "Adapters in device slots."),
-            ("prefix_cache_blocks", "KV blocks holding a cached prefix."))}
+            ("prefix_cache_blocks", "KV blocks holding a cached prefix."),
+            # a running total, as a gauge so that it is exported from the start (a Ray counter appears only once
+            # incremented): increase() over it counts preemptions
+            ("preemptions", "Running requests preempted for KV blocks since the replica started."))}
         self.prefix_counters = {name: metrics.Counter(f"lora_serve_{name}", description) for name, description in (
             ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed."),
@@ -126,7 +129,8 @@ class ServingMetrics:
     def engine_state(self, stats: EngineStats) -> None:
         values = {"running_requests": stats.running, "waiting_requests": stats.waiting,
                   "waiting_for_adapter": stats.waiting_for_adapter, "kv_cache_utilisation": stats.kv_utilisation,
-                  "resident_adapters": len(stats.resident_adapters), "prefix_cache_blocks": stats.prefix_cache_blocks}
+                  "resident_adapters": len(stats.resident_adapters), "prefix_cache_blocks": stats.prefix_cache_blocks,
+                  "preemptions": stats.preemptions}
         for name, value in values.items():
             self.gauges[name].set(value)
         for name, counter in self.prefix_counters.items():  # the engine keeps totals; counters take increments
