@@ -32,8 +32,11 @@ def _params(count: int) -> list[SamplingParams]:
     return params
 
 
+KV_CACHE = {"kv_cache_bytes": 32 << 20}  # the default 512 MiB, times a dozen engines, would crowd out the suite
+
+
 def _generate(path, overlap: bool, prompts, params, adapter_ids=None, **options):
-    llm = LLM(str(path), async_scheduling=overlap, log_stats=False, **options)
+    llm = LLM(str(path), async_scheduling=overlap, log_stats=False, **{**KV_CACHE, **options})
     outs = llm.generate(prompts, params, use_tqdm=False, adapters=adapter_ids)
     return llm, [(o.token_ids, o.text, o.finish_reason, o.logprobs, o.top_logprobs) for o in outs]
 
@@ -85,7 +88,7 @@ def test_mixed_adapters(tiny_llama_path, tmp_path):
 
 
 def _engine(path, overlap: bool) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_overrides(str(path), async_scheduling=overlap, log_stats=False))
+    return LLMEngine(EngineConfig.from_overrides(str(path), async_scheduling=overlap, log_stats=False, **KV_CACHE))
 
 
 def _run(engine: LLMEngine, abort_after: int) -> dict:

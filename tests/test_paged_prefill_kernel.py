@@ -180,7 +180,8 @@ def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer,
     base = tokenizer(" ".join(PROMPTS))["input_ids"][:40]
     prompts = [base] + [base[:n] + tokenizer(p)["input_ids"][:5] for n, p in zip((16, 23, 37), PROMPTS)]
     params = SamplingParams(max_tokens=3, temperature=0)
-    options = {"dtype": "float32", "log_stats": False, "cpu_kernels": False, "max_num_batched_tokens": 24}
+    options = {"dtype": "float32", "log_stats": False, "cpu_kernels": False, "max_num_batched_tokens": 24,
+               "kv_cache_bytes": 32 << 20}
 
     def run() -> list[list[int]]:
         llm = LLM(str(tiny_llama_path), **options)
