@@ -169,6 +169,11 @@ def fmt(value, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
 
 
+def scaled(value: float | None, digits: int = 1, scale: float = 1.0, suffix: str = "") -> str:
+    """A figure for tables, times `scale`, with a unit `suffix`; None as a dash."""
+    return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
+
+
 def value_range(values: list[float | None], digits: int = 1) -> str:
     """The spread of a figure over rounds, for tables: "lo-hi", one number when they print alike, "-" for none."""
     values = [v for v in values if v is not None]

@@ -13,7 +13,7 @@ yardstick (the bandwidth section: copy bandwidth and the bf16 matmul rate).
 
 from __future__ import annotations
 
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, scaled
 from benchmarks.gpu.gpu_engine import Bench, guarded, make_llm, run_llm
 from benchmarks.gpu.gpu_models import decode_weight_bytes, kv_bytes_per_token, shape
 from benchmarks.gpu.gpu_timing import free_device, timed
@@ -77,25 +77,22 @@ def section_prefill(bench: Bench) -> dict:
 BOUND_SECTIONS = (("decode_bound", section_decode_bound), ("prefill", section_prefill))
 
 
-def _f(value, digits=1, scale=1.0, suffix="") -> str:
-    return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
-
 
 def bounds_lines(results: dict) -> list[str]:
     """The two sections' tables for gpu.md (none for a section that did not run)."""
     lines = []
     decode = (results.get("decode_bound") or {}).get("figures") or {}
     if decode:
-        rows = [[m, r.get("batch"), _f(r.get("step_ms"), 2), _f(r.get("tok_s"), 0), _f(r.get("weight_bytes"), 1, 1e-9),
-                 _f(r.get("kv_bytes"), 1, 1e-9), _f(r.get("bound_ms"), 2), _f(r.get("of_bound"), 0, 100, "%"),
+        rows = [[m, r.get("batch"), scaled(r.get("step_ms"), 2), scaled(r.get("tok_s"), 0), scaled(r.get("weight_bytes"), 1, 1e-9),
+                 scaled(r.get("kv_bytes"), 1, 1e-9), scaled(r.get("bound_ms"), 2), scaled(r.get("of_bound"), 0, 100, "%"),
                  r.get("error", "")] for m, r in decode.items()]
         lines += ["## Decode at many sequences against its bandwidth bound", "", markdown_table(
             ["shape", "sequences", "step (ms)", "output tok/s", "weights (GB)", "K/V read (GB)", "bound (ms)",
              "% of bound", "error"], rows), ""]
     prefill = (results.get("prefill") or {}).get("figures") or {}
     if prefill:
-        rows = [[m, r.get("prompts"), r.get("length"), _f(r.get("seconds"), 3), _f(r.get("tflop_s"), 0),
-                 _f(r.get("of_matmul"), 0, 100, "%"), r.get("error", "")] for m, r in prefill.items()]
+        rows = [[m, r.get("prompts"), r.get("length"), scaled(r.get("seconds"), 3), scaled(r.get("tflop_s"), 0),
+                 scaled(r.get("of_matmul"), 0, 100, "%"), r.get("error", "")] for m, r in prefill.items()]
         lines += ["## Prefill against the bf16 matmul rate", "", markdown_table(
             ["shape", "prompts", "tokens each", "seconds", "TFLOP/s", "% of matmul rate", "error"], rows), ""]
     return lines

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import traceback
 
-from benchmarks.common import markdown_table, write_raw, write_summary
+from benchmarks.common import markdown_table, scaled, write_raw, write_summary
 from benchmarks.gpu.gpu_serve_plan import NAME, SHARE_BAR, WORKLOADS
-
-
-def _f(value, digits=1, scale=1.0, suffix="") -> str:
-    return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
 
 
 def markdown(raw: dict) -> str:
@@ -24,7 +20,7 @@ def markdown(raw: dict) -> str:
         lines += ["Ray Serve did not come up:", "", "```", server["ray_error"].strip(), "```", ""]
     lines += _routes_section(raw) + _load_section(raw) + _share_section(raw)
     lines += ["## Phases", "", markdown_table(["phase", "status", "seconds"], [
-        [n, "ok" if p["ok"] else f"failed: {p['error'].splitlines()[0][:300]}", _f(p["seconds"])]
+        [n, "ok" if p["ok"] else f"failed: {p['error'].splitlines()[0][:300]}", scaled(p["seconds"])]
         for n, p in raw["phases"].items()]), ""]
     return "\n".join(lines)
 
@@ -32,23 +28,23 @@ def markdown(raw: dict) -> str:
 def _server_line(server: dict) -> str:
     if server.get("server") == "lora-serve":
         return (f"Server: Ray Serve, `serve run` of gpu_serve_config.yaml, requests through {server['proxy']} on its "
-                f"HTTP port; healthy {_f(server.get('ready_s'))} s after its start.")
+                f"HTTP port; healthy {scaled(server.get('ready_s'))} s after its start.")
     if server.get("server"):
         return (f"Server: in one process without Ray (deployments/replica/in_process.py over uvicorn); healthy "
-                f"{_f(server.get('ready_s'))} s after its start.")
+                f"{scaled(server.get('ready_s'))} s after its start.")
     return "Server: none came up."
 
 
 def _routes_section(raw: dict) -> list[str]:
     rows = [[r["route"], "yes" if r["stream"] else "no", r["model"], "pass" if r["ok"] else "FAIL", r["detail"],
-             _f(r["ms"], 0)] for r in raw.get("routes", [])]
+             scaled(r["ms"], 0)] for r in raw.get("routes", [])]
     return [f"## Routes ({raw['plan']['check_tokens']} new tokens each)", "",
             markdown_table(["route", "streamed", "model", "result", "answer", "ms"], rows), ""] if rows else []
 
 
 def _load_section(raw: dict) -> list[str]:
-    rows = [[r["workload"], r["concurrency"], f"{r['ok']} / {r['requests']}", _f(r["tok_s"]), _f(r["ttft_ms_p50"]),
-             _f(r["tpot_ms_p50"], 2), _f(r["itl_ms_p50"]), _f(r["itl_ms_p99"]), _f(r["events_per_request"])]
+    rows = [[r["workload"], r["concurrency"], f"{r['ok']} / {r['requests']}", scaled(r["tok_s"]), scaled(r["ttft_ms_p50"]),
+             scaled(r["tpot_ms_p50"], 2), scaled(r["itl_ms_p50"]), scaled(r["itl_ms_p99"]), scaled(r["events_per_request"])]
             for r in raw.get("load", [])]
     if not rows:
         return []
@@ -60,7 +56,7 @@ def _load_section(raw: dict) -> list[str]:
 
 
 def _share_section(raw: dict) -> list[str]:
-    rows = [[s["workload"], _f(s["http_tok_s"]), _f(s["offline_tok_s"]), _f(s["share"], 0, 100, "%"),
+    rows = [[s["workload"], scaled(s["http_tok_s"]), scaled(s["offline_tok_s"]), scaled(s["share"], 0, 100, "%"),
              "met" if s["met"] else "not met"] for s in shares(raw)]
     if not rows:
         return []

@@ -28,7 +28,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from benchmarks.common import Folders, benchmark_args, environment, markdown_table, write_raw, write_summary
+from benchmarks.common import Folders, benchmark_args, environment, markdown_table, scaled, write_raw, write_summary
 from benchmarks.engine.hf_baselines import NO_EOS
 from benchmarks.gpu.gpu_bounds import BOUND_SECTIONS, bounds_lines
 from benchmarks.gpu.gpu_engine import Bench, Plan, decode_ms, error_text, guarded, llm_throughput, make_llm, run_llm
@@ -247,9 +247,6 @@ def run_sections(bench: Bench, only: set[str] | None, checkpoint) -> dict:
 # ---------------------------------------------------------------------------------------------------- report
 
 
-def _f(value, digits=1, scale=1.0, suffix="") -> str:
-    return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
-
 
 def _figures(results: dict, name: str) -> dict:
     return results.get(name, {}).get("figures") or {}
@@ -262,19 +259,19 @@ def markdown(raw: dict) -> str:
               f"bf16, random weights of typed-in shapes, mode {raw['mode']}, {raw['date']}."), ""]
     bw = _figures(results, "bandwidth").get("copy_bandwidth_gb_s")
     rate = _figures(results, "bandwidth").get("matmul_tflop_s")
-    lines += [f"Device copy bandwidth (read + write): {_f(bw, 0)} GB/s; bf16 matmul: {_f(rate, 0)} TFLOP/s.", ""]
+    lines += [f"Device copy bandwidth (read + write): {scaled(bw, 0)} GB/s; bf16 matmul: {scaled(rate, 0)} TFLOP/s.", ""]
     lines += _decode_section(results) + bounds_lines(results) + _throughput_section(results, plan)
     lines += _lora_section(results)
     lines += _graphs_section(results, plan)
     lines += ["## Sections", "", markdown_table(
         ["section", "status", "seconds"],
-        [[n, "ok" if r["ok"] else f"failed: {r['error']}", _f(r["seconds"], 1)] for n, r in results.items()]), ""]
+        [[n, "ok" if r["ok"] else f"failed: {r['error']}", scaled(r["seconds"], 1)] for n, r in results.items()]), ""]
     return "\n".join(lines)
 
 
 def _decode_section(results: dict) -> list[str]:
-    rows = [[m, _f(r.get("ms_per_token"), 2), _f(r.get("weight_bytes"), 2, 1e-9), _f(r.get("bound_ms"), 2),
-             _f(r.get("of_bound"), 0, 100, "%"), _f(r.get("ready_s"), 1), r.get("error", "")]
+    rows = [[m, scaled(r.get("ms_per_token"), 2), scaled(r.get("weight_bytes"), 2, 1e-9), scaled(r.get("bound_ms"), 2),
+             scaled(r.get("of_bound"), 0, 100, "%"), scaled(r.get("ready_s"), 1), r.get("error", "")]
             for m, r in _figures(results, "decode").items()]
     return ["## Batch-1 decode", "", markdown_table(["shape", "ms / token", "weights read (GB)",
                                                      "weight-read bound (ms)", "% of bound", "engine ready (s)",
@@ -291,8 +288,8 @@ def _throughput_section(results: dict, plan: dict) -> list[str]:
         for system in ("lora-serve", "HF generate (static)", "HF generate_batch"):
             r = tp.get(f"{system}@{batch}", {})
             ratio = ls / r["tok_s"] if ls and r.get("tok_s") else None
-            rows.append([batch, system, _f(r.get("tok_s"), 0), _f(ratio, 2, suffix="x"),
-                         _f(r.get("ttft_median_ms"), 0), r.get("error", "")])
+            rows.append([batch, system, scaled(r.get("tok_s"), 0), scaled(ratio, 2, suffix="x"),
+                         scaled(r.get("ttft_median_ms"), 0), r.get("error", "")])
     return [f"## Throughput, Llama-3.2-1B shape, {plan['prompt']}-token prompts, {plan['new']} new tokens", "",
             markdown_table(["sequences", "system", "output tok/s", "lora-serve / this", "median TTFT (ms)", "error"],
                            rows), ""]
@@ -304,17 +301,17 @@ def _lora_section(results: dict) -> list[str]:
         return []
     return [f"## {lo['adapters']} distinct rank-{lo['rank']} adapters, {lo['batch']} sequences", "",
             markdown_table(["run", "output tok/s", "median TTFT (ms)"],
-                           [["base only", _f(lo["base"]["tok_s"], 0), _f(lo["base"]["ttft_median_ms"], 0)],
-                            [f"{lo['adapters']} adapters", _f(lo["lora"]["tok_s"], 0),
-                             _f(lo["lora"]["ttft_median_ms"], 0)]]),
-            "", f"Adapters keep {_f(lo['ratio'], 0, 100, '%')} of base throughput (median runs).", ""] + _lora_runs(lo)
+                           [["base only", scaled(lo["base"]["tok_s"], 0), scaled(lo["base"]["ttft_median_ms"], 0)],
+                            [f"{lo['adapters']} adapters", scaled(lo["lora"]["tok_s"], 0),
+                             scaled(lo["lora"]["ttft_median_ms"], 0)]]),
+            "", f"Adapters keep {scaled(lo['ratio'], 0, 100, '%')} of base throughput (median runs).", ""] + _lora_runs(lo)
 
 
 def _lora_runs(lo: dict) -> list[str]:
     runs = lo.get("runs_tok_s")
     if not runs:
         return []
-    listed = {kind: ", ".join(_f(v, 0) for v in values) for kind, values in runs.items()}
+    listed = {kind: ", ".join(scaled(v, 0) for v in values) for kind, values in runs.items()}
     return [f"Every run, in tok/s, base: {listed['base']}; adapters: {listed['lora']}.", ""]
 
 
@@ -322,11 +319,11 @@ def _graphs_section(results: dict, plan: dict) -> list[str]:
     tg = _figures(results, "ttft_graphs")
     if not tg:
         return []
-    rows = [[f"TTFT alone, {plan['ttft_prompt']}-token prompt (ms)", _f(tg.get("ttft_alone_ms/eager"), 1),
-             _f(tg.get("ttft_alone_ms/graphs"), 1), ""]]
+    rows = [[f"TTFT alone, {plan['ttft_prompt']}-token prompt (ms)", scaled(tg.get("ttft_alone_ms/eager"), 1),
+             scaled(tg.get("ttft_alone_ms/graphs"), 1), ""]]
     for batch in plan["step_batches"]:
         e, g = tg.get(f"step_ms@{batch}/eager"), tg.get(f"step_ms@{batch}/graphs")
-        rows.append([f"decode step, batch {batch} (ms)", _f(e, 2), _f(g, 2), _f(e / g if e and g else None, 2,
+        rows.append([f"decode step, batch {batch} (ms)", scaled(e, 2), scaled(g, 2), scaled(e / g if e and g else None, 2,
                                                                                suffix="x")])
     return ["## TTFT and decode step time, eager against CUDA graphs (Llama-3.2-1B shape)", "",
             markdown_table(["figure", "eager", "CUDA graphs", "speed-up"], rows), ""]
