@@ -14,6 +14,7 @@ from deployments.gate.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.replica.llm_server import LLMServer
 from deployments.replica.openmp import replica_env_vars
 from deployments.replica.pacing import STREAM_INTERVAL_MS
+from deployments.replica.tracing import TracingConfig
 from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabled
 from deployments.routing.ingress_router import AdapterRouter
 from deployments.routing.policy import RoutingPolicy
@@ -39,6 +40,21 @@ class RoutingArgs(StrictModel):
         return RoutingPolicy(self.imbalance, self.hot_adapter_requests, self.kv_high)
 
 
+class TracingArgs(StrictModel):
+    """Per-request OpenTelemetry traces (deployments/replica/tracing.py), as vLLM's --otlp-traces-endpoint."""
+    otlp_traces_endpoint: str | None = Field(
+        None, min_length=1, description="where replicas send their spans over OTLP (grpc: http://host:4317, "
+        "plaintext, or https://host:4317; http/protobuf: the full URL, http://host:4318/v1/traces); None: tracing "
+        "off. OTEL_EXPORTER_OTLP_* variables in the replicas' environment set headers, certificates and timeouts")
+    protocol: Literal["grpc", "http/protobuf"] = Field("grpc", description="the OTLP transport")
+    service_name: str = Field("lora-serve", min_length=1, description="the traces' service.name")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="the share of traces kept; a request that carries a "
+                                "traceparent follows its sampled flag")
+
+    def config(self) -> TracingConfig:
+        return TracingConfig(self.otlp_traces_endpoint, self.protocol, self.service_name, self.sample_ratio)
+
+
 class AppArgs(StrictModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
@@ -50,6 +66,8 @@ class AppArgs(StrictModel):
                                       description="the longest a streamed response that is producing tokens waits "
                                                   "between events; under load an event holds several tokens "
                                                   "(deployments/replica/pacing.py)")
+    tracing: TracingArgs = Field(default_factory=TracingArgs, description="per-request OpenTelemetry traces "
+                                 "(below); off without an endpoint")
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
@@ -66,7 +84,8 @@ def build_app(args: dict | None = None) -> Application:
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
     server = LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
-        parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms)
+        parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
+        tracing=parsed.tracing.config())
     if not haproxy_enabled():
         return server
     return with_ingress_router(server, engine.model)

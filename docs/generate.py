@@ -32,7 +32,7 @@ from deployments.routes.routes import ROUTERS  # noqa: E402
 
 HTTP_ROUTES = [route for router in ROUTERS for route in router.routes]
 
-from deployments.app import AppArgs, RoutingArgs  # noqa: E402
+from deployments.app import AppArgs, RoutingArgs, TracingArgs  # noqa: E402
 from deployments.gate.auth import ApiKeyConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
@@ -129,6 +129,8 @@ def reference() -> str:
               model_rows(AppArgs)),
         table("routing", "`args.routing`: which replica serves a request (`deployments/routing/policy.py`).",
               model_rows(RoutingArgs)),
+        table("tracing", "`args.tracing`: per-request OpenTelemetry traces (`deployments/replica/tracing.py`; "
+              "[operations.md](operations.md#tracing)).", model_rows(TracingArgs)),
         table("api_keys entries", "Each entry of `args.api_keys`, and of the list in `api_keys_file` "
               "(`deployments/gate/auth.py`). Give the key one way: `key_sha256`, `key_env` or `key_file`.",
               model_rows(ApiKeyConfig)),

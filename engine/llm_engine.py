@@ -35,7 +35,7 @@ from engine.memory import MemoryReport
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, StepResult
 from engine.models import context_limit, lora_shapes
-from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput
+from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput, RequestTimes
 from engine.sampler import SampledTokens, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -158,6 +158,7 @@ class LLMEngine:
                        adapter_id=adapter_id, arrival_time=arrival)
         grammar = self.grammars.matcher(params.response_format) if params.response_format is not None else None
         seq.constrain(grammar, self._bad_words_ids(params.bad_words))  # ValueError for an invalid schema
+        seq.prepared()
         return TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
                                                           params.skip_special_tokens,
                                                           keep_stop=params.include_stop_str_in_output))
@@ -415,7 +416,12 @@ class LLMEngine:
             top_logprobs=seq.top_logprobs if finished else [], prompt_logprobs=prompt.logprobs,
             prompt_top_logprobs=prompt.top_logprobs, prompt_ranks=prompt.ranks, ttft=ttft, latency=latency,
             num_preemptions=seq.num_preemptions, new_logprobs=new_logprobs, new_top_logprobs=new_top,
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens, times=_times(seq) if finished else None)
+
+
+def _times(seq: Sequence) -> RequestTimes:
+    return RequestTimes(seq.arrival_time, seq.prepared_time, seq.first_scheduled_time, seq.first_token_time,
+                        seq.finish_time)
 
 
 @dataclass

@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a request passed each point of its life in the engine, in time.perf_counter() seconds (None: it did
+    not get there): it arrived (before its prompt was tokenized and its adapter read), was prepared (from then on
+    it waits for the scheduler), was first scheduled, had its first token, and finished."""
+    arrival: float
+    prepared: float | None
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+
 @dataclass
 class RequestOutput:
     """One request's state after a step. A step's output carries only what the step added (new_*, delta_text),
@@ -34,6 +46,7 @@ class RequestOutput:
     latency: float | None = None  # seconds from arrival to finish
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens its first admission read from the prefix cache instead of computing
+    times: RequestTimes | None = None  # in the finished output only
 
 
 @dataclass

@@ -51,6 +51,8 @@ class Sequence:
     num_preemptions: int = 0  # times recomputed from its start: preempted, or restarted past a longrope switch
     long_rope: bool = False  # its K/V turned with a longrope model's long factors (engine/layers/rotary.py)
     arrival_time: float = field(default_factory=time.perf_counter)
+    prepared_time: float | None = None  # tokenized, its adapter read: from then on it waits for the scheduler
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG, made by the sampler when a seed is given
@@ -130,7 +132,13 @@ class Sequence:
         """The scheduler runs it; once its K/V turned with longrope's long factors, it stays on them."""
         self.long_rope = self.long_rope or long_rope
 
+    def prepared(self) -> None:
+        """Tokenized and its adapter read: it waits for the scheduler from now on."""
+        self.prepared_time = time.perf_counter()
+
     def start_running(self) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.perf_counter()
         self.status = SequenceStatus.RUNNING
 
     def preempt(self) -> None:

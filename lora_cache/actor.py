@@ -6,6 +6,12 @@ the object store, on any node, without touching the source again. Concurrent req
 adapter share one load (single flight). The actor is restarted by Ray if it dies and reloads on
 demand; replicas keep serving the adapters they already hold.
 
+The actor reads adapters from the sources (adapters_root, adapter_source, ...) of the newest replica that asked: a
+rolling update to a new adapters_root reaches the actor with the first request of a replica it started, and the
+adapters read from the former sources are dropped then (a name may mean other weights there). The replicas still
+draining keep the copies they hold. Each request carries its replica's sources, so an actor that Ray restarted
+with its first arguments follows the current ones again.
+
 A replica's wait for the actor is bounded by the actor's silence, not by time: a load may rightly take minutes (a
 download), but an actor that answers no ping for `timeout_s` (stopped, a restart that cannot be placed, its node
 gone) fails the wait with AdapterCacheUnavailableError, a 503 with Retry-After at the edge. Unbounded, one such wait
@@ -67,6 +73,7 @@ class LoRACacheActor:
 
         self.reader: AdapterReader | None = None  # made by the first read, for the shapes it brings (_reader)
         self.sources = sources
+        self.sources_since = 0.0  # the start time of the replica whose sources these are (_follow)
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
         name = ray.get_runtime_context().get_actor_name()
@@ -85,9 +92,12 @@ class LoRACacheActor:
         """This process's id: the actor answers (a replica's liveness probe while it awaits a call)."""
         return os.getpid()
 
-    async def get(self, adapter_id: str, shapes: LoraShapes) -> list[ray.ObjectRef]:
+    async def get(self, adapter_id: str, shapes: LoraShapes, sources: SourceConfig | None = None,
+                  started_at: float = 0.0) -> list[ray.ObjectRef]:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref), read on
-        a miss against the base model's LoRA `shapes` (each caller's engine knows them)."""
+        a miss against the base model's LoRA `shapes` (each caller's engine knows them). sources, started_at: the
+        caller's adapter sources and its start time (_follow)."""
+        self._follow(sources, started_at)
         entry = self.entries.get(adapter_id)
         if entry is not None:
             self.hits += 1
@@ -101,15 +111,27 @@ class LoRACacheActor:
             if self.inflight.get(adapter_id) is not None and self.inflight[adapter_id].done():
                 self.inflight.pop(adapter_id, None)
 
+    def _follow(self, sources: SourceConfig | None, started_at: float) -> None:
+        """Read from the sources of a replica started after the one whose sources are in use, if they differ;
+        forget what the former ones gave (an older replica asking, during a rolling update, changes nothing)."""
+        if sources is None or started_at <= self.sources_since:
+            return
+        if sources != self.sources:
+            self.source, self.sources, self.reader, self.remote_sources = make_source(sources), sources, None, {}
+            self.entries.discard(list(self.entries.keys()))
+            self.inflight.clear()  # a read under way finishes for its callers, unstored (_load)
+        self.sources_since = started_at
+
     async def _load(self, key: str, shapes: LoraShapes, location: AdapterLocation | None = None) -> ray.ObjectRef:
-        start = time.perf_counter()
+        start, sources = time.perf_counter(), self.sources
         reader = self._reader(shapes)
         if is_merge_key(key):
             adapter = await self._merged(key, shapes)
         else:
             adapter = await asyncio.to_thread(self._read, reader, key, location or self._location(key))
         ref = ray.put(adapter)
-        self.entries.put(key, _Entry(ref, adapter.nbytes, adapter.content_id), time.perf_counter() - start)
+        if sources is self.sources or location is not None:  # a registered location is not the sources'
+            self.entries.put(key, _Entry(ref, adapter.nbytes, adapter.content_id), time.perf_counter() - start)
         return ref
 
     def merge(self, spec: MergeSpec) -> str:
@@ -133,7 +155,7 @@ class LoRACacheActor:
             raise AdapterNotFoundError(key, "no such merge: send its merged_adapters spec")
         view = self.registry.view()
         parts = [await (await self.get(view.key(adapter_id), shapes))[0] for adapter_id in spec.ids]
-        return await asyncio.to_thread(self.reader.merge, key, parts, spec)
+        return await asyncio.to_thread(self._reader(shapes).merge, key, parts, spec)
 
     def _location(self, key: str) -> AdapterLocation | None:
         """Where the key's weights are: its registered location, or None for the configured source."""
@@ -261,6 +283,8 @@ class RayAdapterCache(HeldAdapters):
         the actor may answer nothing before a call awaiting it fails (AdapterCacheUnavailableError)."""
         self._actor = actor
         self._shapes: LoraShapes | None = None  # the engine's, once it binds this provider (bound)
+        self._sources: SourceConfig | None = None  # the engine's too, sent with each read (LoRACacheActor._follow)
+        self._started_at = time.time()
         self.replica = replica
         self.timeout_s = timeout_s
         self._ping_every_s = min(PING_EVERY_S, timeout_s / 2)
@@ -280,7 +304,7 @@ class RayAdapterCache(HeldAdapters):
         """This provider, for the engine whose LoRA shapes these are: an AdapterProviderFactory. The replica
         makes the provider before its engine, so that the actor's start and first answer overlap the model's
         load, and the engine binds it once it has read its model's config."""
-        self._shapes = shapes
+        self._shapes, self._sources = shapes, sources
         return self
 
     def _bound_shapes(self) -> LoraShapes:
@@ -394,7 +418,8 @@ class RayAdapterCache(HeldAdapters):
         handed out was lost with a node (the actor, restarted or not, loads it again)."""
         for attempt in range(2):
             try:
-                [ref] = self._answer(self._actor.get.remote(adapter_id, self._bound_shapes()), adapter_id)
+                call = self._actor.get.remote(adapter_id, self._bound_shapes(), self._sources, self._started_at)
+                [ref] = self._answer(call, adapter_id)
                 return ray.get(ref, timeout=self.timeout_s)
             except ray.exceptions.RayTaskError as exc:  # the load itself failed: the adapter is bad
                 raise exc.as_instanceof_cause() from None

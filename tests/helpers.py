@@ -83,10 +83,12 @@ def hf_generate(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[i
 @contextmanager
 def serving(cluster, app, name: str = "lora-serve"):
     """Serve `app` at the root of the shared cluster (tests/conftest.py serve_cluster), yielding the proxy's URL;
-    then delete it and the cache actor its replicas made, so the next module starts from adapters of its own."""
+    then delete it and the cache actor and quota ledger its replicas made, so the next module starts from adapters
+    and budgets of its own."""
     import ray
     from ray import serve
 
+    from deployments.gate.ray_ledger import LEDGER_NAME
     from lora_cache.actor import ACTOR_NAME
 
     serve.run(app, name=name, route_prefix="/")
@@ -95,7 +97,7 @@ def serving(cluster, app, name: str = "lora-serve"):
     finally:
         serve.delete(name)
         for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["name"].startswith(ACTOR_NAME):
+            if actor["name"].startswith((ACTOR_NAME, LEDGER_NAME)):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
 
 

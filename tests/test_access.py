@@ -6,6 +6,7 @@ file of hashed keys), spoken to over HTTP with requests and the openai client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import time
@@ -16,8 +17,10 @@ import openai
 import pytest
 import requests
 
-from deployments.gate.auth import ApiKeyConfig, KeyRing, Unauthorized, hash_key, load_key_file
-from deployments.gate.rate_limits import KeyLimiter, RateLimited, TokenBucket
+from deployments.gate import rate_limits
+from deployments.gate.auth import ApiKeyConfig, KeyLimits, KeyRing, Unauthorized, hash_key, load_key_file
+from deployments.gate.quota_ledger import LocalLedger, TokenBucket
+from deployments.gate.rate_limits import KeyLimiter, RateLimited
 from engine import LLM, SamplingParams
 from engine.errors import EngineOverloadedError, TokenBudget, TokenBudgetError
 from tests.helpers import serving, write_tiny_adapters
@@ -93,24 +96,89 @@ def test_a_key_in_clear_is_refused_at_build_saying_how_to_write_it_and_not_repea
         assert ADMIN not in message and TEAM_A not in message, message
 
 
+def _limits(**limits) -> KeyLimits:
+    return ApiKeyConfig(name="k", key_sha256=hash_key("k" * 20).hex(), **limits).to_key().limits
+
+
 def test_token_buckets_refill_with_time_and_carry_debt():
-    limiter = KeyLimiter(ApiKeyConfig(name="k", key_sha256=hash_key("k" * 20).hex(), requests_per_minute=600,
-                                      tokens_per_minute=6000,
-                                      max_concurrent=2).to_key().limits)
-    limiter.admit()
-    limiter.admit()
-    with pytest.raises(RateLimited, match="max_concurrent 2"):
-        limiter.admit()
-    limiter.release()
-    limiter.charge(12000)  # a request that cost two minutes' tokens: the next waits about a minute
-    with pytest.raises(RateLimited, match="6000 tokens per minute") as refused:
-        limiter.admit()
-    assert 55 < refused.value.retry_after_s <= 61
+    async def scenario():
+        limiter = KeyLimiter("k", _limits(requests_per_minute=600, tokens_per_minute=6000, max_concurrent=2),
+                             LocalLedger(), "replica-a")
+        await limiter.admit()
+        await limiter.admit()
+        with pytest.raises(RateLimited, match="max_concurrent 2"):
+            await limiter.admit()
+        limiter.release()
+        limiter.charge(12000)  # a request that cost two minutes' tokens: the next waits about a minute
+        with pytest.raises(RateLimited, match="6000 tokens per minute") as refused:
+            await limiter.admit()
+        assert 55 < refused.value.retry_after_s <= 61
+
+    asyncio.run(scenario())
     bucket = TokenBucket(600)  # 10 per second
     bucket.take(600)
     assert bucket.wait_s(1) == pytest.approx(0.1, abs=0.02)
     time.sleep(0.15)
     assert bucket.wait_s(1) == 0
+
+
+def test_replicas_sharing_a_ledger_hold_a_keys_limits_together():
+    """Two replicas' limiters over one ledger: a key gets its requests per minute, concurrency and tokens once,
+    not once per replica."""
+    ledger = LocalLedger()
+
+    async def requests_per_minute():
+        a, b = (KeyLimiter("k", _limits(requests_per_minute=6), ledger, replica) for replica in ("a", "b"))
+        assert [await _admitted(limiter) for limiter in (a, b) * 6] == [True] * 6 + [False] * 6
+
+    asyncio.run(requests_per_minute())
+
+    async def concurrency():
+        a, b, c = (KeyLimiter("c", _limits(max_concurrent=2), ledger, r) for r in ("a", "b", "c"))
+        assert [await _admitted(x) for x in (a, b, c)] == [True, True, False]
+        a.release()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert await _admitted(c) and not await _admitted(a)
+
+    asyncio.run(concurrency())
+
+    async def tokens():
+        a, b = (KeyLimiter("t", _limits(tokens_per_minute=600), ledger, r) for r in ("a", "b"))
+        assert await _admitted(a) and await _admitted(b)
+        a.charge(1200)  # two minutes' tokens at replica a: once b has spent its own lease, b waits too
+        b.charge(20)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        with pytest.raises(RateLimited, match="600 tokens per minute") as refused:
+            await b.admit()
+        assert 55 < refused.value.retry_after_s <= 125
+
+    asyncio.run(tokens())
+
+
+async def _admitted(limiter: KeyLimiter) -> bool:
+    try:
+        await limiter.admit()
+    except RateLimited:
+        return False
+    return True
+
+
+def test_a_ledger_that_does_not_answer_gets_503_and_admits_nothing_new(monkeypatch):
+    class Silent(LocalLedger):
+        async def lease(self, ask):
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(rate_limits, "LEDGER_TIMEOUT_S", 0.1)
+
+    async def scenario():
+        limiter = KeyLimiter("k", _limits(requests_per_minute=60), Silent(), "a")
+        with pytest.raises(RateLimited, match="could not be checked") as refused:
+            await limiter.admit()
+        assert refused.value.status == 503 and refused.value.retry_after_s >= 1
+
+    asyncio.run(scenario())
 
 
 # ---- the engine: max_tokens against the context and the ceiling ----

@@ -45,9 +45,10 @@ def shapes(tiny_llama_path):
     return lora_shapes_of(tiny_llama_path)
 
 
-def _client(actor, shapes, *args, **kwargs) -> RayAdapterCache:
-    """A replica's copy of the actor, bound as an engine binds it (to its model's LoRA shapes)."""
-    return RayAdapterCache(actor, *args, **kwargs).bound(SourceConfig(), shapes)
+def _client(actor, shapes, adapters_root, *args, **kwargs) -> RayAdapterCache:
+    """A replica's copy of the actor, bound as an engine binds it (to its model's LoRA shapes and its sources, the
+    actor's here)."""
+    return RayAdapterCache(actor, *args, **kwargs).bound(SourceConfig(adapters_root=str(adapters_root)), shapes)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_lru_eviction_by_bytes(shared_actor, tiny_llama_path, adapters_root, sha
 
 def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny_llama_path, adapters_root, shapes):
     actor = _actor(adapters_root)
-    client = _client(actor, shapes, follow_registry=False)
+    client = _client(actor, shapes, adapters_root, follow_registry=False)
     held = client.get("a")
     ray.kill(actor, no_restart=False)
     assert client.get("a") is held  # served from the replica's own copy while the actor restarts
@@ -91,10 +92,10 @@ def test_killed_actor_restarts_and_replica_keeps_what_it_holds(ray_cluster, tiny
 
 
 
-def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(shared_actor, shapes):
+def test_a_silent_actor_fails_a_fetch_as_unavailable_and_serves_once_it_answers(shared_actor, shapes, adapters_root):
     """A stopped actor process answers nothing and is not dead to Ray: the replica's wait ends after timeout_s
     with the cache named (a 503 at the edge), and the actor serves again once it runs."""
-    client = _client(shared_actor, shapes, follow_registry=False, timeout_s=1)
+    client = _client(shared_actor, shapes, adapters_root, follow_registry=False, timeout_s=1)
     pid = ray.get(shared_actor.ping.remote())
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -117,14 +118,14 @@ def test_a_replica_copy_waits_for_the_actor_only_when_asked(ray_cluster, adapter
     client = RayAdapterCache(broken, follow_registry=False)  # returns though the actor's __init__ raises
     with pytest.raises(ray.exceptions.RayActorError, match="needs adapters_root"):
         client.wait_ready()
-    working = _client(shared_actor, shapes)
+    working = _client(shared_actor, shapes, adapters_root)
     working.wait_ready()
     assert working.key("a") == "a"
     working.close()
 
 
-def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor, shapes):
-    client = _client(shared_actor, shapes, follow_registry=False)
+def test_bad_adapter_error_reaches_the_replica_with_its_reason(shared_actor, shapes, adapters_root):
+    client = _client(shared_actor, shapes, adapters_root, follow_registry=False)
     with pytest.raises(AdapterError, match="pickled"):
         client.get("pickled")
     with pytest.raises(AdapterError, match="not found"):
@@ -143,7 +144,9 @@ def test_engine_through_actor_equals_local_cache(shared_actor, tiny_llama_path, 
     from engine.llm_engine import LLMEngine
 
     provider = RayAdapterCache(shared_actor, follow_registry=False)
-    engine = LLMEngine(EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False), provider.bound)
+    config = EngineConfig.from_overrides(str(tiny_llama_path), max_loras=2, log_stats=False,
+                                         adapters_root=str(adapters_root))  # the actor's root, as in serving
+    engine = LLMEngine(config, provider.bound)
     for i, (prompt, adapter) in enumerate(zip(PROMPTS[:4], adapters)):
         engine.add_request(str(i), prompt, params, adapter)
     outputs = {}

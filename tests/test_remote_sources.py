@@ -282,10 +282,11 @@ def test_a_download_longer_than_the_cache_timeout_is_waited_for(ray_servers, tin
     publish(hub[1], "acme/unhurried", "c9" * 20, adapters / "one")
     chunks = sum(math.ceil((adapters / "one" / f).stat().st_size / 1024) for f in FILES)
     (hub[1] / "acme/unhurried" / "faults.json").write_text(json.dumps({"slow_s": 1.2 / chunks}))
-    actor = LoRACacheActor.remote(SourceConfig("hub", disk_cache=str(tmp_path)))
+    sources = SourceConfig("hub", disk_cache=str(tmp_path))
+    actor = LoRACacheActor.remote(sources)
     ray.get(actor.ping.remote())  # started: the actor's own start is not the wait under test
     shapes = lora_shapes_of(tiny_llama_path)
-    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3).bound(SourceConfig(), shapes)
+    client = RayAdapterCache(actor, follow_registry=False, timeout_s=0.3).bound(sources, shapes)
     try:
         start = time.monotonic()
         assert client.get("acme/unhurried").content_id == content_id(adapters / "one")

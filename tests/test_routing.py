@@ -124,6 +124,20 @@ def test_peer_view_serves_here_when_among_the_best_and_spreads_a_burst():
     assert view.choose(RouteRequest("a"), own) is None
 
 
+def test_peer_view_forwards_only_to_peers_serve_routes_to():
+    """A peer Serve stopped (a scale-down, a rolling update) still has a fresh report while it drains: a request
+    forwarded to it would come back here through Ray, so it is served here or by a live peer."""
+    live = {"ids": None}
+    view = PeerView(POLICY, lambda: live["ids"])
+    own = ReplicaReport("me@node-1")
+    view.update([ReplicaReport("stopping@node-1", device=_held("a")), ReplicaReport("kept@node-2", cpu=_held("a"))])
+    assert view.choose(RouteRequest("a"), own).target == "stopping@node-1"  # Serve's set not known yet: all count
+    live["ids"] = frozenset({"me", "kept"})
+    assert view.choose(RouteRequest("a"), own).target == "kept@node-2"
+    live["ids"] = frozenset({"me"})
+    assert view.choose(RouteRequest("a"), own) is None
+
+
 def test_peer_view_counts_only_the_forwards_still_in_flight():
     """Requests forwarded one after another, each ended before the next, keep going to the holder: only a burst in
     flight pushes it out of the load band."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from deployments.api.errors import RequestRefused, error_response
 from deployments.gate.auth import OPEN, ApiKey, KeyRing, KeyScope, Unauthorized
+from deployments.gate.quota_ledger import Ledger, LocalLedger
 from deployments.gate.rate_limits import KeyLimiter, RateLimited
 from deployments.gate.tenant_metrics import TenantMetrics
 
@@ -80,19 +81,31 @@ class GateConfig:
     max_request_bytes: int = MAX_REQUEST_BYTES
     top_tenants: int = 20
 
+    @property
+    def limited(self) -> bool:
+        """Whether any key has limits: only then do replicas share a quota ledger."""
+        return any(key.limits != OPEN.limits for key in self.keys)
+
 
 class Gate:
-    """A replica's keys, their limiters and metrics, and the body size limit."""
+    """A replica's keys, their limiters and metrics, and the body size limit. The limiters hold the keys' limits
+    for the whole application through `ledger` (deployments/gate/quota_ledger.py), which knows this replica as
+    `replica`; without one, for this process alone."""
 
-    def __init__(self, config: GateConfig):
+    def __init__(self, config: GateConfig, ledger: Ledger | None = None, replica: str = "local"):
         self.ring = KeyRing(list(config.keys))
         self.max_request_bytes = config.max_request_bytes
         self.metrics = TenantMetrics(config.top_tenants)
-        self.limiters = {key.name: KeyLimiter(key.limits) for key in self.ring.keys}
-        self._open = KeyLimiter(OPEN.limits)  # counts nothing: a key-less server has no limits
+        self._ledger, self._replica = ledger or LocalLedger(), replica
+        self.limiters = {key.name: KeyLimiter(key.name, key.limits, self._ledger, replica) for key in self.ring.keys}
+        self._open = KeyLimiter(OPEN.name, OPEN.limits, self._ledger, replica)  # a key-less server has no limits
 
-    def admit(self, authorization: str | None) -> Tenant:
-        """The request's tenant, counted in; RequestRefused with 401 or 429 otherwise."""
+    def close(self) -> None:
+        """This replica stops: the ledger frees its slots now, not at their expiry."""
+        self._ledger.leave(self._replica)
+
+    async def admit(self, authorization: str | None) -> Tenant:
+        """The request's tenant, counted in; RequestRefused with 401, 429 or 503 otherwise."""
         try:
             key = self.ring.authenticate(authorization)
         except Unauthorized as exc:
@@ -100,10 +113,10 @@ class Gate:
             raise RequestRefused(str(exc), 401) from None
         limiter = self.limiters.get(key.name, self._open)
         try:
-            limiter.admit()
+            await limiter.admit()
         except RateLimited as exc:
             self.metrics.request(key.name, "rate_limited")
-            raise RequestRefused(str(exc), 429, exc.retry_after_s) from None
+            raise RequestRefused(str(exc), exc.status, exc.retry_after_s) from None
         self.metrics.request(key.name, "admitted")
         return Tenant(key.name, key.scope, limiter, self.metrics, self.ring.enabled)
 
@@ -121,7 +134,7 @@ class GateMiddleware:
         gate = self.gate
         try:
             receive = await _bounded_body(scope, receive, gate.max_request_bytes)
-            tenant = gate.admit(_header(scope, b"authorization"))
+            tenant = await gate.admit(_header(scope, b"authorization"))
         except RequestRefused as exc:
             response = error_response(scope["path"], str(exc), exc.status, exc.retry_after_s)
             return await response(scope, receive, send)

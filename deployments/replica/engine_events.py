@@ -24,6 +24,7 @@ from lora_cache.adapter_folder import AdapterCacheUnavailableError
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,27 @@ class EventRequest:
     stream: bool
 
 
+@dataclass(frozen=True)
+class AdapterFetch:
+    """A request's adapter fetched into the replica before the engine took it: from its copy (hit) or from the
+    cache actor, between two time.perf_counter() readings."""
+    hit: bool
+    start: float
+    end: float
+
+
 class RequestWatch(Protocol):
-    """What a request's events tell whoever measures it (deployments/replica/metrics.py: RequestTimer)."""
+    """What a request's events tell whoever measures it (deployments/replica/metrics.py: RequestTimer;
+    deployments/replica/tracing.py: RequestSpans)."""
 
     def token(self) -> None: ...
 
     def sent(self, event: TokenEvent) -> None: ...
 
-    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None: ...
+    def adapter_fetched(self, fetch: AdapterFetch) -> None: ...
+
+    def finished(self, output: RequestOutput) -> None:
+        """The request's finished output: its reason, tokens and times in the engine (engine/outputs.py)."""
 
 
 class Unwatched:
@@ -55,8 +69,33 @@ class Unwatched:
     def sent(self, event: TokenEvent) -> None:
         pass
 
-    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
+    def adapter_fetched(self, fetch: AdapterFetch) -> None:
         pass
+
+    def finished(self, output: RequestOutput) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Watches:
+    """Several watches of one request, each told everything."""
+    watches: tuple[RequestWatch, ...]
+
+    def token(self) -> None:
+        for watch in self.watches:
+            watch.token()
+
+    def sent(self, event: TokenEvent) -> None:
+        for watch in self.watches:
+            watch.sent(event)
+
+    def adapter_fetched(self, fetch: AdapterFetch) -> None:
+        for watch in self.watches:
+            watch.adapter_fetched(fetch)
+
+    def finished(self, output: RequestOutput) -> None:
+        for watch in self.watches:
+            watch.finished(output)
 
 
 @dataclass
@@ -123,7 +162,7 @@ class EngineEvents:
             event.prompt_entries = self._prompt_entries(chunk)
         last = chunk[-1]
         if last.finished:
-            watch.finished(last.finish_reason, len(last.prompt_token_ids), len(last.token_ids))
+            watch.finished(last)
             content_id = self.content_id(request.adapter) if request.adapter is not None else None
             event.final = Final(last.finish_reason, last.text, len(last.token_ids), content_id,
                                 last.num_cached_tokens)

@@ -1,12 +1,14 @@
 """The HTTP API over an engine in this process, without Ray: the same routes and gate as a Serve replica's.
 
     engine = InProcessEngine(EngineConfig.from_overrides("smollm2-135m-instruct"))
-    uvicorn.run(http_app(engine.served, Gate(GateConfig())), port=8000)
+    uvicorn.run(engine.tracing.instrument(http_app(engine.served, Gate(GateConfig()))), port=8000)
 
 It serves one engine and no peers. Adapters come from the engine's own provider (offline: lora_cache's
 local_adapters, over adapter_source); loading and unloading adapters at run time is refused by name, since that is
-the cluster's cache actor's (serve run serve_config.yaml), and /v1/models lists the base model only. The serving
-tests run the routes over it to test them against a real engine in one process.
+the cluster's cache actor's (serve run serve_config.yaml), and /v1/models lists the base model only. Its requests
+are traced when it is given a RequestTracing that is on (deployments/replica/tracing.py; `instrument` adds the
+route's and the gate's spans to the app). The serving tests run the routes over it to test them against a real
+engine in one process.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import uuid
 from deployments.replica.engine_events import EngineEvents, EventRequest, Unwatched
 from deployments.replica.event_streams import LocalEvents
 from deployments.replica.replica_stats import engine_info
+from deployments.replica.tracing import RequestTracing
 from deployments.routes.engine_client import Served
 from engine.adapters import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.errors import key_name
 from engine.merge_spec import MergeSpec
 from engine.sampling import SamplingParams
 
@@ -30,8 +34,11 @@ NO_LIFECYCLE = ("loading and unloading adapters at run time needs the cluster's 
 class InProcessEngine:
     """An EngineClient (deployments/routes/engine_client.py) over an AsyncEngine of this process."""
 
-    def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None):
+    def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None,
+                 tracing: RequestTracing | None = None):
+        """tracing: this server's, which it owns from then on (shut down with it); None: off."""
         self._provider: AdapterProvider | None = None
+        self.tracing = tracing or RequestTracing()
         self._make_provider = adapters
         self.engine = AsyncEngine(config, self._provider_for if adapters is not None else None)
         self.served = Served(self, config, self.engine.tokenizer)
@@ -45,7 +52,8 @@ class InProcessEngine:
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                  stream: bool = True) -> LocalEvents:
         request_id = uuid.uuid4().hex
-        events = self.events.events(EventRequest(request_id, prompt, params, adapter, stream), Unwatched())
+        watch = self.tracing.watch(Unwatched(), request_id, key_name(adapter) if adapter is not None else None)
+        events = self.events.events(EventRequest(request_id, prompt, params, adapter, stream), watch)
         return LocalEvents(events, lambda: self.engine.abort(request_id))
 
     def running(self) -> bool:
@@ -76,3 +84,4 @@ class InProcessEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.tracing.shutdown()

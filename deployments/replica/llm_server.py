@@ -30,17 +30,19 @@ from ray.serve.config import BackpressureConfig
 
 from deployments.api.events import TokenEvent
 from deployments.gate.gate import Gate, GateConfig
-from deployments.replica.engine_events import EngineEvents, EventRequest
+from deployments.gate.ray_ledger import RayLedger
+from deployments.replica.engine_events import AdapterFetch, EngineEvents, EventRequest, RequestWatch
 from deployments.replica.event_streams import ForwardedEvents, LocalEvents
-from deployments.replica.metrics import RequestTimer, ServingMetrics
+from deployments.replica.metrics import ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
 from deployments.replica.pacing import STREAM_INTERVAL_MS, EventPacer
 from deployments.replica.replica_stats import ReplicaStats, engine_info
+from deployments.replica.tracing import RequestTracing, TraceCarrier, TracingConfig
 from deployments.routes.engine_client import Served
 from deployments.routes.routes import http_app
 from deployments.routing.peer_view import PeerView
 from deployments.routing.policy import RouteRequest, RoutingPolicy
-from deployments.routing.request_router import ROUTING_STATS_KEY, router_config
+from deployments.routing.request_router import ROUTING_STATS_KEY, live_replicas, router_config
 from engine.config import EngineConfig
 from engine.errors import (
     OVERLOADED_RETRY_AFTER_S,
@@ -59,28 +61,35 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 REPORT_INTERVAL_S = 1.0
+# A replica that Serve stops (a scale-down, a rolling update) gets no new requests and runs the ones it has to their
+# end, for at most this long before Serve kills it and cuts the rest. Serve's default, 20 s, is shorter than one
+# long generation on a CPU; the wait ends as soon as the last request does, so a long bound costs only when needed.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 
 
 # The engine's own queue limit (max_waiting_requests, answered 429 in each API's error shape) is meant to act
 # first: ongoing requests allow more than max_num_seqs + max_waiting_requests. Past Serve's own queue the proxy
 # answers 503 with Retry-After in plain text.
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, health_check_period_s=10,
+                  graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
                   backpressure_config=BackpressureConfig(status_code=503, retry_after_s=OVERLOADED_RETRY_AFTER_S),
                   request_router_config=router_config(RoutingPolicy()))
 @serve.ingress()
 class LLMServer:
     def __init__(self, engine: dict | None = None, top_adapters: int = 20,
                  gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy(),
-                 stream_interval_ms: float = STREAM_INTERVAL_MS):
+                 stream_interval_ms: float = STREAM_INTERVAL_MS, tracing: TracingConfig | None = None):
         """routing: how this replica places the requests it parses (deployments/routing/policy.py); None serves each
         where Serve's router put it (plain multiplexing, for comparison). stream_interval_ms: the longest a
-        producing stream waits between events (deployments/replica/pacing.py)."""
-        self.gate = Gate(gate)  # API keys, per-key limits, body size: deployments/gate/gate.py
+        producing stream waits between events (deployments/replica/pacing.py). tracing: where its requests' spans
+        go (deployments/replica/tracing.py; off without an endpoint)."""
         config = EngineConfig.from_overrides(**(engine or {}))
         self.node_id = ray.get_runtime_context().get_node_id()
         context = serve.get_replica_context()
         self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
         self._deployment = (context.deployment, context.app_name)
+        # API keys, per-key limits held for the whole application, body size: deployments/gate/gate.py
+        self.gate = Gate(gate, RayLedger(context.app_name) if gate.limited else None, self.replica)
         # The cache actor first, before this process imports torch: if this replica creates it, its process start
         # overlaps the engine's imports, model load and operators' build
         self.adapter_cache = self._adapter_provider(config) if config.max_loras else None
@@ -89,11 +98,13 @@ class LLMServer:
             self.adapter_cache.wait_ready()
         self.served = Served(self, config, self.engine.tokenizer)  # what the routes keep beside this replica
         self.metrics = ServingMetrics(top_adapters)
+        self.tracing = RequestTracing.of(tracing or TracingConfig(), self.replica)  # owns its TracerProvider
         self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id, self._fetch_adapter,
                                    EventPacer(max_interval_s=stream_interval_ms / 1000))
         self.metrics.memory(self.engine.memory())
         self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
-        self._peers = PeerView(routing) if routing is not None else None
+        live = lambda: live_replicas(context.app_name, context.deployment)
+        self._peers = PeerView(routing, live) if routing is not None else None
         self._forwarded = 0  # requests this replica sent to a peer
         self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
         self._report = ReplicaReport(self.replica)
@@ -113,7 +124,7 @@ class LLMServer:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The HTTP routes over this replica (Serve's late-bound ingress builds them after __init__)."""
-        return http_app(self.served, self.gate)
+        return self.tracing.instrument(http_app(self.served, self.gate))
 
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                  stream: bool = True) -> LocalEvents | ForwardedEvents:
@@ -128,7 +139,8 @@ class LLMServer:
             if self._peer_handle is None:
                 self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
             self._forwarded += 1
-            return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream),
+            return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream,
+                                                                      self.tracing.carrier(adapter)),
                                    lambda: self._serve_here(prompt, params, key, stream),
                                    lambda: self._peers.finished(route))
         return self._serve_here(prompt, params, key, stream)
@@ -163,10 +175,10 @@ class LLMServer:
         return RouteRequest(key_name(key), self.adapter_cache.content_id(key), tuple(digests))
 
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
-                        stream: bool = True) -> AsyncIterator[TokenEvent | Refusal]:
+                        stream: bool = True, trace: TraceCarrier | None = None) -> AsyncIterator[TokenEvent | Refusal]:
         """A request another replica forwarded here (Serve's router reads `route`:
-        deployments/routing/request_router.py)."""
-        async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream):
+        deployments/routing/request_router.py), in the trace it carries."""
+        async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream, trace):
             yield event
 
     async def load_adapter(self, name: str, lora_path: str) -> Registration:
@@ -184,15 +196,17 @@ class LLMServer:
         return self.adapter_cache
 
     async def _generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                        adapter: str | None, stream: bool) -> AsyncIterator[TokenEvent | Refusal]:
+                        adapter: str | None, stream: bool,
+                        trace: TraceCarrier | None = None) -> AsyncIterator[TokenEvent | Refusal]:
         """Yield TokenEvents of one or more new tokens each (each event costs the HTTP proxy and, when forwarded,
         a Ray stream per item, not per token: the tokens ready when the consumer asks, held longer under load,
         see deployments/replica/pacing.py); the last one carries the Final. With stream=False, one event with every
         token. A request the engine refuses yields one Refusal instead."""
-        timer = self.metrics.start(key_name(adapter) if adapter is not None else None)
+        name = key_name(adapter) if adapter is not None else None
+        watch = self.tracing.watch(self.metrics.start(name), request_id, name, trace)
         self._in_flight[adapter] += 1
         try:
-            async for event in self.events.events(EventRequest(request_id, prompt, params, adapter, stream), timer):
+            async for event in self.events.events(EventRequest(request_id, prompt, params, adapter, stream), watch):
                 yield event
         finally:
             self._in_flight[adapter] -= 1
@@ -202,14 +216,14 @@ class LLMServer:
     def _content_id(self, key: str) -> str | None:
         return self.adapter_cache.content_id(key)
 
-    async def _fetch_adapter(self, adapter: str, timer: RequestTimer) -> None:
+    async def _fetch_adapter(self, adapter: str, watch: RequestWatch) -> None:
         if self.adapter_cache is None:
             raise ValueError(f"adapter {adapter!r} requested but this server runs without LoRA "
                              f"(engine.max_loras is 0)")
         hit = adapter in self.adapter_cache
-        start = time.monotonic()
+        start = time.perf_counter()
         await self._adapter(adapter)
-        self.metrics.adapter_fetch(timer, hit, time.monotonic() - start)
+        watch.adapter_fetched(AdapterFetch(hit, start, time.perf_counter()))
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats.of(self.replica, self.node_id, self.engine.stats(), self.engine.adapter_stats(),
@@ -270,8 +284,12 @@ class LLMServer:
 
     def __del__(self):
         self._stop.set()
+        if getattr(self, "gate", None) is not None:
+            self.gate.close()
         if getattr(self, "adapter_cache", None) is not None:
             self.adapter_cache.close()
+        if getattr(self, "tracing", None) is not None:
+            self.tracing.shutdown()
 
 
 def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> AsyncEngine:

@@ -20,7 +20,9 @@ from engine.outputs import EngineStats
 
 if TYPE_CHECKING:
     from deployments.api.events import TokenEvent
+    from deployments.replica.engine_events import AdapterFetch
     from engine.memory import MemoryReport
+    from engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
@@ -49,8 +51,11 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last_event, {"adapter": self.adapter_label})
         self.last_event = now
 
-    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
-        self.metrics.finish(self, finish_reason, prompt_tokens, generated_tokens)
+    def adapter_fetched(self, fetch: AdapterFetch) -> None:
+        self.metrics.adapter_fetch(self, fetch.hit, fetch.end - fetch.start)
+
+    def finished(self, output: RequestOutput) -> None:
+        self.metrics.finish(self, output.finish_reason, len(output.prompt_token_ids), len(output.token_ids))
 
 
 class ServingMetrics:

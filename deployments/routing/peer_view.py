@@ -10,20 +10,27 @@ reports counts those still in flight onto the peer's load, so a burst does not a
 at the last report, while requests that have already ended do not push a holder out of the load band. Its own
 load, and each adapter's requests, it counts as it goes (requests in flight here), so a flood for one adapter
 spreads as soon as the holder runs `hot_adapter_requests` of them, not a report later.
+
+A peer that Serve no longer routes to (`live`: stopping in a scale-down or a rolling update, while its last report
+is still fresh) is not chosen: Serve's router would send the request back to this replica through Ray, a hop onto
+itself whose stream on Ray 2.60 sometimes never ends (seen here for about 5% of such calls under load).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 
 from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
 from lora_cache.replica_report import ReplicaReport
 
 
 class PeerView:
-    def __init__(self, policy: RoutingPolicy):
+    def __init__(self, policy: RoutingPolicy, live: Callable[[], frozenset[str] | None] = lambda: None):
+        """live: the unique ids of the replicas Serve routes to now (None: not known yet, every peer counts)."""
         self.policy = policy
+        self._live = live
         self._reports: list[ReplicaReport] = []
         self._sent: Counter[str] = Counter()  # requests forwarded to each peer since its last report, in flight
         self._counted: set[int] = set()  # the id()s of the forwards counted in _sent
@@ -42,7 +49,8 @@ class PeerView:
 
     def choose(self, request: RouteRequest, own: ReplicaReport) -> RouteRequest | None:
         """None to serve the request here; else the request with the peer chosen for it as its target."""
-        reports, sent = self._reports, self._sent
+        live, sent = self._live(), self._sent
+        reports = [r for r in self._reports if live is None or r.replica.partition("@")[0] in live]
         if not reports:
             return None
         peers = [dataclasses.replace(r, waiting=r.waiting + sent[r.replica]) for r in reports]

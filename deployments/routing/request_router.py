@@ -6,6 +6,10 @@ Serve runs one router per caller: in the HTTP proxy, which knows a request's ada
 requests a replica forwards with their adapter, prompt digests and chosen replica (`RouteRequest`). Within a rank
 Serve probes queue lengths and takes the shortest replica that accepts; when none in any rank accepts, it backs
 off and asks again. A replica that died leaves the candidates Serve passes in, so it is routed around.
+
+The replicas Serve routes to are also kept for the process's peer views (live_replicas): a replica Serve stopped
+(a scale-down, a rolling update) still reports to the cache actor while it drains, and a request forwarded to it
+would come back to its sender through Ray (deployments/routing/peer_view.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ ROUTING_STATS_PERIOD_S = 1.0  # how often Serve's controller collects the report
 # times, under the deadlines Serve's backoff grows (0.1, 0.2, 0.4 s), before the other ranks: the next of which
 # is usually the sender itself, that would then fetch the adapter and serve it after a pointless Ray hop.
 TARGET_PROBES = 3
+# (app, deployment) -> the unique ids of the replicas Serve routes to, as this process's routers last heard
+_LIVE: dict[tuple[str, str], frozenset[str]] = {}
 
 
 class LoraAwareRouter(FIFOMixin, RequestRouter):
@@ -34,6 +40,12 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
         """request_router_kwargs of the deployment's request_router_config (Serve calls this once, after
         construction, with no arguments when there are none)."""
         self.policy = RoutingPolicy(imbalance, hot_adapter_requests, kv_high)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's running replicas (a stopping one is left out at once), kept for live_replicas too."""
+        super().update_replicas(replicas)
+        deployment = self._deployment_id
+        _LIVE[(deployment.app_name, deployment.name)] = frozenset(r.replica_id.unique_id for r in replicas)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -44,6 +56,12 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
         request = _route_request(pending_request)
         ranks = probe_order(request, rank(request, reports, self.policy))
         return [[by_name[report.replica] for report in group] for group in ranks]
+
+
+def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
+    """The unique ids of the deployment's replicas that Serve routes to, as a router in this process last heard;
+    None before one has heard."""
+    return _LIVE.get((app, deployment))
 
 
 def probe_order(request: RouteRequest, ranks: list[list[ReplicaReport]]) -> list[list[ReplicaReport]]:
