@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from deployments.api.events import TokenEvent
 
 EVENTS_PER_S = 64.0
-STREAM_INTERVAL_MS = 50.0  # the longest a producing stream holds its tokens (AppArgs.stream_interval_ms)
+STREAM_INTERVAL_MS = 25.0  # the longest a producing stream holds its tokens (AppArgs.stream_interval_ms)
 
 
 @dataclass
