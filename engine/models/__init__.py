@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.adapters import LoraShapes
+from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
@@ -58,6 +59,12 @@ def model_class(hf_config) -> type[nn.Module]:
     raise ValueError(f"unsupported architecture {hf_config.architectures}; supported: {', '.join(ARCHITECTURES)}")
 
 
+def check_tensor_parallel(hf_config, world_size: int) -> None:
+    """Refuse, naming both numbers, a tensor_parallel_size that this model's heads, KV heads or MLP columns do not
+    split evenly (its model class says which sizes must split: engine/distributed/)."""
+    model_class(hf_config).check_tensor_parallel(hf_config, world_size)
+
+
 def context_limit(hf_config, asked: int | None) -> int:
     """The longest context served for this model: `asked` (max_model_len) up to its positions, refused with the
     figures past them, never cut to them. By default the positions, except for a model whose attention slides over a
@@ -87,12 +94,18 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str = "none", load_format: str = "safetensors", cpu_ops=None,
-               weight_dtype: torch.dtype | None = None) -> nn.Module:
+               weight_dtype: torch.dtype | None = None, parallel: TensorParallel | None = None) -> nn.Module:
     """The model in `dtype` on `device`; on CPU its linears prepacked, on the engine's own kernels where `cpu_ops` has
     one for them. A `weight_dtype` narrower than `dtype` (bf16 weights of a model computing in float32, on a CPU
     without bf16 matrix math): every weight is rounded to it, so the model computes what a `weight_dtype` model
-    would in float32, and the linears keep it as their storage where a kernel of `cpu_ops` widens it."""
+    would in float32, and the linears keep it as their storage where a kernel of `cpu_ops` widens it. `parallel`
+    with more than one worker: this rank's tensor-parallel share of the model (engine/distributed/), refused
+    before anything loads where its sizes do not split; the full checkpoint is read, then sharded before the
+    linears are prepacked."""
     cls = model_class(hf_config)
+    sharded = parallel is not None and parallel.sharded
+    if sharded:
+        check_tensor_parallel(hf_config, parallel.world_size)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, max_positions)
     if load_format == "dummy":
@@ -102,6 +115,8 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     narrow = weight_dtype if weight_dtype not in (None, dtype) else None
     if narrow is not None:
         _round_weights(model, narrow)
+    if sharded:
+        model.shard(parallel)
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacking_supported(device, dtype):
         prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype

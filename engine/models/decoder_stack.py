@@ -89,8 +89,9 @@ class DecoderStack:
 def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ops,
                         lora_state: LoRAStepState) -> DecoderStack | None:
     """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
-    wrappers and any move of the weights); None where the modules' path must stay."""
-    if cpu_ops is None or not isinstance(model, LlamaForCausalLM):
+    wrappers and any move of the weights); None where the modules' path must stay, as for a tensor-parallel shard
+    (engine/distributed/), whose o and down projections sum over the ranks between the stack's operators."""
+    if cpu_ops is None or not isinstance(model, LlamaForCausalLM) or model.tensor_parallel is not None:
         return None
     attn = model.layers[0].self_attn
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]

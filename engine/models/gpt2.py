@@ -1,10 +1,19 @@
-"""GPT-2 (the course's model) over the paged KV cache: learned positions, LayerNorm, fused c_attn."""
+"""GPT-2 (the course's model) over the paged KV cache: learned positions, LayerNorm, fused c_attn.
+
+Tensor parallelism (engine/distributed/): `GPT2LMHeadModel.shard` keeps one rank's share, as Megatron-LM splits it:
+its heads of c_attn's q, k and v and c_proj's matching input rows, its columns of c_fc and the MLP's c_proj rows,
+and its vocabulary rows of the tied embedding and LM head; the learned positions stay whole on every rank.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.distributed.linears import RowParallelLinear, column_parallel
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.shards import check_divides
+from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
@@ -21,6 +30,13 @@ class GPT2Attention(nn.Module):
         self.c_attn = uninitialized.linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = uninitialized.linear(config.n_embd, config.n_embd)
 
+    def shard(self, parallel: TensorParallel) -> None:
+        """This rank's heads of q, k and v (each split apart in c_attn) and c_proj's matching input rows."""
+        width = self.num_heads * self.head_dim
+        self.c_attn = column_parallel(self.c_attn, [width] * 3, parallel)
+        self.c_proj = RowParallelLinear(self.c_proj, parallel)
+        self.num_heads = self.num_kv_heads = self.num_heads // parallel.world_size
+
     def forward(self, x, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         return self.c_proj(paged_attention(q, k, v, cache, meta))
@@ -33,6 +49,10 @@ class GPT2MLP(nn.Module):
         self.c_fc = uninitialized.linear(config.n_embd, inner)
         self.c_proj = uninitialized.linear(inner, config.n_embd)
         self.act = activation(config.activation_function)
+
+    def shard(self, parallel: TensorParallel) -> None:
+        self.c_fc = column_parallel(self.c_fc, [self.c_fc.out_features], parallel)
+        self.c_proj = RowParallelLinear(self.c_proj, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -67,6 +87,22 @@ class GPT2LMHeadModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = uninitialized.linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.tensor_parallel: TensorParallel | None = None  # set by shard(): this rank's share of every layer
+
+    @staticmethod
+    def check_tensor_parallel(c, world_size: int) -> None:
+        """Refuse a tensor_parallel_size that splits the heads or the MLP's columns unevenly (the vocabulary is
+        padded instead)."""
+        check_divides(world_size, {"n_head": c.n_head, "n_inner": c.n_inner or 4 * c.n_embd})
+
+    def shard(self, parallel: TensorParallel) -> None:
+        self.check_tensor_parallel(self.config, parallel.world_size)
+        self.wte = VocabParallelEmbedding(self.wte, parallel)
+        self.lm_head = VocabParallelHead(self.lm_head, parallel, self.wte.weight)
+        for block in self.h:
+            block.attn.shard(parallel)
+            block.mlp.shard(parallel)
+        self.tensor_parallel = parallel
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

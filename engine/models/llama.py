@@ -4,6 +4,13 @@ KV cache; how each architecture departs from Llama's layers is data read from it
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
 the fused weights at load time.
+
+Tensor parallelism (engine/distributed/): `LlamaForCausalLM.shard` keeps one rank's share of a loaded model, as
+Megatron-LM splits it: each attention its query heads and the KV heads they read (q, k and v sharded apart in the
+fused projection) and o_proj by input rows, each MLP its gate/up columns and down_proj's input rows, the embedding
+and LM head their vocabulary rows; o_proj and down_proj sum over the ranks (one all-reduce each). A sharded model
+runs the modules' path layer by layer: not the C++ decoder stack (engine/models/decoder_stack.py) and not CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.linears import RowParallelLinear, column_parallel
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.shards import check_divides
+from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
 from engine.layers.lora import LoRATarget, fused_targets
@@ -91,6 +102,15 @@ class LlamaAttention(nn.Module):
             self.k_norm = _norm(k_width, config, variant)
         self.fused_ops = None  # the fused operators (set by use_fused_ops): rotary in one call
 
+    def shard(self, parallel: TensorParallel) -> None:
+        """Keep this rank's query heads and the KV heads they read (q, k and v each split by heads in the fused
+        projection), o_proj's matching input rows, summed over the ranks; the head counts become the rank's."""
+        n = parallel.world_size
+        self.qkv_proj = column_parallel(self.qkv_proj, self.split_sizes, parallel)
+        self.o_proj = RowParallelLinear(self.o_proj, parallel)
+        self.num_heads, self.num_kv_heads = self.num_heads // n, self.num_kv_heads // n
+        self.split_sizes = [size // n for size in self.split_sizes]
+
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q_size, kv_size, _ = self.split_sizes
@@ -139,6 +159,13 @@ class LlamaMLP(nn.Module):
         self.act = activation(name)
         self.activation_name = name
         self.fused_ops = None  # the fused operators (set by use_fused_ops): act(gate) * up in one call
+
+    def shard(self, parallel: TensorParallel) -> None:
+        """Keep this rank's intermediate columns of gate and of up, and down_proj's matching input rows, summed
+        over the ranks."""
+        self.gate_up_proj = column_parallel(self.gate_up_proj, [self.intermediate_size] * 2, parallel)
+        self.down_proj = RowParallelLinear(self.down_proj, parallel)
+        self.intermediate_size //= parallel.world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -227,6 +254,31 @@ class LlamaForCausalLM(nn.Module):
         # the layers in one C++ call where a step allows it (engine/models/decoder_stack.py), set by the runner once
         # the weights and caches are in place
         self.decoder_stack = None
+        self.tensor_parallel: TensorParallel | None = None  # set by shard(): this rank's share of every layer
+
+    @staticmethod
+    def check_tensor_parallel(c, world_size: int) -> None:
+        """Refuse a tensor_parallel_size that splits a head or the MLP's columns unevenly (the vocabulary is
+        padded instead), or OLMo 2's query and key norms over whole projections, which would need the ranks'
+        squares summed."""
+        if variant_of(c).qk_norm == "projection":
+            raise ValueError(f"tensor parallelism does not split {c.model_type}'s query and key norms over whole "
+                             f"projections (tensor_parallel_size {world_size})")
+        check_divides(world_size, {"num_attention_heads": c.num_attention_heads,
+                                   "num_key_value_heads": c.num_key_value_heads,
+                                   "intermediate_size": c.intermediate_size})
+
+    def shard(self, parallel: TensorParallel) -> None:
+        """Keep this rank's share of every layer (the module docstring says which); a tied LM head shares the
+        embedding's vocabulary shard."""
+        self.check_tensor_parallel(self.config, parallel.world_size)
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        self.embed_tokens = VocabParallelEmbedding(self.embed_tokens, parallel)
+        self.lm_head = VocabParallelHead(self.lm_head, parallel, self.embed_tokens.weight if tied else None)
+        for layer in self.layers:
+            layer.self_attn.shard(parallel)
+            layer.mlp.shard(parallel)
+        self.tensor_parallel = parallel
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
