@@ -78,6 +78,7 @@ def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs(**(args or {}))
         engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
+        _refuse_tensor_parallel(engine)
         gate = parsed.gate()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
@@ -89,6 +90,14 @@ def build_app(args: dict | None = None) -> Application:
     if not haproxy_enabled():
         return server
     return with_ingress_router(server, engine.model)
+
+
+def _refuse_tensor_parallel(engine: EngineConfig) -> None:
+    """An engine replica's workers are not yet Ray actors in its placement group: a replica would spawn them as
+    local processes outside Ray's accounting of its resources, so a replica refuses to span workers for now."""
+    if engine.tensor_parallel_size > 1:
+        raise ValueError(f"engine.tensor_parallel_size {engine.tensor_parallel_size}: tensor parallelism is not "
+                         f"supported under Serve yet (the offline LLM runs it); use tensor_parallel_size 1")
 
 
 def _reason(exc: Exception) -> str:

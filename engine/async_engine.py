@@ -160,6 +160,8 @@ class AsyncEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # a step still running keeps its workers until interpreter exit
+            self.engine.close()
 
     def _run(self) -> None:
         try:

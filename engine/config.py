@@ -66,7 +66,7 @@ class EngineConfig:
     # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)
     cuda_fused_ops: bool = True
     block_size: int = 16  # tokens per paged KV cache block (and per prefix-cache digest)
-    kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache
+    kv_cache_bytes: int = 512 * 1024 * 1024  # memory budget for the paged KV cache (per tensor-parallel worker)
     # the KV cache's dtype: "auto" is the model's dtype (vLLM's meaning). Where a bf16 model computes in float32 (a
     # CPU without bf16 matrix math), "float32" keeps its keys and values unrounded at twice the bytes
     kv_cache_dtype: str = "auto"
@@ -78,7 +78,12 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
-    num_threads: int | None = None  # torch CPU threads; None = all cores
+    num_threads: int | None = None  # torch CPU threads per worker; None = the cores, shared evenly by the workers
+    # N workers each holding 1/N of every layer (engine/distributed/): rank 0 in the engine's process, the others in
+    # spawned local processes over gloo, on CPU; 1 = the model whole in the engine's process. N must divide the
+    # model's heads, KV heads and MLP columns; LoRA, CUDA, quantization, async scheduling and
+    # kv_cache_memory_fraction are refused above 1
+    tensor_parallel_size: int = 1
     cache_dir: str | None = None  # where converted models live; default $LORA_SERVE_CACHE, else ~/.cache/lora-serve
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
     max_loras: int = 0
@@ -129,7 +134,8 @@ class EngineConfig:
         self._validate_kv_cache_dtype()
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, got {self.kv_cache_memory_fraction}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -142,10 +148,23 @@ class EngineConfig:
         if self.adapter_cache_timeout_s <= 0:
             raise ValueError(f"adapter_cache_timeout_s must be positive, got {self.adapter_cache_timeout_s}")
         self._validate_preloads()
+        self._validate_tensor_parallel()
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    def _validate_tensor_parallel(self) -> None:
+        """What tensor parallelism does not run yet, refused by name (what needs the model or the device is refused
+        when the engine starts: engine/distributed/executor.py)."""
+        size = self.tensor_parallel_size
+        if self.max_loras and size > 1:
+            raise ValueError(f"LoRA under tensor parallelism is not supported yet: max_loras {self.max_loras} with "
+                             f"tensor_parallel_size {size}")
+        if self.kv_cache_memory_fraction is not None and size > 1:
+            raise ValueError(f"kv_cache_memory_fraction under tensor parallelism is not supported yet (each of the "
+                             f"{size} workers would take that share of the free memory): set kv_cache_bytes, each "
+                             f"worker's budget")
 
     def _validate_kv_cache_dtype(self) -> None:
         """'auto', the model's dtype, or float32 for a bf16 model (which takes it only where it computes in float32:
@@ -205,6 +224,11 @@ class EngineConfig:
         if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32
         return self.torch_dtype
+
+    @property
+    def threads_per_worker(self) -> int:
+        """num_threads, else the machine's cores shared evenly by the tensor-parallel workers."""
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
     @property
     def overlaps_steps(self) -> bool:

@@ -4,6 +4,7 @@ is done, as vLLM's LLM does."""
 from __future__ import annotations
 
 import itertools
+from typing import Self
 
 from tqdm.auto import tqdm
 
@@ -25,6 +26,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides), adapters)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (idempotent; interpreter exit does it too)."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def merge_adapters(self, spec: MergeSpec) -> str:
         """An id for `adapters=[...]` that serves the merge of spec's adapters (LoRAX's merged_adapters)."""

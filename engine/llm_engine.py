@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,11 +28,12 @@ from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import TokenBudget, TokenBudgetError
+from engine.executor import start_executor
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.layers.rotary import long_rope_switch, runs_long
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import StepResult
 from engine.models import context_limit, lora_shapes
 from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput, RequestTimes
 from engine.sampler import SampledTokens, Sampler
@@ -77,12 +77,13 @@ class LLMEngine:
         serving, a replica binds its copy of the cluster's cache actor (lora_cache/actor.py)."""
         self.config = config
         if config.torch_device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.threads_per_worker)
         path = resolve_model(config.model, config.model_cache_dir, need_weights=config.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         model_len = context_limit(hf_config, config.max_model_len)  # ValueError past the model's own
-        self.runner = ModelRunner(config, path, hf_config, model_len)
+        self.executor = start_executor(config, path, hf_config, model_len)  # rank 0's runner, and any workers
+        self.runner = self.executor.runner
         layout = self.runner.layout
         self.max_model_len = min(model_len, layout.token_capacity)
         self.vocab_size = hf_config.vocab_size
@@ -106,11 +107,19 @@ class LLMEngine:
         _freeze_startup_objects()
         if config.log_stats:
             quantized = f", {config.quantization}" if config.quantization != "none" else ""
-            print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}): "
+            workers = f"; each of {config.tensor_parallel_size} tensor-parallel workers" * (
+                config.tensor_parallel_size > 1)
+            print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}){workers}: "
                   f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
 
     def memory(self) -> MemoryReport:
+        """Rank 0's: under tensor parallelism every worker holds as much (its share of the weights, its KV heads)."""
         return self.runner.memory_report()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any, after which the engine cannot step (idempotent; also done at
+        interpreter exit; nothing to do at tensor_parallel_size 1)."""
+        self.executor.close()
 
     @staticmethod
     def _adapter_provider(config: EngineConfig, hf_config,
@@ -192,7 +201,7 @@ class LLMEngine:
             self._check_adapter(adapter_id)
             grant = self.adapter_slots.acquire(adapter_id)
             if grant.needs_load:
-                self.runner.load_adapter(grant.slot, self.adapters.get(adapter_id))
+                self.executor.load_adapter(grant.slot, self.adapters.get(adapter_id))
             if not pin:
                 self.adapter_slots.release(adapter_id)
 
@@ -306,7 +315,7 @@ class LLMEngine:
         outputs."""
         plan = self.scheduler.schedule()
         for load in plan.adapter_loads:
-            self.runner.load_adapter(load.slot, self.adapters.get(load.adapter_id))
+            self.executor.load_adapter(load.slot, self.adapters.get(load.adapter_id))
         launched = self._launch(plan.scheduled)
         if self.overlap:
             outputs = self._read_back()
@@ -321,7 +330,7 @@ class LLMEngine:
         if not scheduled:
             return None
         pending = self._in_flight.sampled.tokens if self._in_flight is not None else None
-        result = self.runner.execute(scheduled, pending)
+        result = self.executor.execute(scheduled, pending)
         for scores in result.prompt_scores:
             _record_prompt_logprobs(scores)
         for s in scheduled:

@@ -8,8 +8,10 @@ ask for prompt logprobs, for their prompt tokens (a slice of rows at a time).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import torch
 from engine import huge_pages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
+from engine.distributed.parallel import TensorParallel
+from engine.forward_batch import ForwardBatch, ScoredRows
 from engine.kernels import cpu_attention, cpu_ops
 from engine.layers.attention import (
     IN_PLACE_CHUNK,
@@ -47,8 +51,6 @@ from engine.sequence import Sequence
 from engine.tokens_in_flight import PendingInputs
 from engine.transfer import to_device
 
-SCORED_ROWS_PER_SLICE = 256  # prompt-scoring logits are [rows, vocab] float32: bounded, whatever the chunk size
-
 
 @dataclass
 class PromptScores:
@@ -72,14 +74,11 @@ class PromptChunkScoring:
 
 @dataclass
 class StepInputs:
-    """A step's flattened batch (decodes first), as _prepare builds it for the model."""
-    input_ids: torch.Tensor  # a token still on the device (`pending`) is filled in there
-    positions: torch.Tensor  # each token's position (its rotary row: layers/rotary.py)
-    attention: AttentionMetadata
-    sample_rows: list[int]  # the rows whose logits are sampled: the last of each chunk that completes its prompt
-    sampling: list[ScheduledSeq]  # their sequences, in the same order
-    adapter_runs: list[AdapterRun]  # row after row
-    scoring: list[PromptChunkScoring]
+    """A step's flattened batch (decodes first), as _prepare builds it: the model's inputs (`forward`, whose
+    sample_rows are the last row of each chunk that completes its prompt) and the sequences they belong to."""
+    forward: ForwardBatch  # a token still on the device (`pending`) is filled into its input_ids there
+    sampling: list[ScheduledSeq]  # the sequences of forward.sample_rows, in the same order
+    scoring: list[PromptChunkScoring]  # those of forward.scored, in the same order
     pending: PendingInputs
 
 
@@ -128,7 +127,10 @@ class KVLayout:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
+                 parallel: TensorParallel | None = None, agree_blocks: Callable[[int], int] | None = None):
+        """parallel: this rank's share of a tensor-parallel model (engine/distributed/), its cache its own KV heads;
+        agree_blocks: the KV blocks every rank allocates, given this rank's count (all ranks hold the same)."""
         self.device = config.torch_device
         self.dtype = config.compute_dtype
         if self.dtype != config.torch_dtype:
@@ -138,10 +140,11 @@ class ModelRunner:
         self.kv_dtype = config.kv_torch_dtype  # the model's dtype, even where a bf16 model computes in float32
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
-                                config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype)
+                                config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype,
+                                parallel=parallel)
         self.long_rope_rows = self.model.long_rope_rows  # None, or where a longrope model's long factors start
         self.kv_window = self.model.kv_window  # None, or the window every layer attends over
-        self.layout = self._kv_layout(config)
+        self.layout = self._kv_layout(config, agree_blocks)
         self.huge_pages = config.huge_pages and self.device.type == "cpu" and huge_pages.supported()
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_ops = self._cuda_ops(config)
@@ -229,7 +232,7 @@ class ModelRunner:
             for lora in layer.values():
                 lora.load_slot(slot, weights)
 
-    def _kv_layout(self, config: EngineConfig) -> KVLayout:
+    def _kv_layout(self, config: EngineConfig, agree_blocks: Callable[[int], int] | None) -> KVLayout:
         num_layers, kv_heads, head_dim = self.model.kv_shape
         element = torch.empty((), dtype=self.kv_dtype).element_size()
         per_block = 2 * num_layers * kv_heads * head_dim * element * config.block_size
@@ -237,6 +240,8 @@ class ModelRunner:
         num_blocks = config.num_kv_blocks or budget // per_block
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes is smaller than one KV block ({per_block} bytes)")
+        if agree_blocks is not None:
+            num_blocks = agree_blocks(num_blocks)
         return KVLayout(num_layers, kv_heads, head_dim, config.block_size, num_blocks, element)
 
     def _kv_budget(self, config: EngineConfig) -> int:
@@ -274,22 +279,52 @@ class ModelRunner:
         """Run one step: the logits of the sequences that sample now, and the prompt logprobs of this step's
         prompt chunks that asked for them. pending_tokens: the tokens the step before sampled, on the device,
         which sequences holding a reserved token (Sequence.pending_index) take as their input."""
-        ordered = sorted(scheduled, key=lambda s: not self._is_decode(s))  # decodes first, stable
+        ordered = self.decodes_first(scheduled)
         if self._fits_graph(ordered):
             hidden = self.graphs.run(self._decode_inputs(ordered), pending_tokens)
             return StepResult(self.model.compute_logits(hidden), ordered, [])
+        return self.run(self.prepare(ordered, pending_tokens))
+
+    def decodes_first(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        return sorted(scheduled, key=lambda s: not self._is_decode(s))  # stable
+
+    @torch.inference_mode()
+    def prepare(self, ordered: list[ScheduledSeq], pending_tokens: torch.Tensor | None = None) -> StepInputs:
+        """The step's inputs (`ordered`: decodes first), the tokens still on the device filled in."""
         step = self._prepare(ordered)
-        step.pending.fill(step.input_ids, pending_tokens)
-        self._set_lora_state(step.adapter_runs)
+        step.pending.fill(step.forward.input_ids, pending_tokens)
+        return step
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> StepResult:
+        """The prepared step's forward, then its prompt scores and its sampled rows' logits, in that order (the
+        order in which a tensor-parallel worker computes the same logits: run_forward)."""
+        batch = step.forward
+        hidden = self._forward(batch)
+        scores = [self._score_prompt(hidden, chunk, rows) for chunk, rows in zip(step.scoring, batch.scored)]
+        if not batch.sample_rows:
+            return StepResult(torch.empty(0, device=self.device), [], scores)
+        return StepResult(self.model.compute_logits(self._sampled(hidden, batch.sample_rows)),
+                          step.sampling, scores)
+
+    @torch.inference_mode()
+    def run_forward(self, batch: ForwardBatch) -> None:
+        """A tensor-parallel worker's part of a step the driver prepared: the same forward and the same logits,
+        in run's order (each logits call gathers the vocabulary's slices from every rank), the logits dropped."""
+        batch.attention = dataclasses.replace(batch.attention, kv_write=self.kv_write)
+        hidden = self._forward(batch)
+        for rows in batch.scored:
+            for part in rows.slices():
+                self.model.compute_logits(hidden[part])
+        if batch.sample_rows:
+            self.model.compute_logits(self._sampled(hidden, batch.sample_rows))
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._set_lora_state(batch.adapter_runs)
         try:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attention)
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         finally:
             self.lora_state.batch = self.lora_state.token_slots = self.lora_state.slot_order = None
-        scores = [self._score_prompt(hidden, chunk) for chunk in step.scoring]
-        if not step.sample_rows:
-            return StepResult(torch.empty(0, device=self.device), [], scores)
-        return StepResult(self.model.compute_logits(self._sampled(hidden, step.sample_rows)),
-                          step.sampling, scores)
 
     def _sampled(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows whose logits are sampled (rows ascending): all of them in a step of decodes alone, else
@@ -310,14 +345,13 @@ class ModelRunner:
         else:
             self.lora_state.batch = build_lora_batch(runs, self.device, self.lora_padding)
 
-    def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring) -> PromptScores:
+    def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring, rows: ScoredRows) -> PromptScores:
         logprobs: list[float] = []
         tops: list[dict[int, float] | None] = []
         ranks: list[int] = []
-        for offset in range(0, len(chunk.targets), SCORED_ROWS_PER_SLICE):
-            part = chunk.targets[offset:offset + SCORED_ROWS_PER_SLICE]
-            start = chunk.row + offset
-            logits = self.model.compute_logits(hidden[start:start + len(part)])
+        for rows_part in rows.slices():
+            part = chunk.targets[rows_part.start - chunk.row:rows_part.stop - chunk.row]
+            logits = self.model.compute_logits(hidden[rows_part])
             scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
             logprobs += scores.logprobs
             tops += scores.top
@@ -386,8 +420,9 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
         meta = self._attention_metadata(self._tensor(slots), decode, prefills, in_place)
-        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sampling, adapter_runs,
-                          scoring, _pending_inputs([s.seq for s in ordered], last_rows))
+        scored = [ScoredRows(chunk.row, len(chunk.targets)) for chunk in scoring]
+        batch = ForwardBatch(self._tensor(input_ids), self._tensor(positions), meta, adapter_runs, sample_rows, scored)
+        return StepInputs(batch, sampling, scoring, _pending_inputs([s.seq for s in ordered], last_rows))
 
     @staticmethod
     def _prompt_scoring(seq: Sequence, row: int, start: int, end: int) -> list[PromptChunkScoring]:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import AppArgs
+from deployments.app import AppArgs, build_app
 from deployments.replica.autoscaling import EngineLoadPolicy
 from engine import EngineConfig
 
@@ -51,3 +51,8 @@ def test_serve_config_puts_haproxy_on_port_8000_routing_on_the_body():
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] == "1"
     assert int(env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"]) >= 64 << 10
+
+
+def test_tensor_parallelism_is_refused_under_serve_by_name(tiny_llama_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: tensor parallelism is not supported under Serve"):
+        build_app({"engine": {"model": str(tiny_llama_path), "tensor_parallel_size": 2}})

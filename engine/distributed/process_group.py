@@ -8,6 +8,7 @@ that a worker process exits without torch.distributed's warning about an undestr
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -16,6 +17,14 @@ import torch.distributed as dist
 from engine.distributed.parallel import TensorParallel
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)  # every worker joins within this, or each raises
+
+
+def free_address(host: str = "127.0.0.1") -> str:
+    """A rendezvous address on a port free now, for workers on this machine (another process may take the port
+    before the group binds it: the join then fails, and is not retried)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 def backend_for(device: torch.device) -> str:

@@ -1,0 +1,69 @@
+"""A tensor-parallel worker process (ranks 1..N-1; rank 0 is the driver, in the engine's process).
+
+Each worker joins the group, builds its ModelRunner over its rank's shard (engine/distributed/: its heads, its
+MLP columns, its vocabulary slice) and a KV cache of its own KV heads with as many blocks as the driver's, then
+loops: it receives the step's `ForwardBatch` from the driver (step_channel.py), runs the same forward and computes
+the same logits, whose collectives meet the driver's, and drops them; the driver samples. `StopWorkers` ends the
+loop. An error in a worker ends its process (its traceback on stderr), which breaks the driver's next collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.process_group import join, leave
+from engine.distributed.step_channel import StepChannel, StopWorkers
+from engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a spawned worker needs to build its shard (pickled into its process)."""
+    rank: int
+    world_size: int
+    address: str  # the group's rendezvous, tcp://host:port
+    config: EngineConfig
+    model_path: str
+    max_model_len: int
+
+
+def build_runner(config: EngineConfig, path: Path, hf_config, max_model_len: int,
+                 parallel: TensorParallel) -> ModelRunner:
+    """This rank's runner; every rank allocates the fewest KV blocks any rank's budget allows."""
+    return ModelRunner(config, path, hf_config, max_model_len, parallel,
+                       agree_blocks=lambda count: fewest_blocks(parallel, count))
+
+
+def fewest_blocks(parallel: TensorParallel, count: int) -> int:
+    blocks = torch.tensor([count], dtype=torch.long)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=parallel.group)
+    return int(blocks.item())
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """A spawned worker's life: join, build, serve steps until told to stop, leave."""
+    from transformers import AutoConfig
+
+    torch.set_num_threads(spec.config.threads_per_worker)
+    parallel = join(spec.rank, spec.world_size, spec.address, spec.config.torch_device)
+    try:
+        channel = StepChannel(parallel)
+        path = Path(spec.model_path)
+        runner = build_runner(spec.config, path, AutoConfig.from_pretrained(path), spec.max_model_len, parallel)
+        serve_steps(runner, channel)
+    finally:
+        leave(parallel)
+
+
+def serve_steps(runner: ModelRunner, channel: StepChannel) -> None:
+    while True:
+        message = channel.receive()
+        if isinstance(message, StopWorkers):
+            return
+        runner.run_forward(message)

@@ -1,0 +1,119 @@
+"""The engine under tensor parallelism on CPU over gloo: LLM(..., tensor_parallel_size=2) runs rank 0 in the test's
+process and rank 1 in a spawned worker, each step's ForwardBatch broadcast to it once (engine/distributed/).
+
+One engine per model covers the scheduler's paths at once: more prompts than max_num_seqs (queued), a KV cache
+small enough to preempt, a token budget that prefills prompts in chunks, and, generated again, prompts whose
+blocks the prefix cache holds. Its greedy tokens equal the unsharded engine's under the same options and Hugging
+Face's, each chosen token's logprob (and each prompt token's, where asked) within 1e-4 of the unsharded engine's
+in float32. What it does not run yet is refused at start, by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.distributed.workers import WorkerDiedError
+from tests.helpers import PROMPTS, hf_greedy
+
+TOLERANCE = 1e-4
+MAX_TOKENS = 16
+# queued (16 prompts, 4 running), preempted (40 blocks of 4 tokens for 4 sequences of up to 32), chunked prefill
+# (8 tokens a step), the prefix cache on
+STRESSED = {"dtype": "float32", "log_stats": False, "kv_cache_bytes": 32 << 20, "max_num_seqs": 4,
+            "num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 8}
+SHARED_PREFIX = "The quick sort algorithm works by choosing a pivot element and then"
+
+
+def _params(count: int) -> list[SamplingParams]:
+    """Greedy with the chosen tokens' logprobs; every third request scores its prompt too."""
+    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                           prompt_logprobs=0 if i % 3 == 0 else None) for i in range(count)]
+
+
+def _phases(llm: LLM) -> list:
+    """Every prompt (queued, preempted, chunked), then a few again and two sharing a prefix (prefix cache hits)."""
+    first = llm.generate(PROMPTS, _params(len(PROMPTS)), use_tqdm=False)
+    again = PROMPTS[:2] + [SHARED_PREFIX + " splitting", SHARED_PREFIX + " partitioning"]
+    second = llm.generate(again, _params(len(again)), use_tqdm=False)
+    return first + second
+
+
+def _difference(sharded: list[float | None], whole: list[float | None]) -> float:
+    pairs = [(a, b) for a, b in zip(sharded, whole) if a is not None]
+    return max((abs(a - b) for a, b in pairs), default=0.0)
+
+
+def _check_against_unsharded(path) -> LLM:
+    """The N=2 engine's outputs against N=1's under the same options; the N=2 engine is returned open."""
+    whole_llm = LLM(str(path), **STRESSED)
+    whole = _phases(whole_llm)
+    assert whole_llm.engine.scheduler.total_preemptions > 0, "the options no longer preempt"
+    llm = LLM(str(path), tensor_parallel_size=2, **STRESSED)
+    sharded = _phases(llm)
+    token_diff = prompt_diff = 0.0
+    for s, w in zip(sharded, whole):
+        assert s.token_ids == w.token_ids, f"{path.name}: {s.prompt!r} differs from the unsharded engine's"
+        assert len(s.logprobs) == len(w.logprobs) == len(s.token_ids)
+        token_diff = max(token_diff, _difference(s.logprobs, w.logprobs))
+        prompt_diff = max(prompt_diff, _difference(s.prompt_logprobs, w.prompt_logprobs))
+    assert any(s.prompt_logprobs for s in sharded)
+    assert max(len(s.prompt_token_ids) for s in sharded) > STRESSED["max_num_batched_tokens"]  # prefilled in chunks
+    stats = llm.engine.stats()
+    assert stats.preemptions == whole_llm.engine.stats().preemptions > 0
+    assert stats.prefix_cache_hit_tokens > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    print(f"{path.name} N=2: max |logprob difference| from N=1, chosen tokens {token_diff:.2e}, prompt tokens "
+          f"{prompt_diff:.2e}")
+    assert token_diff <= TOLERANCE and prompt_diff <= TOLERANCE
+    reference = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    assert [s.token_ids for s in sharded[:len(PROMPTS)]] == reference, f"{path.name}: differs from Hugging Face"
+    return llm
+
+
+def _worker_exit_codes(llm: LLM) -> list[int | None]:
+    return [process.exitcode for process in llm.engine.executor.workers.processes]
+
+
+def test_tiny_llama_over_two_workers_equals_one_and_a_dead_worker_is_named(tiny_llama_path):
+    llm = _check_against_unsharded(tiny_llama_path)
+    worker = llm.engine.executor.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert time.monotonic() - started < 10
+    llm.close()
+    llm.close()  # idempotent
+
+
+def test_tiny_qwen2_over_two_workers_equals_one(tiny_qwen2_path):
+    """Qwen2's q/k/v biases split with their heads; its tied LM head shares the embedding's vocabulary shard."""
+    with _check_against_unsharded(tiny_qwen2_path) as llm:
+        workers = llm.engine.executor.workers.processes
+    assert [w.exitcode for w in workers] == [0], "a worker did not exit cleanly on close"
+
+
+def test_tiny_gpt2_over_two_workers_equals_one(tiny_gpt2_path):
+    """GPT-2's fused c_attn split by heads, learned positions whole on every rank."""
+    _check_against_unsharded(tiny_gpt2_path).close()
+
+
+def test_what_does_not_split_or_run_yet_is_refused_by_name(tiny_llama_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide num_key_value_heads 2"):
+        LLM(str(tiny_llama_path), tensor_parallel_size=4, log_stats=False)
+    with pytest.raises(ValueError, match="LoRA under tensor parallelism is not supported yet: max_loras 2 with "
+                                         "tensor_parallel_size 2"):
+        EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=2, max_loras=2)
+    with pytest.raises(ValueError, match="async_scheduling under tensor parallelism is not supported yet"):
+        LLM(str(tiny_llama_path), tensor_parallel_size=2, async_scheduling=True, log_stats=False)
+    with pytest.raises(ValueError, match="quantization 'int8' under tensor parallelism is not supported yet"):
+        LLM(str(tiny_llama_path), tensor_parallel_size=2, quantization="int8", log_stats=False)
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction under tensor parallelism is not supported yet"):
+        EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be positive, got 0"):
+        EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=0)
