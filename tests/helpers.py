@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 import requests
 import torch
+import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.replica.replica_stats import ReplicaStats
@@ -148,3 +151,21 @@ def lora_shapes_of(model_path) -> LoraShapes:
     from engine.models import lora_shapes
 
     return lora_shapes(AutoConfig.from_pretrained(model_path))
+
+
+@contextmanager
+def uvicorn_serving(app):
+    """`app` served by uvicorn on a free loopback port, in a thread of this process, yielding its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

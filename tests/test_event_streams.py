@@ -153,3 +153,26 @@ def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
         answer = asyncio.run(_engine_stopped(request(path), EngineDeadError("engine loop died: boom")))
         assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
         assert "engine stopped" in message(json.loads(answer.body)) and "boom" in message(json.loads(answer.body))
+
+
+@pytest.mark.parametrize("error", ["returned", "peer died"])
+def test_a_forwarded_request_back_before_its_first_event_is_served_here_from_the_start(tokenizer, error):
+    """Returned to its sender, or its peer dead, before any event: the events are this replica's, from the start."""
+    from ray.exceptions import RayActorError
+
+    from deployments.replica.event_streams import ForwardedEvents, LocalEvents, ReturnedToSender
+
+    events = [_event(tokenizer, " the"), _event(tokenizer, " cat")]
+
+    async def here():
+        for event in events:
+            yield event
+
+    async def abort():
+        pass
+
+    forwarded = _PeerDiesAfter([], error=ReturnedToSender("me") if error == "returned" else RayActorError())
+    ended = []
+    stream = ForwardedEvents(forwarded, lambda: LocalEvents(here(), abort), lambda: ended.append(True))
+    assert asyncio.run(_lines(stream)) == events
+    assert forwarded.cancelled and ended == [True]

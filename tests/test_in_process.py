@@ -4,13 +4,9 @@ Greedy text through it equals the offline engine's, for the base model and an ad
 
 from __future__ import annotations
 
-import threading
-import time
-
 import openai
 import pytest
 import requests
-import uvicorn
 from lorax import Client
 
 from deployments.gate.gate import Gate, GateConfig
@@ -18,7 +14,7 @@ from deployments.replica.in_process import InProcessEngine
 from deployments.routes.routes import http_app
 from engine import LLM, EngineConfig, SamplingParams
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, uvicorn_serving, write_tiny_adapters
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +30,8 @@ def options(tiny_llama_path, adapters_root) -> dict:
 @pytest.fixture(scope="module")
 def url(tiny_llama_path, options):
     engine = InProcessEngine(EngineConfig.from_overrides(str(tiny_llama_path), **options), local_adapters)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(http_app(engine.served, Gate(GateConfig())), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with uvicorn_serving(http_app(engine.served, Gate(GateConfig()))) as url:
+        yield url
     engine.shutdown()
 
 

@@ -67,6 +67,27 @@ def _through_serve_router(adapter: str, n: int) -> None:
         assert events[-1].final is not None
 
 
+def test_a_forwarded_request_goes_to_another_replica_than_its_sender(server):
+    """A request forwarded by the holder naming the holder (its chosen target stopped, a fresh report named it
+    anyway) goes to the other replica, not back to its sender through Ray."""
+    from ray import serve
+
+    from deployments.routing.policy import RouteRequest
+    from engine import SamplingParams
+
+    _generate(server, PROMPTS[0], "alpha")
+    time.sleep(SETTLE_S)
+    [holder] = [r for r, s in replica_stats().items() if "alpha" in s.resident_adapters]
+    before = adapter_requests("alpha")
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve").options(stream=True)
+    for i in range(4):
+        route = RouteRequest("alpha", target=holder, sender=holder)
+        events = list(handle.forwarded.remote(route, PROMPTS[i], SamplingParams(max_tokens=2), False))
+        assert events[-1].final is not None
+    after = adapter_requests("alpha")
+    assert {r: after[r] - before[r] for r in after} == {r: 0 if r == holder else 4 for r in after}
+
+
 def test_a_shared_prefix_goes_to_the_replica_that_cached_it(server):
     prefix = " ".join(PROMPTS) * 2  # well over ten 16-token blocks
     before = {r: s.prefix_cache for r, s in replica_stats().items()}

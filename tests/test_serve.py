@@ -1183,3 +1183,23 @@ def test_bad_adapters_are_refused_at_load_naming_the_problem_and_nothing_registe
                requests.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "absent"}, timeout=60)]
     for r in missing:
         assert r.status_code == 404 and "'absent'" in r.text and str(adapters_root) not in r.text, r.text
+
+
+def test_a_forwarded_request_that_comes_back_to_its_sender_is_handed_back_at_once(server):
+    """One replica: a request it forwarded whose target stopped meanwhile can only come back to it through Serve's
+    router; it refuses it at once, for the sender to serve it itself (deployments/replica/event_streams.py)."""
+    from ray import serve
+
+    from deployments.replica.event_streams import ReturnedToSender
+    from deployments.routing.policy import RouteRequest
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    me = handle.stats.remote().result().replica
+    route = RouteRequest(target="gone@node-0", sender=me)
+    started = time.monotonic()
+    with pytest.raises(ReturnedToSender):
+        list(handle.options(stream=True).forwarded.remote(route, PROMPTS[0], SamplingParams(max_tokens=2), False))
+    assert time.monotonic() - started < 30
+    elsewhere = list(handle.options(stream=True).forwarded.remote(RouteRequest(target=me, sender="peer@node-0"),
+                                                                  PROMPTS[0], SamplingParams(max_tokens=2), False))
+    assert elsewhere[-1].final is not None  # another sender's request is served

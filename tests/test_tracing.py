@@ -5,14 +5,11 @@ and the OTLP export itself, to a real OTLP/HTTP and OTLP/gRPC receiver on the lo
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import threading
 import time
 
 import pytest
 import requests
-import uvicorn
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -30,31 +27,13 @@ from deployments.routes.routes import http_app
 from engine import EngineConfig
 from engine.outputs import RequestOutput, RequestTimes
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, free_port, write_tiny_adapters
+from tests.helpers import PROMPTS, uvicorn_serving, write_tiny_adapters
 from tests.otlp_receivers import exported_names, grpc_receiver, http_receiver
 
 KEY = "tracing-test-key-0123456789"
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 PHASES = ["prepare", "queue", "prefill", "decode"]
-
-
-@contextlib.contextmanager
-def serving(app):
-    """`app` served by uvicorn on a free loopback port, yielding its URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +56,7 @@ def engine(tiny_llama_path, tmp_path_factory, exporter):
 @pytest.fixture(scope="module")
 def url(engine):
     key = ApiKeyConfig(name="team-a", key_sha256=hash_key(KEY).hex()).to_key()
-    with serving(engine.tracing.instrument(http_app(engine.served, Gate(GateConfig((key,)))))) as url:
+    with uvicorn_serving(engine.tracing.instrument(http_app(engine.served, Gate(GateConfig((key,)))))) as url:
         yield url
 
 
@@ -213,7 +192,7 @@ def traced_version_request(engine, protocol: str, endpoint: str) -> None:
     args = AppArgs(tracing={"otlp_traces_endpoint": endpoint, "protocol": protocol, "service_name": "traced"})
     tracing = RequestTracing.of(args.tracing.config(), "replica-1")
     assert tracing.enabled
-    with serving(tracing.instrument(http_app(engine.served, Gate(GateConfig())))) as url:
+    with uvicorn_serving(tracing.instrument(http_app(engine.served, Gate(GateConfig())))) as url:
         assert requests.get(f"{url}/version", timeout=30).status_code == 200
         time.sleep(0.2)  # the route span ends once the answer is sent
     tracing.shutdown()  # exports what the batch holds

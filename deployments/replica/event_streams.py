@@ -9,6 +9,10 @@ costs its forwarded requests a restart, not an error. Once events have gone out,
 elsewhere as it would have gone on (the peer's sampling state died with it), so the stream ends with PeerLost,
 which the routes answer with an error event that ends the response. Without this, the route raised Ray's error:
 a 500 whose traceback named processes and addresses.
+
+A forwarded request that Serve's router sent back to its sender (its target stopped after the sender chose it, and
+no other replica runs) is refused there at once with ReturnedToSender, and the sender serves it, from the start,
+as it does when the peer died: a Ray stream from a replica onto itself sometimes never ends on Ray 2.60.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from deployments.api.events import PeerLost, TokenEvent
 from engine.errors import Refusal
 
 log = logging.getLogger("ray.serve")
+
+
+class ReturnedToSender(Exception):
+    """Raised by the replica that forwarded a request, when the request came back to it (before any event)."""
 
 
 class LocalEvents:
@@ -68,14 +76,22 @@ class ForwardedEvents:
     async def _next(self) -> TokenEvent | Refusal:
         try:
             return await self._events.__anext__()
+        except ReturnedToSender:
+            log.info("a forwarded request came back to this replica, which serves it")
+            return await self._restart_here()
         except RayActorError as exc:
             if self._started:
                 raise PeerLost() from exc
             log.warning("the peer serving a forwarded request died before its first event (%s); serving it "
                         "here", type(exc).__name__)
-            self._events.cancel()
-            self._events = self._serve_here()
-            return await self._events.__anext__()
+            return await self._restart_here()
+
+    async def _restart_here(self) -> TokenEvent | Refusal:
+        """The request served here from the start, in place of the forwarded stream, which ended before its first
+        event."""
+        self._events.cancel()
+        self._events = self._serve_here()
+        return await self._events.__anext__()
 
     def cancel(self) -> None:
         self._end()

@@ -32,7 +32,7 @@ from deployments.api.events import TokenEvent
 from deployments.gate.gate import Gate, GateConfig
 from deployments.gate.ray_ledger import RayLedger
 from deployments.replica.engine_events import AdapterFetch, EngineEvents, EventRequest, RequestWatch
-from deployments.replica.event_streams import ForwardedEvents, LocalEvents
+from deployments.replica.event_streams import ForwardedEvents, LocalEvents, ReturnedToSender
 from deployments.replica.metrics import ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
 from deployments.replica.pacing import STREAM_INTERVAL_MS, EventPacer
@@ -177,7 +177,10 @@ class LLMServer:
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
                         stream: bool = True, trace: TraceCarrier | None = None) -> AsyncIterator[TokenEvent | Refusal]:
         """A request another replica forwarded here (Serve's router reads `route`:
-        deployments/routing/request_router.py), in the trace it carries."""
+        deployments/routing/request_router.py), in the trace it carries; refused at once when it came back to the
+        replica that forwarded it (deployments/replica/event_streams.py)."""
+        if route.sender == self.replica:
+            raise ReturnedToSender(self.replica)
         async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream, trace):
             yield event
 

@@ -59,7 +59,7 @@ class PeerView:
             return None
         choice = min(best, key=lambda r: r.load)
         sent[choice.replica] += 1
-        route = dataclasses.replace(request, target=choice.replica)
+        route = dataclasses.replace(request, target=choice.replica, sender=own.replica)
         self._counted.add(id(route))
         return route
 

@@ -33,6 +33,7 @@ class RouteRequest:
     content_id: str | None = None  # the version of it wanted, when the asker knows (lora_cache/replica_report.py)
     prompt_digests: tuple[int, ...] = ()  # engine/block_manager.py prompt_digests, empty when not tokenized
     target: str | None = None  # the replica a forwarding replica chose; the router sends it there if it can
+    sender: str | None = None  # the replica that forwarded it; the router sends it elsewhere while it can
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 
 Serve runs one router per caller: in the HTTP proxy, which knows a request's adapter only from the
 `serve_multiplexed_model_id` header (it does not read bodies), and in each replica's handle to its peers, for
-requests a replica forwards with their adapter, prompt digests and chosen replica (`RouteRequest`). Within a rank
-Serve probes queue lengths and takes the shortest replica that accepts; when none in any rank accepts, it backs
-off and asks again. A replica that died leaves the candidates Serve passes in, so it is routed around.
+requests a replica forwards with their adapter, prompt digests, chosen replica and sender (`RouteRequest`), which
+go to another replica than their sender whenever one is running. Within a rank Serve probes queue lengths and
+takes the shortest replica that accepts; when none in any rank accepts, it backs off and asks again. A replica
+that died leaves the candidates Serve passes in, so it is routed around.
 
 The replicas Serve routes to are also kept for the process's peer views (live_replicas): a replica Serve stopped
 (a scale-down, a rolling update) still reports to the cache actor while it drains, and a request forwarded to it
@@ -51,11 +52,20 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every candidate is ranked each time
+        request = _route_request(pending_request)
+        if request.sender is not None:
+            candidate_replicas = _off_sender(candidate_replicas, request.sender)
         reports = [_report(r) for r in candidate_replicas]
         by_name = {report.replica: r for report, r in zip(reports, candidate_replicas)}
-        request = _route_request(pending_request)
         ranks = probe_order(request, rank(request, reports, self.policy))
         return [[by_name[report.replica] for report in group] for group in ranks]
+
+
+def _off_sender(candidates: list[RunningReplica], sender: str) -> list[RunningReplica]:
+    """A forwarded request's candidates without its sender while another can take it: its target may have stopped
+    since the sender chose it. When none other runs, the sender hands it back (deployments/replica/event_streams.py)."""
+    others = [r for r in candidates if r.replica_id.unique_id != sender.partition("@")[0]]
+    return others or candidates
 
 
 def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
