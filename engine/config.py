@@ -158,9 +158,6 @@ class EngineConfig:
         """What tensor parallelism does not run yet, refused by name (what needs the model or the device is refused
         when the engine starts: engine/distributed/executor.py)."""
         size = self.tensor_parallel_size
-        if self.max_loras and size > 1:
-            raise ValueError(f"LoRA under tensor parallelism is not supported yet: max_loras {self.max_loras} with "
-                             f"tensor_parallel_size {size}")
         if self.kv_cache_memory_fraction is not None and size > 1:
             raise ValueError(f"kv_cache_memory_fraction under tensor parallelism is not supported yet (each of the "
                              f"{size} workers would take that share of the free memory): set kv_cache_bytes, each "

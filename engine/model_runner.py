@@ -226,7 +226,8 @@ class ModelRunner:
         return graphs
 
     def load_adapter(self, slot: int, adapter) -> None:
-        """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer."""
+        """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer (under tensor parallelism, this
+        rank's shard of it: engine/distributed/lora_shards.py)."""
         for index, layer in enumerate(self.lora_layers):
             weights = adapter.layers.get(index, {})
             for lora in layer.values():

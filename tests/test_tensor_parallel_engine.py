@@ -5,7 +5,8 @@ One engine per model covers the scheduler's paths at once: more prompts than max
 small enough to preempt, a token budget that prefills prompts in chunks, and, generated again, prompts whose
 blocks the prefix cache holds. Its greedy tokens equal the unsharded engine's under the same options and Hugging
 Face's, each chosen token's logprob (and each prompt token's, where asked) within 1e-4 of the unsharded engine's
-in float32. What it does not run yet is refused at start, by name."""
+in float32. Mixed-adapter batches over sharded adapters give PEFT's merged models' tokens. What it does not run
+yet is refused at start, by name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.distributed.workers import WorkerDiedError
+from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, hf_greedy
 
 TOLERANCE = 1e-4
@@ -106,9 +108,6 @@ def test_tiny_gpt2_over_two_workers_equals_one(tiny_gpt2_path):
 def test_what_does_not_split_or_run_yet_is_refused_by_name(tiny_llama_path):
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide num_key_value_heads 2"):
         LLM(str(tiny_llama_path), tensor_parallel_size=4, log_stats=False)
-    with pytest.raises(ValueError, match="LoRA under tensor parallelism is not supported yet: max_loras 2 with "
-                                         "tensor_parallel_size 2"):
-        EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=2, max_loras=2)
     with pytest.raises(ValueError, match="async_scheduling under tensor parallelism is not supported yet"):
         LLM(str(tiny_llama_path), tensor_parallel_size=2, async_scheduling=True, log_stats=False)
     with pytest.raises(ValueError, match="quantization 'int8' under tensor parallelism is not supported yet"):
@@ -117,3 +116,53 @@ def test_what_does_not_split_or_run_yet_is_refused_by_name(tiny_llama_path):
         EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
     with pytest.raises(ValueError, match="tensor_parallel_size must be positive, got 0"):
         EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", "LLAMA_ADAPTERS"),
+                                                 ("tiny_phi3_path", "PHI3_ADAPTERS"),  # fused q/k/v in one module
+                                                 ("tiny_gpt2_path", "GPT2_ADAPTERS")])
+def test_mixed_adapter_batches_over_two_workers_match_peft_merged(request, tmp_path_factory, base_fixture, specs):
+    """Column-parallel linears hold B's rows of the rank's heads or columns, row-parallel ones A's inputs (each
+    rank's delta summed with its partial product); 2 slots for 4 adapters of ranks 4 to 16: slots are reloaded."""
+    from tests import test_multi_lora as multi
+
+    base_path, specs = request.getfixturevalue(base_fixture), getattr(multi, specs)
+    root = tmp_path_factory.mktemp(f"tp-adapters-{base_fixture}")
+    references = multi._make_adapters(base_path, root, specs, seed=20)
+    with LLM(str(base_path), tensor_parallel_size=2, adapters=local_adapters, max_loras=2, adapters_root=str(root),
+             dtype="float32", log_stats=False) as llm:
+        base = llm.generate(PROMPTS[:4], multi.GREEDY, use_tqdm=False)
+        prompts = [p for p in PROMPTS[:4] for _ in range(len(specs) + 1)]
+        adapters = [a for _ in PROMPTS[:4] for a in (None, *specs)]
+        outputs = llm.generate(prompts, multi.GREEDY, use_tqdm=False, adapters=adapters)
+        assert llm.engine.adapter_slots.evictions > 0
+    for i, (out, adapter) in enumerate(zip(outputs, adapters)):
+        want = base[i // (len(specs) + 1)].token_ids if adapter is None else references[adapter][i // (len(specs) + 1)]
+        assert out.token_ids == want, f"{base_fixture}: adapter {adapter} on {prompts[i]!r}"
+    assert any(references[name][0] != base[0].token_ids for name in specs), "adapters must change outputs"
+
+
+def test_an_adapters_shards_are_cut_as_the_base_linears_are():
+    """Row-parallel: A by input columns, B whole; column-parallel: B's rows of each fused part apart (a fused
+    checkpoint's qkv_proj stacks q, k and v of unequal sizes), A whole. Rank shards put together give the whole."""
+    import torch
+
+    from engine.adapters import LoRAWeights
+    from engine.distributed.lora_shards import LoRALayout, ModuleShard, sub_parts
+    from engine.distributed.parallel import TensorParallel
+
+    assert sub_parts([8, 4, 4], (8, 4, 4)) == [(8,), (4,), (4,)]
+    assert sub_parts([16], (8, 4, 4)) == [(8, 4, 4)]
+    with pytest.raises(ValueError, match="does not cover whole parts"):
+        sub_parts([10, 6], (8, 4, 4))
+    layout = LoRALayout({"o": ModuleShard(True), "qkv": ModuleShard(False, (8, 4, 4))})
+    weights = LoRAWeights(torch.randn(3, 6), torch.randn(16, 3), 2.0)
+    ranks = [TensorParallel(r, 2, group=object()) for r in range(2)]
+    row = [layout.shard("o", weights, p) for p in ranks]
+    assert torch.equal(torch.cat([s.lora_a for s in row], dim=1), weights.lora_a)
+    assert all(torch.equal(s.lora_b, weights.lora_b) and s.scaling == 2.0 for s in row)
+    column = [layout.shard("qkv", weights, p) for p in ranks]
+    assert all(torch.equal(s.lora_a, weights.lora_a) for s in column)
+    b = weights.lora_b
+    assert torch.equal(column[0].lora_b, torch.cat([b[0:4], b[8:10], b[12:14]]))
+    assert torch.equal(column[1].lora_b, torch.cat([b[4:8], b[10:12], b[14:16]]))

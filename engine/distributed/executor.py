@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters import LoRAAdapter
 from engine.config import EngineConfig
+from engine.distributed.lora_shards import adapter_shard, lora_layout, rank_view
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
-from engine.distributed.step_channel import StepChannel, StopWorkers
+from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
 from engine.distributed.worker import WorkerSpec, build_runner
 from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, WorkerProcesses
 from engine.model_runner import StepResult
@@ -33,8 +35,8 @@ from engine.scheduler import ScheduledSeq
 
 
 def refuse_unsupported(config: EngineConfig, hf_config) -> None:
-    """What tensor parallelism does not run yet, refused by name before any worker starts (LoRA is refused by
-    EngineConfig.validate), and sizes the model does not split, naming both numbers."""
+    """What tensor parallelism does not run yet, refused by name before any worker starts, and sizes the model
+    does not split, naming both numbers."""
     size = config.tensor_parallel_size
     check_tensor_parallel(hf_config, size)
     if config.torch_device.type != "cpu":
@@ -56,6 +58,7 @@ class MultiprocessExecutor:
             self.parallel = join(0, size, address, config.torch_device)
             self.channel = StepChannel(self.parallel)
             self.runner = build_runner(config, path, hf_config, max_model_len, self.parallel)
+            self.layout = lora_layout(self.runner.model) if config.max_loras else None
         except BaseException:
             _shut_down(self.workers, None, self.parallel, stop_timeout_s=0.0)  # they may wait on this rank: kill
             raise
@@ -72,8 +75,15 @@ class MultiprocessExecutor:
             self.workers.check(DEATH_GRACE_S)  # a worker's death explains the failure: say so
             raise
 
-    def load_adapter(self, slot: int, adapter) -> None:
-        raise ValueError("LoRA under tensor parallelism is not supported yet")
+    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Each rank's shard of the adapter into its slot `slot`: every worker is sent its own shard only."""
+        self.workers.check()
+        parallel = self.parallel
+        shards = [adapter_shard(adapter, self.layout, rank_view(parallel, r)) for r in range(parallel.world_size)]
+        self.channel.send(LoadAdapter(slot))
+        for rank in range(1, parallel.world_size):
+            self.channel.send_to(rank, shards[rank])
+        self.runner.load_adapter(slot, shards[0])
 
     def close(self) -> None:
         self._finalizer()

@@ -1,5 +1,6 @@
 """The per-step broadcast from the driver (rank 0) to the tensor-parallel workers: one message a step, a
-`ForwardBatch` (engine/forward_batch.py) to run or `StopWorkers` to leave.
+`ForwardBatch` (engine/forward_batch.py) to run or `StopWorkers` to leave; between steps, `LoadAdapter` and then
+each worker's own shard of the adapter, sent to it alone (engine/distributed/lora_shards.py).
 
 A message is pickled once and broadcast with torch.distributed.broadcast_object_list (its size, then its bytes:
 two gloo broadcasts a step) over a gloo group of its own, apart from the model's collectives: a step's tensors
@@ -16,6 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from engine.adapters import LoRAAdapter
 from engine.distributed.parallel import TensorParallel
 from engine.forward_batch import ForwardBatch
 
@@ -27,7 +29,13 @@ class StopWorkers:
     """The engine is closing: each worker leaves its loop, its group and its process."""
 
 
-StepMessage = ForwardBatch | StopWorkers
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Load device slot `slot` with the adapter shard that follows, sent to each worker on its own (send_to)."""
+    slot: int
+
+
+StepMessage = ForwardBatch | LoadAdapter | StopWorkers
 
 
 class StepChannel:
@@ -45,4 +53,14 @@ class StepChannel:
         """A worker: the driver's next message, waiting as long as it takes."""
         box: list[StepMessage | None] = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def send_to(self, rank: int, shard: LoRAAdapter) -> None:
+        """Rank 0: what one worker alone needs (its shard of an adapter), after the message that announced it."""
+        dist.send_object_list([shard], dst=rank, group=self.group)
+
+    def receive_shard(self) -> LoRAAdapter:
+        """A worker: its own shard, sent after the LoadAdapter message."""
+        box: list[LoRAAdapter | None] = [None]
+        dist.recv_object_list(box, src=0, group=self.group)
         return box[0]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.distributed.linears import RowParallelLinear
 from engine.layers.lora_batch import LoRAGroup, LoRAStepState
 
 
@@ -153,14 +154,36 @@ def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, ma
                       device: torch.device, cpu_ops=None) -> list[dict[str, LoRALinear]]:
     """Replace each of the model's LoRA-capable linears; returns, per layer, linear path -> LoRALinear."""
     per_layer: list[dict[str, LoRALinear]] = []
+    n = model.tensor_parallel.world_size if getattr(model, "tensor_parallel", None) is not None else 1
     for layer, targets in zip(model.decoder_layers, model.lora_targets()):
         wrapped = {}
         for path, target in targets.items():
             parent_path, _, name = path.rpartition(".")
-            parent = layer.get_submodule(parent_path)
-            lora = LoRALinear(getattr(parent, name), target.in_features, target.subs, state, max_loras, max_rank,
-                              dtype, device, cpu_ops)
-            setattr(parent, name, lora)
+            site = _rank_site(layer.get_submodule(parent_path), name, target, n)
+            lora = LoRALinear(getattr(site.parent, site.name), site.target.in_features, site.target.subs, state,
+                              max_loras, max_rank, dtype, device, cpu_ops)
+            setattr(site.parent, site.name, lora)
             wrapped[path] = lora
         per_layer.append(wrapped)
     return per_layer
+
+
+@dataclass(frozen=True)
+class LoRASite:
+    """Where a LoRA linear replaces a base linear (parent.name), with its shapes on this rank."""
+    parent: nn.Module
+    name: str
+    target: LoRATarget
+
+
+def _rank_site(parent: nn.Module, name: str, target: LoRATarget, n: int) -> LoRASite:
+    """On one of n ranks (engine/distributed/lora_shards.py): a row-parallel linear's delta joins its partial
+    product over the rank's inputs, before the all-reduce (the LoRA linear wraps the inner linear); a column-
+    parallel one's is the rank's outputs. At one rank, the linear and its target as they are."""
+    module = getattr(parent, name)
+    if isinstance(module, RowParallelLinear):
+        return LoRASite(module, "linear", LoRATarget(target.in_features // n, target.subs))
+    if n == 1:
+        return LoRASite(parent, name, target)
+    return LoRASite(parent, name, LoRATarget(target.in_features,
+                                             [LoRASubModule(s.key, s.out_size // n) for s in target.subs]))

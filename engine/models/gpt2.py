@@ -132,6 +132,11 @@ class GPT2LMHeadModel(nn.Module):
         shapes = self.lora_shapes(self.config)
         return [fused_targets(shapes, {key: (key,) for key in shapes})] * len(self.h)
 
+    def column_parts(self, path: str) -> tuple[int, ...]:
+        """The full output sizes of the parts a column-parallel linear stacks (c_attn: q, k and v)."""
+        c = self.config
+        return (c.n_embd,) * 3 if path == "attn.c_attn" else (c.n_inner or 4 * c.n_embd,)
+
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
         return name.removeprefix("transformer."), None
 

@@ -339,6 +339,14 @@ class LlamaForCausalLM(nn.Module):
         targets = fused_targets(self.variant.lora_shapes(self.config), self.variant.lora_fusions)
         return [targets] * len(self.layers)
 
+    def column_parts(self, path: str) -> tuple[int, ...]:
+        """The full output sizes of the parts a column-parallel linear stacks, each split over the ranks on its
+        own (engine/distributed/lora_shards.py cuts LoRA B as they are cut)."""
+        if path == "self_attn.qkv_proj":
+            n = self.tensor_parallel.world_size if self.tensor_parallel is not None else 1
+            return tuple(size * n for size in self.layers[0].self_attn.split_sizes)
+        return (self.config.intermediate_size,) * 2  # mlp.gate_up_proj
+
     def shard_offset(self, param_name: str, shard: int) -> int:
         """First row of shard `shard` inside a fused weight or bias."""
         if "qkv_proj" in param_name:
