@@ -22,7 +22,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 
-from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
+from deployments.routing.policy import RouteRequest, RoutingPolicy, rank, serve_replica_id
 from lora_cache.replica_report import ReplicaReport
 
 
@@ -50,7 +50,7 @@ class PeerView:
     def choose(self, request: RouteRequest, own: ReplicaReport) -> RouteRequest | None:
         """None to serve the request here; else the request with the peer chosen for it as its target."""
         live, sent = self._live(), self._sent
-        reports = [r for r in self._reports if live is None or r.replica.partition("@")[0] in live]
+        reports = [r for r in self._reports if live is None or serve_replica_id(r.replica) in live]
         if not reports:
             return None
         peers = [dataclasses.replace(r, waiting=r.waiting + sent[r.replica]) for r in reports]

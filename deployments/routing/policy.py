@@ -36,6 +36,11 @@ class RouteRequest:
     sender: str | None = None  # the replica that forwarded it; the router sends it elsewhere while it can
 
 
+def serve_replica_id(replica: str) -> str:
+    """The Serve unique id a replica's name starts with (deployments/replica/llm_server.py names it id@node)."""
+    return replica.partition("@")[0]
+
+
 @dataclass(frozen=True)
 class RoutingPolicy:
     imbalance: int = 8  # requests more than the least loaded replica's that residence and prefix may outweigh

@@ -22,7 +22,7 @@ from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 from ray.serve.config import RequestRouterConfig
 
-from deployments.routing.policy import RouteRequest, RoutingPolicy, rank
+from deployments.routing.policy import RouteRequest, RoutingPolicy, rank, serve_replica_id
 from lora_cache.replica_report import ReplicaReport
 
 ROUTING_STATS_KEY = "lora_serve"  # record_routing_stats() -> {ROUTING_STATS_KEY: ReplicaReport}
@@ -64,7 +64,7 @@ class LoraAwareRouter(FIFOMixin, RequestRouter):
 def _off_sender(candidates: list[RunningReplica], sender: str) -> list[RunningReplica]:
     """A forwarded request's candidates without its sender while another can take it: its target may have stopped
     since the sender chose it. When none other runs, the sender hands it back (deployments/replica/event_streams.py)."""
-    others = [r for r in candidates if r.replica_id.unique_id != sender.partition("@")[0]]
+    others = [r for r in candidates if r.replica_id.unique_id != serve_replica_id(sender)]
     return others or candidates
 
 

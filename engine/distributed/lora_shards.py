@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.adapters import LoRAAdapter, LoRAWeights
 from engine.distributed.linears import RowParallelLinear
 from engine.distributed.parallel import TensorParallel
-from engine.distributed.shards import even_slice, output_rows
+from engine.distributed.shards import input_columns, output_rows
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ class LoRALayout:
         """The rank's part of one module's weights, as new contiguous tensors."""
         module = self.modules[key]
         if module.row_parallel:
-            a = weights.lora_a[:, even_slice(weights.lora_a.shape[1], parallel)].contiguous()
-            return dataclasses.replace(weights, lora_a=a)
+            return dataclasses.replace(weights, lora_a=input_columns(weights.lora_a, parallel))
         return dataclasses.replace(weights, lora_b=output_rows(weights.lora_b, list(module.parts), parallel))
 
 
@@ -78,8 +77,7 @@ def adapter_shard(adapter: LoRAAdapter, layout: LoRALayout, parallel: TensorPara
     """The adapter as rank `parallel.rank` holds it."""
     layers = {index: {key: layout.shard(key, w, parallel) for key, w in modules.items()}
               for index, modules in adapter.layers.items()}
-    nbytes = sum(w.lora_a.numel() * w.lora_a.element_size() + w.lora_b.numel() * w.lora_b.element_size()
-                 for modules in layers.values() for w in modules.values())
+    nbytes = sum(w.lora_a.nbytes + w.lora_b.nbytes for modules in layers.values() for w in modules.values())
     return dataclasses.replace(adapter, layers=layers, nbytes=nbytes)
 
 
