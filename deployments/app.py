@@ -55,6 +55,23 @@ class TracingArgs(StrictModel):
         return TracingConfig(self.otlp_traces_endpoint, self.protocol, self.service_name, self.sample_ratio)
 
 
+class TensorParallelArgs(StrictModel):
+    """Where a replica's tensor-parallel workers run (engine.tensor_parallel_size N > 1): one placement-group bundle
+    per worker, the replica itself in the first (deployments/replica/tensor_parallel_workers.py). A serve config's
+    placement_group_bundles for LLMServer replace these (on GPU nodes: {"CPU": c, "GPU": 1} each)."""
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs in each worker's bundle, the replica's own included")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray's placement of the bundles: STRICT_PACK keeps a replica's workers on one "
+        "node, where their all-reduces stay off the network")
+
+    def options(self, size: int) -> dict:
+        """The engine deployment's placement options for N workers; none at N = 1."""
+        if size == 1:
+            return {}
+        return {"placement_group_bundles": [{"CPU": self.worker_cpus} for _ in range(size)],
+                "placement_group_strategy": self.placement_strategy}
+
+
 class AppArgs(StrictModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig fields (model, dtype, kv_cache_bytes, ...)")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list, description="keys, their scopes and limits; none: "
@@ -68,6 +85,8 @@ class AppArgs(StrictModel):
                                                   "(deployments/replica/pacing.py)")
     tracing: TracingArgs = Field(default_factory=TracingArgs, description="per-request OpenTelemetry traces "
                                  "(below); off without an endpoint")
+    tensor_parallel: TensorParallelArgs = Field(default_factory=TensorParallelArgs, description="where a "
+                                                "replica's tensor-parallel workers run (below)")
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
@@ -78,26 +97,19 @@ def build_app(args: dict | None = None) -> Application:
     try:
         parsed = AppArgs(**(args or {}))
         engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
-        _refuse_tensor_parallel(engine)
         gate = parsed.gate()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
-    server = LLMServer.options(ray_actor_options=_engine_actor_options(), request_router_config=router).bind(
+    placement = parsed.tensor_parallel.options(engine.tensor_parallel_size)
+    actor = _engine_actor_options(parsed.tensor_parallel.worker_cpus if placement else 1)
+    server = LLMServer.options(ray_actor_options=actor, request_router_config=router, **placement).bind(
         parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
         tracing=parsed.tracing.config())
     if not haproxy_enabled():
         return server
     return with_ingress_router(server, engine.model)
-
-
-def _refuse_tensor_parallel(engine: EngineConfig) -> None:
-    """An engine replica's workers are not yet Ray actors in its placement group: a replica would spawn them as
-    local processes outside Ray's accounting of its resources, so a replica refuses to span workers for now."""
-    if engine.tensor_parallel_size > 1:
-        raise ValueError(f"engine.tensor_parallel_size {engine.tensor_parallel_size}: tensor parallelism is not "
-                         f"supported under Serve yet (the offline LLM runs it); use tensor_parallel_size 1")
 
 
 def _reason(exc: Exception) -> str:
@@ -117,9 +129,10 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
     return server._with_ingress_request_router(router.bind(server, model_name))
 
 
-def _engine_actor_options() -> dict:
-    """One CPU per engine replica, its process started on Intel's OpenMP runtime (deployments/replica/openmp.py), and
-    Serve's direct-ingress settings when the controller has them (deployments/routing/direct_ingress.py). A serve
-    config's ray_actor_options for LLMServer replace these: keep the runtime_env there."""
+def _engine_actor_options(cpus: float) -> dict:
+    """`cpus` CPUs per engine replica (1, or one tensor-parallel bundle's), its process started on Intel's OpenMP
+    runtime (deployments/replica/openmp.py), and Serve's direct-ingress settings when the controller has them
+    (deployments/routing/direct_ingress.py). A serve config's ray_actor_options for LLMServer replace these: keep
+    the runtime_env there."""
     env_vars = {**replica_env_vars(), **direct_ingress_env()}
-    return {"num_cpus": 1, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}
+    return {"num_cpus": cpus, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

@@ -32,7 +32,7 @@ from deployments.routes.routes import ROUTERS  # noqa: E402
 
 HTTP_ROUTES = [route for router in ROUTERS for route in router.routes]
 
-from deployments.app import AppArgs, RoutingArgs, TracingArgs  # noqa: E402
+from deployments.app import AppArgs, RoutingArgs, TensorParallelArgs, TracingArgs  # noqa: E402
 from deployments.gate.auth import ApiKeyConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
@@ -131,6 +131,9 @@ def reference() -> str:
               model_rows(RoutingArgs)),
         table("tracing", "`args.tracing`: per-request OpenTelemetry traces (`deployments/replica/tracing.py`; "
               "[operations.md](operations.md#tracing)).", model_rows(TracingArgs)),
+        table("tensor_parallel", "`args.tensor_parallel`: where a replica's workers run when "
+              "`engine.tensor_parallel_size` is above 1 (`deployments/replica/tensor_parallel_workers.py`; "
+              "[operations.md](operations.md#tensor-parallelism)).", model_rows(TensorParallelArgs)),
         table("api_keys entries", "Each entry of `args.api_keys`, and of the list in `api_keys_file` "
               "(`deployments/gate/auth.py`). Give the key one way: `key_sha256`, `key_env` or `key_file`.",
               model_rows(ApiKeyConfig)),

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.adapters import AdapterProviderFactory
 from engine.config import EngineConfig
@@ -21,6 +22,9 @@ from engine.llm_engine import LLMEngine, Prompt, TrackedRequest
 from engine.memory import MemoryReport
 from engine.outputs import AdapterStats, EngineStats, RequestOutput
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.distributed.workers import WorkerLauncher
 
 # A base-model prompt up to this many characters, with no grammar to compile, is prepared on the event loop: its
 # tokenization is quick, while a worker thread's turn cost far more of TTFT under load, waiting for the GIL
@@ -47,9 +51,10 @@ def _prepares_quickly(prompt: Prompt, params: SamplingParams, adapter: str | Non
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, adapters: AdapterProviderFactory | None = None,
-                 **overrides):
-        """adapters: the provider's factory, needed when max_loras > 0 (LLMEngine)."""
-        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapters)
+                 workers: WorkerLauncher | None = None, **overrides):
+        """adapters: the provider's factory, needed when max_loras > 0; workers: where tensor-parallel ranks
+        1..N-1 run, None for local processes (LLMEngine)."""
+        self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapters, workers)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
@@ -64,7 +69,9 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        """The step loop runs, and so does every tensor-parallel worker (an idle engine would find a dead one only
+        at its next step)."""
+        return self._error is None and self._thread.is_alive() and self.engine.workers_alive()
 
     @property
     def max_model_len(self) -> int:

@@ -79,11 +79,12 @@ class EngineConfig:
     max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
     num_threads: int | None = None  # torch CPU threads per worker; None = the cores, shared evenly by the workers
-    # N workers each holding 1/N of every layer (engine/distributed/): rank 0 in the engine's process, the others in
-    # spawned local processes over gloo, on CPU; 1 = the model whole in the engine's process. N must divide the
-    # model's heads, KV heads and MLP columns; adapters are sharded with the model (LoRA B by output rows in q/k/v
-    # and gate/up, A by input in o and down); CUDA, quantization, async scheduling and kv_cache_memory_fraction
-    # are refused above 1
+    # N workers each holding 1/N of every layer (engine/distributed/), over gloo on CPU: rank 0 in the engine's
+    # process, the others local processes offline and Ray actors in the replica's placement group under Serve (one
+    # bundle each: args.tensor_parallel); 1 = the model whole in the engine's process. N must divide the model's
+    # heads, KV heads and MLP columns; adapters are sharded with the model (LoRA B by output rows in q/k/v and
+    # gate/up, A by input in o and down); CUDA, quantization, async scheduling and kv_cache_memory_fraction are
+    # refused above 1
     tensor_parallel_size: int = 1
     cache_dir: str | None = None  # where converted models live; default $LORA_SERVE_CACHE, else ~/.cache/lora-serve
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.

@@ -5,9 +5,10 @@ computed them.
 
 - `InProcessExecutor`: one worker, the engine's own ModelRunner (tensor_parallel_size 1): the runner's call as it
   is, no copy, no process.
-- `engine.distributed.executor.MultiprocessExecutor`: tensor_parallel_size N > 1 on this machine: rank 0's runner
-  in this process (the driver), ranks 1..N-1 in spawned worker processes, each step's inputs broadcast to them
-  once.
+- `engine.distributed.executor.MultiprocessExecutor`: tensor_parallel_size N > 1: rank 0's runner in this process
+  (the driver), ranks 1..N-1 in worker processes, each step's inputs broadcast to them once. Where the workers run
+  is the caller's `WorkerLauncher` (engine/distributed/workers.py): local processes by default, Ray actors in a
+  Serve replica's placement group.
 
 Either exposes its rank-0 `runner`, whose KV layout, operators and memory report the engine reads (under tensor
 parallelism they are one worker's: its KV heads and its share of the weights).
@@ -16,13 +17,16 @@ parallelism they are one worker's: its KV heads and its share of the weights).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, StepResult
 from engine.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from engine.distributed.workers import WorkerLauncher
 
 
 class Executor(Protocol):
@@ -33,6 +37,9 @@ class Executor(Protocol):
 
     def load_adapter(self, slot: int, adapter) -> None:
         """A LoRAAdapter's weights into device slot `slot` (of every worker)."""
+
+    def alive(self) -> bool:
+        """Whether every worker still runs (always, with none)."""
 
     def close(self) -> None:
         """Stop the workers, if any (idempotent)."""
@@ -48,15 +55,20 @@ class InProcessExecutor:
     def load_adapter(self, slot: int, adapter) -> None:
         self.runner.load_adapter(slot, adapter)
 
+    def alive(self) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 
 
-def start_executor(config: EngineConfig, path: Path, hf_config, max_model_len: int) -> Executor:
-    """The executor config.tensor_parallel_size asks for; above 1, what it cannot run is refused by name first."""
+def start_executor(config: EngineConfig, path: Path, hf_config, max_model_len: int,
+                   workers: WorkerLauncher | None = None) -> Executor:
+    """The executor config.tensor_parallel_size asks for; above 1, what it cannot run is refused by name first.
+    workers: a WorkerLauncher for ranks 1..N-1 (None: local processes)."""
     if config.tensor_parallel_size == 1:
         return InProcessExecutor(ModelRunner(config, path, hf_config, max_model_len))
     from engine.distributed.executor import MultiprocessExecutor, refuse_unsupported
 
     refuse_unsupported(config, hf_config)
-    return MultiprocessExecutor(config, path, hf_config, max_model_len)
+    return MultiprocessExecutor(config, path, hf_config, max_model_len, workers)

@@ -18,6 +18,7 @@ import gc
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -42,6 +43,9 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.tokens_in_flight import Readback
 from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.distributed.workers import WorkerLauncher
 
 Prompt = str | list[int]
 
@@ -71,10 +75,10 @@ class InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None):
-        """adapters: makes the provider adapters come from (engine/adapters.py), given the model's LoRA shapes;
-        needed when max_loras > 0. Offline, lora_cache.local_cache.local_adapters reads them in this process; in
-        serving, a replica binds its copy of the cluster's cache actor (lora_cache/actor.py)."""
+    def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None,
+                 workers: WorkerLauncher | None = None):
+        """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/adapters.py);
+        workers: where tensor-parallel ranks 1..N-1 run (engine/distributed/workers.py), None: local processes."""
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.threads_per_worker)
@@ -82,7 +86,7 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         model_len = context_limit(hf_config, config.max_model_len)  # ValueError past the model's own
-        self.executor = start_executor(config, path, hf_config, model_len)  # rank 0's runner, and any workers
+        self.executor = start_executor(config, path, hf_config, model_len, workers)  # rank 0's runner, and any workers
         self.runner = self.executor.runner
         layout = self.runner.layout
         self.max_model_len = min(model_len, layout.token_capacity)
@@ -115,6 +119,10 @@ class LLMEngine:
     def memory(self) -> MemoryReport:
         """Rank 0's: under tensor parallelism every worker holds as much (its share of the weights, its KV heads)."""
         return self.runner.memory_report()
+
+    def workers_alive(self) -> bool:
+        """Whether every tensor-parallel worker still runs: a dead one fails the next step (always, with none)."""
+        return self.executor.alive()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, after which the engine cannot step (idempotent; also done at

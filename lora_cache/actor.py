@@ -264,8 +264,11 @@ def _awaited(name: str, not_after: float) -> None:
 
 
 def get_or_create_cache_actor(sources: SourceConfig, name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
-    """The one named, detached cache actor of this Ray cluster (created by the first replica that asks)."""
-    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True).remote(sources)
+    """The one named, detached cache actor of this Ray cluster (created by the first replica that asks). Outside
+    any placement group: Serve's replicas capture their children in theirs, and a tensor-parallel replica has one,
+    which goes with the replica, and an actor restarting into a removed group waits forever."""
+    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True,
+                                  scheduling_strategy="DEFAULT").remote(sources)
 
 
 class RayAdapterCache(HeldAdapters):

@@ -1,5 +1,5 @@
-"""serve_config.yaml and the multi-node example, as `serve run` reads them: valid for Ray Serve, and every
-lora-serve option in them known."""
+"""serve_config.yaml, the tensor-parallel and the multi-node examples, as `serve run` reads them: valid for Ray
+Serve, and every lora-serve option in them known."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from deployments.replica.autoscaling import EngineLoadPolicy
 from engine import EngineConfig
 
 ROOT = Path(__file__).parent.parent
-CONFIGS = [ROOT / "serve_config.yaml", ROOT / "configs" / "multi_node_gpu.yaml"]
+CONFIGS = [ROOT / "serve_config.yaml", ROOT / "configs" / "multi_node_gpu.yaml", ROOT / "configs" / "tp_cpu.yaml"]
 
 
 def _validated(path: Path) -> ServeDeploySchema:
@@ -25,7 +25,8 @@ def _validated(path: Path) -> ServeDeploySchema:
     EngineConfig.from_overrides(**AppArgs(**app.args).engine)
     [engine] = app.deployments
     assert engine.name == "LLMServer"
-    EngineLoadPolicy(**engine.autoscaling_config["policy"]["policy_kwargs"])
+    if isinstance(engine.autoscaling_config, dict):  # unset: Serve's DEFAULT sentinel
+        EngineLoadPolicy(**engine.autoscaling_config["policy"]["policy_kwargs"])
     return config
 
 
@@ -53,6 +54,21 @@ def test_serve_config_puts_haproxy_on_port_8000_routing_on_the_body():
     assert int(env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"]) >= 64 << 10
 
 
-def test_tensor_parallelism_is_refused_under_serve_by_name(tiny_llama_path):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: tensor parallelism is not supported under Serve"):
-        build_app({"engine": {"model": str(tiny_llama_path), "tensor_parallel_size": 2}})
+def test_tp_cpu_places_one_bundle_per_worker_packed_on_one_node():
+    """The embedded SmolLM2 splits its 3 KV heads over 3 workers, and their bundles fit a 2-core machine."""
+    args = AppArgs(**_validated(CONFIGS[2]).applications[0].args)
+    size = EngineConfig.from_overrides(**args.engine).tensor_parallel_size
+    placement = args.tensor_parallel.options(size)
+    assert size == 3 and placement["placement_group_strategy"] == "STRICT_PACK"
+    assert len(placement["placement_group_bundles"]) == size
+    assert sum(bundle["CPU"] for bundle in placement["placement_group_bundles"]) <= 2
+
+
+def test_a_single_worker_takes_no_placement_group():
+    assert AppArgs().tensor_parallel.options(1) == {}
+
+
+def test_unknown_tensor_parallel_options_are_refused_by_name(tiny_llama_path):
+    with pytest.raises(ValueError, match="tensor_parallel.workers: Extra inputs are not permitted"):
+        build_app({"engine": {"model": str(tiny_llama_path), "tensor_parallel_size": 2},
+                   "tensor_parallel": {"workers": 2}})

@@ -25,8 +25,8 @@ class RayLedger:
     def __init__(self, app_name: str):
         self._actor = (ray.remote(QuotaLedger)
                        .options(name=f"{LEDGER_NAME}:{app_name}", lifetime="detached", get_if_exists=True,
-                                num_cpus=0, max_restarts=-1)
-                       .remote())
+                                num_cpus=0, max_restarts=-1, scheduling_strategy="DEFAULT")
+                       .remote())  # outside the replica's placement group, which goes with the replica
 
     async def lease(self, ask: LeaseAsk) -> Lease:
         return await self._actor.lease.remote(ask)

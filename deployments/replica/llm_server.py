@@ -297,10 +297,13 @@ class LLMServer:
 
 def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> AsyncEngine:
     """The engine, imported here: this module is imported without torch (Serve's build step imports the app before
-    any replica starts, and a replica creates the cache actor before the engine's imports)."""
+    any replica starts, and a replica creates the cache actor before the engine's imports). Its tensor-parallel
+    workers, if any, are Ray actors in this replica's placement group (deployments/replica/tensor_parallel_workers.py)."""
+    from deployments.replica.tensor_parallel_workers import RayWorkerLauncher
     from engine.async_engine import AsyncEngine
 
-    return AsyncEngine(config, adapters.bound if adapters is not None else None)
+    workers = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
+    return AsyncEngine(config, adapters.bound if adapters is not None else None, workers)
 
 
 def _engine_threads(config: EngineConfig) -> EngineConfig:
@@ -310,8 +313,9 @@ def _engine_threads(config: EngineConfig) -> EngineConfig:
     spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events, a
     separate ingress deployment and every op on OpenMP, 2 threads gave fewer tokens/s than 1 at 8 concurrent streams and
     barely more at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this concerns
-    torch's own ops alone, a case not measured."""
-    if config.num_threads is not None or config.torch_device.type != "cpu":
+    torch's own ops alone, a case not measured. Tensor-parallel workers share the cores
+    (EngineConfig.threads_per_worker)."""
+    if config.num_threads is not None or config.torch_device.type != "cpu" or config.tensor_parallel_size > 1:
         return config
     cores = os.cpu_count() or 2
     return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))

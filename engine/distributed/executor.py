@@ -1,5 +1,6 @@
 """The multiprocess tensor-parallel executor: rank 0 is the driver, in the engine's process, and ranks 1..N-1
-are spawned local worker processes (workers.py, worker.py), all over one gloo group on CPU.
+are worker processes (worker.py) that a `WorkerLauncher` starts (workers.py: local processes offline, Ray actors in
+the replica's placement group under Serve), all over one gloo group on CPU.
 
 The scheduler, block manager, sampler and detokenizer stay in the engine, which sees this executor as it sees the
 in-process one (engine/executor.py). Per step the driver prepares the step's `ForwardBatch` once, broadcasts it
@@ -28,7 +29,7 @@ from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
 from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
 from engine.distributed.worker import WorkerSpec, build_runner
-from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, WorkerProcesses
+from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, LocalLauncher, WorkerGroup, WorkerLauncher
 from engine.model_runner import StepResult
 from engine.models import check_tensor_parallel
 from engine.scheduler import ScheduledSeq
@@ -49,10 +50,13 @@ def refuse_unsupported(config: EngineConfig, hf_config) -> None:
 
 
 class MultiprocessExecutor:
-    def __init__(self, config: EngineConfig, path: Path, hf_config, max_model_len: int):
-        size, address = config.tensor_parallel_size, free_address()
+    def __init__(self, config: EngineConfig, path: Path, hf_config, max_model_len: int,
+                 launcher: WorkerLauncher | None = None):
+        """launcher: where ranks 1..N-1 run; None: local processes (LocalLauncher)."""
+        launcher = launcher or LocalLauncher()
+        size, address = config.tensor_parallel_size, free_address(launcher.host())
         specs = [WorkerSpec(rank, size, address, config, str(path), max_model_len) for rank in range(1, size)]
-        self.workers = WorkerProcesses.spawn(specs)
+        self.workers = launcher.start(specs)
         self.parallel: TensorParallel | None = None
         try:
             self.parallel = join(0, size, address, config.torch_device)
@@ -85,11 +89,14 @@ class MultiprocessExecutor:
             self.channel.send_to(rank, shards[rank])
         self.runner.load_adapter(slot, shards[0])
 
+    def alive(self) -> bool:
+        return self.workers.alive()
+
     def close(self) -> None:
         self._finalizer()
 
 
-def _shut_down(workers: WorkerProcesses, channel: StepChannel | None, parallel: TensorParallel | None,
+def _shut_down(workers: WorkerGroup, channel: StepChannel | None, parallel: TensorParallel | None,
                stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
     """Tell the workers to stop (if they can still hear), wait for them, kill any left, leave the group."""
     if channel is not None and workers.alive():

@@ -1,9 +1,14 @@
-"""The spawned worker processes of a tensor-parallel engine: started with torch.multiprocessing's "spawn" (a fresh
-interpreter each: no forked torch or OpenMP state; a script that builds a tensor-parallel engine at import must
-guard it with `if __name__ == "__main__":`, as multiprocessing requires), watched, and stopped.
+"""Where a tensor-parallel engine's workers (ranks 1..N-1) run: the protocols the executor starts, watches and
+stops them through, and their local implementation.
 
-A worker that dies is reported by rank, process id and exit code (`WorkerDiedError`), before a step is sent to it
-and when a step's collective fails, rather than leaving the driver to wait.
+- `WorkerLauncher`: starts one worker per `WorkerSpec` (each runs worker.py's `worker_main`) and says at which host
+  the workers reach the driver's rendezvous. Serving implements it with Ray actors in the replica's placement group
+  (deployments/replica/tensor_parallel_workers.py); the engine knows nothing of Ray.
+- `WorkerGroup`: the started workers: `check` raises `WorkerDiedError` for one that is gone, naming its rank, before
+  a step is sent to it and when a step's collective fails, rather than leaving the driver to wait.
+- `LocalLauncher` and `WorkerProcesses`, the offline default: local processes started with torch.multiprocessing's
+  "spawn" (a fresh interpreter each: no forked torch or OpenMP state; a script that builds a tensor-parallel engine
+  at import must guard it with `if __name__ == "__main__":`, as multiprocessing requires).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 import torch.multiprocessing as mp
 
@@ -22,6 +28,36 @@ DEATH_GRACE_S = 5.0  # after a failed collective, how long the driver waits to s
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the engine cannot step without its shard."""
+
+
+class WorkerGroup(Protocol):
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise WorkerDiedError for the first worker that has exited, waiting up to grace_s for one to."""
+
+    def alive(self) -> bool:
+        """Whether every worker still runs."""
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Wait up to timeout_s for the workers to exit (they were told to, or the driver's group is gone), then
+        kill the rest."""
+
+
+class WorkerLauncher(Protocol):
+    def host(self) -> str:
+        """The address at which every worker reaches the driver (the rendezvous host)."""
+
+    def start(self, specs: list[WorkerSpec]) -> WorkerGroup:
+        """One worker per spec, each running worker_main(spec)."""
+
+
+class LocalLauncher:
+    """Workers as local processes of this machine."""
+
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def start(self, specs: list[WorkerSpec]) -> WorkerProcesses:
+        return WorkerProcesses.spawn(specs)
 
 
 @dataclass
@@ -38,7 +74,6 @@ class WorkerProcesses:
         return cls(processes)
 
     def check(self, grace_s: float = 0.0) -> None:
-        """Raise WorkerDiedError for the first worker that has exited, waiting up to grace_s for one to."""
         deadline = time.monotonic() + grace_s
         while True:
             for rank, process in enumerate(self.processes, start=1):
@@ -53,7 +88,6 @@ class WorkerProcesses:
         return all(process.exitcode is None for process in self.processes)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Wait for the workers to exit (they were told to, or their driver's group is gone); kill the rest."""
         deadline = time.monotonic() + timeout_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
