@@ -147,6 +147,7 @@ def _read_tensors(adapter_id: str, path: Path) -> dict[str, torch.Tensor]:
 
 # "model.layers.3.self_attn.q_proj" (Llama family) or "transformer.h.3.attn.c_attn" (GPT-2)
 _LAYER_MODULE = re.compile(r"(?:^|.*\.)(?:layers|h)\.(?P<layer>\d+)\.(?P<key>.+)")
+ROUTERS = ("mlp.gate", "block_sparse_moe.gate")  # a mixture of experts' router (Qwen3-MoE and OLMoE's, Mixtral's)
 # what follows ".lora_" in a weight name: "A.weight", or "A.default.weight" with an adapter name
 _LORA_WEIGHT = re.compile(r"(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
 
@@ -165,6 +166,9 @@ def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor], shapes: 
             raise AdapterError(adapter_id, f"tensor {tensor_name!r} is not a LoRA weight "
                                            "(full or extra module weights are not supported)")
         match = _LAYER_MODULE.fullmatch(name)
+        if match is not None and match["key"] in ROUTERS:
+            raise AdapterError(adapter_id, f"target module {name!r} is a mixture of experts' router: LoRA on the "
+                                           f"router is not supported")
         if match is None or match["key"] not in shapes:
             raise AdapterError(adapter_id, f"target module {name!r} is not supported; "
                                            f"supported: {', '.join(sorted(shapes))}")

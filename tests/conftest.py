@@ -49,14 +49,20 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -261,6 +267,49 @@ def tiny_olmo2_path(tmp_path_factory, tokenizer):
             if "norm" in name:
                 param.uniform_(2.0, 4.0) if ".post_" in name else param.uniform_(0.5, 1.5)
     return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-olmo2"))
+
+
+def _tiny_moe(config_class, model_class, tokenizer, seed: int, **architecture):
+    """A tiny mixture of experts on the tiny decoders' shape, 3 layers of 8 experts, 2 a token: its router and
+    experts drawn at the tiny models' scale (transformers leaves stacked expert tensors to its init), so routing is
+    decided, not near-tied."""
+    torch.manual_seed(seed)
+    config = config_class(**{**_tiny_decoder(tokenizer, tie_word_embeddings=False), "num_hidden_layers": 3,
+                             "num_experts_per_tok": 2, **architecture})
+    model = model_class(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_path(tmp_path_factory, tokenizer):
+    """Qwen3-MoE: Qwen3's attention, experts in layers 0 and 2 and a dense MLP in layer 1 (mlp_only_layers), the
+    top 2 weights renormalized (norm_topk_prob)."""
+    model = _tiny_moe(Qwen3MoeConfig, Qwen3MoeForCausalLM, tokenizer, 21, num_experts=8, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1], head_dim=16)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_path(tmp_path_factory, tokenizer):
+    """Mixtral: Mistral's attention, experts in every layer, saved under block_sparse_moe as its checkpoints are."""
+    model = _tiny_moe(MixtralConfig, MixtralForCausalLM, tokenizer, 22, num_local_experts=8,
+                      intermediate_size=32)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-mixtral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_path(tmp_path_factory, tokenizer):
+    """OLMoE: the query and key projections normalized whole, experts in every layer, top 2 weights as routed
+    (norm_topk_prob false)."""
+    model = _tiny_moe(OlmoeConfig, OlmoeForCausalLM, tokenizer, 23, num_experts=8, intermediate_size=32,
+                      norm_topk_prob=False, pad_token_id=0, bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny(model, tokenizer, tmp_path_factory.mktemp("tiny-olmoe"))
 
 
 def _gemma_norms_away_from_one(model):

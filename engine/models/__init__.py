@@ -16,6 +16,7 @@ from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.llama_variants import attention_window
+from engine.models.moe import moe_spec
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,6 +30,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
@@ -37,7 +41,8 @@ LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM, "gemma": LlamaForCausalLM, "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM, "olmo2": LlamaForCausalLM, "smollm3": LlamaForCausalLM,
-    "granite": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+    "granite": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM, "mixtral": LlamaForCausalLM,
+    "olmoe": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
 def lora_shapes(hf_config) -> LoraShapes:
@@ -103,6 +108,9 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     before anything loads where its sizes do not split; the full checkpoint is read, then sharded before the
     linears are prepacked."""
     cls = model_class(hf_config)
+    if quantization != "none" and moe_spec(hf_config) is not None:
+        raise ValueError(f"quantization {quantization!r} of a mixture of experts ({hf_config.model_type}) is not "
+                         f"supported yet: bitsandbytes would quantize its attention alone, not its experts")
     sharded = parallel is not None and parallel.sharded
     if sharded:
         check_tensor_parallel(hf_config, parallel.world_size)

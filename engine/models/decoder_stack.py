@@ -93,6 +93,8 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     (engine/distributed/), whose o and down projections sum over the ranks between the stack's operators."""
     if cpu_ops is None or not isinstance(model, LlamaForCausalLM) or model.tensor_parallel is not None:
         return None
+    if model.variant.moe is not None:  # experts in place of the MLP: the stack's layers are dense
+        return None
     attn = model.layers[0].self_attn
     linears = [_base(linear) for layer in model.layers for linear in _linears(layer)]
     if not all(isinstance(lin, PrepackedLinear) and lin.kernel is not None for lin in linears):

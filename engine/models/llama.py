@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma 1-3, Granite, OLMo 2) over the paged
-KV cache; how each architecture departs from Llama's layers is data read from its config
+"""Llama-family decoder (Llama, Mistral, SmolLM2/3, Qwen2, Qwen3, Phi-3, Gemma 1-3, Granite, OLMo 2, and the
+mixtures of experts Qwen3-MoE, Mixtral and OLMoE, whose MLPs are engine/models/moe.py's) over the paged KV cache; how each architecture departs from Llama's layers is data read from its config
 (engine/models/llama_variants.py).
 
 q/k/v and gate/up projections are fused into one matmul each; HF checkpoints are mapped onto
@@ -29,6 +29,7 @@ from engine.layers.lora import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
+from engine.models.moe import SparseMoeBlock, expert_checkpoint_param, expert_rows
 
 ONE_TABLE = "shared"  # the key of the rotary table every layer shares (all but Gemma 3's)
 # the MLP activations the fused operators compute with the product (transformers' names): SiLU, and GELU exact or
@@ -188,7 +189,8 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm = _norm(config.hidden_size, config, variant)
         self.self_attn = LlamaAttention(config, variant, layer)
         self.post_attention_layernorm = _norm(config.hidden_size, config, variant)
-        self.mlp = LlamaMLP(config)
+        moe = variant.moe  # Qwen3-MoE, Mixtral, OLMoE: experts in place of the MLP (Qwen3-MoE: not in every layer)
+        self.mlp = SparseMoeBlock(config, moe) if moe is not None and moe.sparse(layer) else LlamaMLP(config)
         self.residual_multiplier = variant.residual_multiplier  # Granite: each output times it before the add
         # Gemma 2's sandwich, under its checkpoint's names: post_attention_layernorm normalizes the attention
         # output, pre_feedforward_layernorm the MLP's input (Llama's post_attention_layernorm), and
@@ -261,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
         """Refuse a tensor_parallel_size that splits a head or the MLP's columns unevenly (the vocabulary is
         padded instead), or OLMo 2's query and key norms over whole projections, which would need the ranks'
         squares summed."""
+        if variant_of(c).moe is not None:
+            raise ValueError(f"tensor parallelism does not split {c.model_type}'s experts yet (tensor_parallel_size "
+                             f"{world_size})")
         if variant_of(c).qk_norm == "projection":
             raise ValueError(f"tensor parallelism does not split {c.model_type}'s query and key norms over whole "
                              f"projections (tensor_parallel_size {world_size})")
@@ -348,7 +353,10 @@ class LlamaForCausalLM(nn.Module):
         return (self.config.intermediate_size,) * 2  # mlp.gate_up_proj
 
     def shard_offset(self, param_name: str, shard: int) -> int:
-        """First row of shard `shard` inside a fused weight or bias."""
+        """First row of shard `shard` inside a fused weight or bias (in the experts' stacked weights, shard
+        3 * expert + part: engine/models/moe.py)."""
+        if ".mlp.experts." in param_name:
+            return expert_rows(self.variant.moe, self.config.hidden_size, *divmod(shard, 3))
         if "qkv_proj" in param_name:
             sizes = self.layers[0].self_attn.split_sizes
         else:
@@ -356,14 +364,21 @@ class LlamaForCausalLM(nn.Module):
         return sum(sizes[:shard])
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Gemma's norm weights w as the 1 + w they scale by, added in float32 as transformers adds it."""
+        """Gemma's norm weights w as the 1 + w they scale by, added in float32 as transformers adds it; transformers
+        5's stacked expert tensors flat, as the model stores them."""
         if self.variant.norm_offset and name.endswith("norm.weight"):
             return tensor.float() + self.variant.norm_offset
+        if ".mlp.experts." in name and tensor.dim() == 3:
+            return tensor.flatten(0, 1)
         return tensor
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | None]:
         """Map an HF tensor name to (our parameter name, shard index within a fused weight or None)."""
-        name = name.removeprefix("model.")
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE blocks
+        expert = expert_checkpoint_param(name)
+        if expert is not None:
+            param, index, part = expert
+            return param, 3 * index + part
         for fragment, (fused, shard) in self.fused_shards.items():
             if f".{fragment}." in name:
                 return name.replace(f".{fragment}.", f".{fused}."), shard

@@ -34,6 +34,11 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
   whole, over every head at once, before the rotary embedding. Its norms, like Gemma's, scale the float32 row and
   round once.
 
+- Qwen3-MoE, Mixtral, OLMoE: Qwen3's, Mistral's and OLMo 2's attention (OLMoE with the usual norms before
+  attention and the MLP, scaling as Llama's), and experts in place of the MLP (engine/models/moe.py): in every
+  layer, or in Qwen3-MoE's sparse ones (`decoder_sparse_step`, `mlp_only_layers`). Their adapters target
+  attention.
+
 Rotary embeddings over part of each head (`partial_rotary_factor`, Phi-4-mini's) are the rotary table's concern
 (engine/layers/rotary.py).
 """
@@ -42,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from engine.models.moe import MoESpec, moe_spec
 
 # The engine's fused linears and the PEFT modules each holds, in output-column order
 SPLIT_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -76,6 +83,7 @@ class LlamaVariant:
     # Gemma 2 and 3, and Mistral's or Qwen2's past their window: per layer its sliding window, 0 for the whole context
     windows: tuple[int, ...] | None = None
     rope_kinds: tuple[str, ...] | None = None  # Gemma 3: per layer the key of its rotary's rope_parameters
+    moe: MoESpec | None = None  # Qwen3-MoE, Mixtral, OLMoE: the experts in place of the MLP (engine/models/moe.py)
 
     def rotates(self, layer: int) -> bool:
         """Whether the layer applies the rotary embedding to its queries and keys."""
@@ -91,7 +99,10 @@ class LlamaVariant:
 
     @property
     def lora_fusions(self) -> dict[str, tuple[str, ...]]:
-        return FUSED_FUSIONS if self.fused_checkpoint else SPLIT_FUSIONS
+        fusions = FUSED_FUSIONS if self.fused_checkpoint else SPLIT_FUSIONS
+        if self.moe is not None:  # a mixture of experts: adapters on attention
+            return {path: parts for path, parts in fusions.items() if path.startswith("self_attn.")}
+        return fusions
 
     def lora_shapes(self, c) -> dict[str, tuple[int, int]]:
         """PEFT module key -> (in_features, out_features) of each LoRA-capable linear, from the config alone:
@@ -101,12 +112,15 @@ class LlamaVariant:
         q_size = heads * head_dim
         kv_size = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
+        attention = {"self_attn.q_proj": (hidden, q_size), "self_attn.k_proj": (hidden, kv_size),
+                     "self_attn.v_proj": (hidden, kv_size), "self_attn.o_proj": (q_size, hidden)}
+        if self.moe is not None:  # a mixture of experts: adapters on attention
+            return attention
         if self.fused_checkpoint:
             return {"self_attn.qkv_proj": (hidden, q_size + 2 * kv_size), "self_attn.o_proj": (q_size, hidden),
                     "mlp.gate_up_proj": (hidden, 2 * inter), "mlp.down_proj": (inter, hidden)}
-        return {"self_attn.q_proj": (hidden, q_size), "self_attn.k_proj": (hidden, kv_size),
-                "self_attn.v_proj": (hidden, kv_size), "self_attn.o_proj": (q_size, hidden),
-                "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+        return {**attention, "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+                "mlp.down_proj": (inter, hidden)}
 
 
 def variant_of(config, max_positions: int | None = None) -> LlamaVariant:
@@ -115,6 +129,9 @@ def variant_of(config, max_positions: int | None = None) -> LlamaVariant:
     bias = bool(getattr(config, "attention_bias", False))
     gemma = kind in ("gemma", *WINDOWED)
     olmo2 = kind == "olmo2"
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"{kind}'s clip_qkv ({config.clip_qkv}) is not supported: queries, keys and values are not "
+                         f"clamped")
     return LlamaVariant(qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
                         qk_norm=_qk_norm(kind),
                         post_norms_only=olmo2, float32_norm_scale=gemma or olmo2,
@@ -122,14 +139,14 @@ def variant_of(config, max_positions: int | None = None) -> LlamaVariant:
                         embed_scale=config.hidden_size ** 0.5 if gemma else None,
                         fused_checkpoint=kind == "phi3", rope_layers=_rope_layers(config),
                         **_granite_scalars(config), **_windowed_gemma_departures(config),
-                        **_context_windows(config, max_positions))
+                        moe=moe_spec(config), **_context_windows(config, max_positions))
 
 
 def _qk_norm(kind: str) -> Literal["head", "projection"] | None:
     """Where the architecture normalizes its queries and keys (LlamaVariant.qk_norm)."""
-    if kind in ("qwen3", "gemma3_text"):
+    if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
         return "head"
-    return "projection" if kind == "olmo2" else None
+    return "projection" if kind in ("olmo2", "olmoe") else None
 
 
 def _granite_scalars(config) -> dict[str, float]:

@@ -1,0 +1,151 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top-k experts, and the experts
+run as grouped matrix products over the tokens sorted by expert.
+
+- **Routing, as transformers routes**: the router's logits in the model dtype, their softmax in float32, the top k,
+  renormalized to sum to 1 where the model does (Mixtral always; Qwen3-MoE and OLMoE by `norm_topk_prob`). Qwen3-MoE
+  and OLMoE round the weights to the model dtype before the combine; Mixtral combines in float32 and rounds the
+  weighted output (transformers' order, which bf16 results follow).
+- **Grouped experts**: the (token, expert) pairs are sorted by expert once, so each expert's tokens are one
+  contiguous block; each expert with tokens runs one gate/up product and one down product over its whole block
+  (the experts' weights stacked in two tensors, [E, 2I, H] and [E, H, I], as transformers 5 holds them), and the
+  outputs, times their router weights, are summed back into their tokens' rows in one index_add. No work is done
+  per token, and experts no token chose are skipped.
+- **Checkpoints in either layout**: transformers 5's fused expert tensors (`mlp.experts.gate_up_proj`,
+  `mlp.experts.down_proj`) and the per-expert one its save_pretrained writes and the Hub's checkpoints hold
+  (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1` / `w3` /
+  `w2`). The stacked weights are stored flat ([E * 2I, H] and [E * H, I]), so that a per-expert tensor is a run of
+  rows, loaded as a fused weight's parts are (engine/models/__init__.py).
+
+Shared experts (Qwen2-MoE's) and other MoE architectures are refused by name (engine/models/__init__.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import uninitialized
+from engine.models.activations import activation
+
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+# a per-expert checkpoint tensor: its layer path, expert index and projection (Mixtral's w1/w3/w2 or the others')
+EXPERT_TENSOR = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+PROJECTIONS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}  # -> gate, up, down
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A model's experts, read from its config."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top k weights divided by their sum
+    float32_combine: bool  # Mixtral: weights kept in float32 for the combine
+    dense_layers: frozenset[int]  # Qwen3-MoE's mlp_only_layers and layers off its decoder_sparse_step: a dense MLP
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+def moe_spec(config) -> MoESpec | None:
+    """The experts of a Qwen3-MoE, Mixtral or OLMoE config; None for a dense model."""
+    kind = config.model_type
+    if kind not in MOE_MODEL_TYPES:
+        return None
+    mixtral = kind == "mixtral"
+    experts = config.num_local_experts if mixtral else config.num_experts
+    inter = config.moe_intermediate_size if kind == "qwen3_moe" else config.intermediate_size
+    return MoESpec(experts, config.num_experts_per_tok, inter, renormalize=mixtral or bool(config.norm_topk_prob),
+                   float32_combine=mixtral, dense_layers=_dense_layers(config))
+
+
+def _dense_layers(config) -> frozenset[int]:
+    if config.model_type != "qwen3_moe":
+        return frozenset()
+    step = config.decoder_sparse_step
+    return frozenset(i for i in range(config.num_hidden_layers)
+                     if i in config.mlp_only_layers or config.num_experts == 0 or (i + 1) % step != 0)
+
+
+class Experts(nn.Module):
+    """The experts' weights, stacked and stored flat (the module docstring says why)."""
+
+    def __init__(self, hidden: int, spec: MoESpec):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = spec.num_experts, hidden, spec.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts * 2 * spec.intermediate_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(spec.num_experts * hidden, spec.intermediate_size))
+
+    def gate_up(self) -> torch.Tensor:
+        return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate, self.hidden)
+
+    def down(self) -> torch.Tensor:
+        return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """A step's (token, expert) pairs sorted by expert: each expert's tokens one contiguous run."""
+    tokens: torch.Tensor  # [pairs] the token of each pair
+    weights: torch.Tensor  # [pairs, 1] its router weight
+    counts: list[int]  # pairs per expert, in expert order
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config, spec: MoESpec):
+        super().__init__()
+        self.spec = spec
+        self.gate = uninitialized.linear(config.hidden_size, spec.num_experts, bias=False)  # the router
+        self.experts = Experts(config.hidden_size, spec)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routes = self.route(x)
+        out = torch.zeros_like(x)
+        gate_up, down, start = self.experts.gate_up(), self.experts.down(), 0
+        for expert, count in enumerate(routes.counts):
+            if count:
+                rows = slice(start, start + count)
+                out.index_add_(0, routes.tokens[rows], self._expert(x, routes, rows, gate_up[expert], down[expert]))
+                start += count
+        return out
+
+    def _expert(self, x, routes: Routes, rows: slice, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """One expert over its block of tokens, times their router weights, in the model dtype."""
+        gate, up = F.linear(x[routes.tokens[rows]], gate_up).chunk(2, dim=-1)
+        out = F.linear(self.act(gate) * up, down) * routes.weights[rows]
+        return out.to(x.dtype)
+
+    def route(self, x: torch.Tensor) -> Routes:
+        """Each token's top-k experts and weights (transformers' routing), as pairs sorted by expert."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.spec.float32_combine:
+            weights = weights.to(x.dtype)
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.spec.num_experts)
+        tokens = order // self.spec.top_k
+        return Routes(tokens, weights.flatten()[order].unsqueeze(1), counts.tolist())
+
+
+def expert_checkpoint_param(name: str) -> tuple[str, int, int] | None:
+    """A per-expert checkpoint tensor's (stacked parameter, expert, part: 0 gate, 1 up, 2 down), or None."""
+    match = EXPERT_TENSOR.match(name)
+    if match is None or match.group(3) not in PROJECTIONS:
+        return None
+    layer, expert, part = match.group(1), int(match.group(2)), PROJECTIONS[match.group(3)]
+    param = "down_proj" if part == 2 else "gate_up_proj"
+    return f"{layer}.mlp.experts.{param}", expert, part
+
+
+def expert_rows(spec: MoESpec, hidden: int, expert: int, part: int) -> int:
+    """First row of one expert's part inside the flat stacked weight."""
+    if part == 2:
+        return expert * hidden
+    return (2 * expert + part) * spec.intermediate_size

@@ -1,0 +1,152 @@
+"""Mixtures of experts (engine/models/moe.py): tiny random Qwen3-MoE, Mixtral and OLMoE models in float32 give
+Hugging Face generate's greedy tokens, queued, preempted and prefilled in chunks, with logprobs within 1e-4 of
+transformers' teacher-forced ones; bf16 within the dense models' tolerance of transformers' bf16; checkpoints in
+transformers 5's fused expert layout; batches of base and attention-adapter requests equal to PEFT's merged
+models; and what is not built yet (experts sharded, quantized or targeted by adapters, the router targeted) refused
+by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.errors import AdapterError
+from lora_cache.adapter import load_adapter
+from lora_cache.local_cache import local_adapters
+from tests.helpers import PROMPTS, _hf_model, hf_greedy, lora_shapes_of
+from tests.test_multi_lora import GREEDY, _make_adapters
+
+MODELS = ["tiny_qwen3_moe_path", "tiny_mixtral_path", "tiny_olmoe_path"]
+TOLERANCE = 1e-4
+
+
+def _check(llm: LLM, prompts, reference, params):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, ref in zip(prompts, outputs, reference):
+        assert out.token_ids == ref, f"mismatch for {prompt!r}: got {out.token_ids}, want {ref}"
+    assert llm.engine.block_manager.num_used_blocks == 0
+    return outputs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tiny_moe_models_match_hf_queued_preempted_and_chunked(request, name):
+    path = request.getfixturevalue(name)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
+    reference = hf_greedy(path, PROMPTS, params.max_tokens)
+    outputs = _check(LLM(str(path), max_num_seqs=3, log_stats=False), PROMPTS, reference, params)
+    preempting = LLM(str(path), max_num_seqs=16, num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
+                     log_stats=False)
+    _check(preempting, PROMPTS, reference, params)
+    assert preempting.engine.scheduler.total_preemptions > 0
+    assert _logprob_gap(path, outputs) < TOLERANCE
+
+
+@torch.no_grad()
+def _teacher_forced(model, outputs) -> torch.Tensor:
+    """Transformers' logprob of each generated token, teacher-forced over prompt and output, all outputs in a row."""
+    found = []
+    for out in outputs:
+        ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        start = len(out.prompt_token_ids) - 1
+        found.append(logprobs[start:start + len(out.token_ids)].gather(1, torch.tensor(out.token_ids)[:, None])[:, 0])
+    return torch.cat(found)
+
+
+def _logprob_gap(path, outputs) -> float:
+    """The largest gap between the engine's logprob of a generated token and transformers' float32 one."""
+    engine = torch.cat([torch.tensor(out.logprobs) for out in outputs])
+    return (engine - _teacher_forced(_hf_model(str(path)), outputs)).abs().max().item()
+
+
+def test_transformers_5_fused_expert_tensors_load_as_the_per_expert_ones(tiny_qwen3_moe_path, tmp_path):
+    """The same experts saved as transformers 5 holds them ([E, 2I, H] gate/up and [E, H, I] down per layer) give
+    the same tokens."""
+    fused = tmp_path / "fused"
+    shutil.copytree(tiny_qwen3_moe_path, fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    save_file(_fused_experts(tensors), str(fused / "model.safetensors"))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    per_expert = LLM(str(tiny_qwen3_moe_path), log_stats=False).generate(PROMPTS[:4], params, use_tqdm=False)
+    stacked = LLM(str(fused), log_stats=False).generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.token_ids for o in stacked] == [o.token_ids for o in per_expert]
+
+
+def _fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {name: t for name, t in tensors.items() if ".experts." not in name}
+    for layer in sorted({name.split(".experts.")[0] for name in tensors if ".experts." in name}):
+        experts = range(len({n for n in tensors if n.startswith(f"{layer}.experts.") and n.endswith("down_proj.weight")}))
+        weights = {proj: [tensors[f"{layer}.experts.{e}.{proj}.weight"] for e in experts]
+                   for proj in ("gate_proj", "up_proj", "down_proj")}
+        out[f"{layer}.experts.gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(weights["gate_proj"],
+                                                                                           weights["up_proj"])])
+        out[f"{layer}.experts.down_proj"] = torch.stack(weights["down_proj"])
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_logprobs_are_as_close_to_float32_as_transformers_bf16(request, name):
+    """bf16, teacher-forced: a token whose router ranks two experts within bf16's rounding may take the other one, in
+    transformers' bf16 as here, which moves its logprob past the dense models' tolerance (0.1) however exact the
+    rest; so the mean gap is what compares: near transformers' bf16 one, and to float32 no further than transformers'
+    bf16 is."""
+    path = request.getfixturevalue(name)
+    llm = LLM(str(path), dtype="bfloat16", log_stats=False)
+    outputs = llm.generate(PROMPTS[:8], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)
+    engine = torch.cat([torch.tensor(out.logprobs) for out in outputs])
+    hf_bf16 = _teacher_forced(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), outputs)
+    hf_float32 = _teacher_forced(_hf_model(str(path)), outputs)
+    assert (engine - hf_bf16).abs().mean() < 0.05
+    assert (engine - hf_float32).abs().mean() <= 1.1 * (hf_bf16 - hf_float32).abs().mean() + 0.005
+
+
+ATTENTION_ADAPTERS = {"attn-r4": (4, ["q_proj", "v_proj"]), "attn-r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                      "o-r8": (8, ["o_proj"])}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_attention_adapter_batches_match_peft_merged(request, tmp_path_factory, name):
+    path = request.getfixturevalue(name)
+    root = tmp_path_factory.mktemp(f"moe-adapters-{name}")
+    references = _make_adapters(path, root, ATTENTION_ADAPTERS, seed=30)
+    llm = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False)
+    base = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    prompts = [p for p in PROMPTS[:4] for _ in range(len(ATTENTION_ADAPTERS) + 1)]
+    adapters = [a for _ in PROMPTS[:4] for a in (None, *ATTENTION_ADAPTERS)]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, adapters=adapters)
+    for i, (out, adapter) in enumerate(zip(outputs, adapters)):
+        want = base[i // 4].token_ids if adapter is None else references[adapter][i // 4]
+        assert out.token_ids == want, f"{adapter} on {prompts[i]!r}"
+    assert any(references[a][0] != base[0].token_ids for a in ATTENTION_ADAPTERS), "adapters must change outputs"
+    assert llm.engine.adapter_slots.evictions > 0
+
+
+def test_what_moe_does_not_run_yet_is_refused_by_name(tiny_qwen3_moe_path, tmp_path):
+    with pytest.raises(ValueError, match="tensor parallelism does not split qwen3_moe's experts"):
+        LLM(str(tiny_qwen3_moe_path), tensor_parallel_size=2, log_stats=False)
+    with pytest.raises(ValueError, match="quantization 'int8' of a mixture of experts"):
+        LLM(str(tiny_qwen3_moe_path), quantization="int8", log_stats=False)
+    shapes = lora_shapes_of(tiny_qwen3_moe_path)
+    router = _adapter_with(tmp_path / "router", "base_model.model.model.layers.0.mlp.gate", 64, 8)
+    with pytest.raises(AdapterError, match="mlp.gate' is a mixture of experts' router"):
+        load_adapter("router", router, shapes)
+    experts = _adapter_with(tmp_path / "experts", "base_model.model.model.layers.0.self_attn.q_proj", 64, 64,
+                            target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(AdapterError, match="target_parameters"):
+        load_adapter("experts", experts, shapes)
+
+
+def _adapter_with(folder, module: str, fan_in: int, fan_out: int, **config):
+    folder.mkdir()
+    save_file({f"{module}.lora_A.weight": torch.zeros(4, fan_in), f"{module}.lora_B.weight": torch.zeros(fan_out, 4)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                            "target_modules": ["x"], **config}))
+    return folder
