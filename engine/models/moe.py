@@ -7,14 +7,15 @@ run as grouped matrix products over the tokens sorted by expert.
   weighted output (transformers' order, which bf16 results follow).
 - **Grouped experts**: the (token, expert) pairs are sorted by expert once, so each expert's tokens are one
   contiguous block; each expert with tokens runs one gate/up product and one down product over its whole block
-  (the experts' weights stacked in two tensors, [E, 2I, H] and [E, H, I], as transformers 5 holds them), and the
-  outputs, times their router weights, are summed back into their tokens' rows in one index_add. No work is done
-  per token, and experts no token chose are skipped.
+  (each expert's two linears prepacked on the engine's own kernels, as a dense model's), and the outputs, times
+  their router weights, are summed back into their tokens' rows in one index_add. No work is done per token, and
+  experts no token chose are skipped.
 - **Checkpoints in either layout**: transformers 5's fused expert tensors (`mlp.experts.gate_up_proj`,
   `mlp.experts.down_proj`) and the per-expert one its save_pretrained writes and the Hub's checkpoints hold
   (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1` / `w3` /
-  `w2`). The stacked weights are stored flat ([E * 2I, H] and [E * H, I]), so that a per-expert tensor is a run of
-  rows, loaded as a fused weight's parts are (engine/models/__init__.py).
+  `w2`). The stacked weights are stored flat while they load ([E * 2I, H] and [E * H, I]), so that a per-expert
+  tensor is a run of rows, loaded as a fused weight's parts are (engine/models/__init__.py); then each expert's rows
+  become its own linears (`split_experts`), before the linears are prepacked.
 
 Shared experts (Qwen2-MoE's) and other MoE architectures are refused by name (engine/models/__init__.py).
 """
@@ -25,7 +26,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import uninitialized
@@ -72,19 +72,38 @@ def _dense_layers(config) -> frozenset[int]:
 
 
 class Experts(nn.Module):
-    """The experts' weights, stacked and stored flat (the module docstring says why)."""
+    """The experts' weights: stacked and stored flat while the checkpoint loads (the module docstring says why),
+    then one linear per expert and projection (`split`), which the linears' prepacking puts on the engine's own
+    kernels like any other linear."""
 
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = spec.num_experts, hidden, spec.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts * 2 * spec.intermediate_size, hidden))
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts * hidden, spec.intermediate_size))
+        self.gate_up: nn.ModuleList | None = None  # per expert, once split
+        self.down: nn.ModuleList | None = None
 
-    def gate_up(self) -> torch.Tensor:
-        return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate, self.hidden)
+    def split(self) -> None:
+        """One linear per expert over its rows of the stacked weights (views: nothing is copied here)."""
+        gate_up = self.gate_up_proj.detach().view(self.num_experts, 2 * self.intermediate, self.hidden)
+        down = self.down_proj.detach().view(self.num_experts, self.hidden, self.intermediate)
+        self.gate_up = nn.ModuleList(_linear(weight) for weight in gate_up)
+        self.down = nn.ModuleList(_linear(weight) for weight in down)
+        del self.gate_up_proj, self.down_proj
 
-    def down(self) -> torch.Tensor:
-        return self.down_proj.view(self.num_experts, self.hidden, self.intermediate)
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
+
+
+def split_experts(model: nn.Module) -> None:
+    """Every Experts module of a loaded model split into per-expert linears (before its linears are prepacked)."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.split()
 
 
 @dataclass(frozen=True)
@@ -106,18 +125,18 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)
         out = torch.zeros_like(x)
-        gate_up, down, start = self.experts.gate_up(), self.experts.down(), 0
+        start = 0
         for expert, count in enumerate(routes.counts):
             if count:
                 rows = slice(start, start + count)
-                out.index_add_(0, routes.tokens[rows], self._expert(x, routes, rows, gate_up[expert], down[expert]))
+                out.index_add_(0, routes.tokens[rows], self._expert(x, routes, rows, expert))
                 start += count
         return out
 
-    def _expert(self, x, routes: Routes, rows: slice, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, routes: Routes, rows: slice, expert: int) -> torch.Tensor:
         """One expert over its block of tokens, times their router weights, in the model dtype."""
-        gate, up = F.linear(x[routes.tokens[rows]], gate_up).chunk(2, dim=-1)
-        out = F.linear(self.act(gate) * up, down) * routes.weights[rows]
+        gate, up = self.experts.gate_up[expert](x[routes.tokens[rows]]).chunk(2, dim=-1)
+        out = self.experts.down[expert](self.act(gate) * up) * routes.weights[rows]
         return out.to(x.dtype)
 
     def route(self, x: torch.Tensor) -> Routes:
