@@ -58,7 +58,7 @@ class Plan:
             return Plan((1, 4), 4, 1, dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                            num_key_value_heads=2, head_dim=64, num_experts=8,
                                            num_experts_per_tok=2, moe_intermediate_size=128))
-        return Plan((1, 16, 64), 32, 2, dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        return Plan((1, 16, 64), 32, 3, dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                               num_key_value_heads=4, head_dim=64, num_experts=32,
                                               num_experts_per_tok=4, moe_intermediate_size=384))
 

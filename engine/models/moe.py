@@ -121,6 +121,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = uninitialized.linear(config.hidden_size, spec.num_experts, bias=False)  # the router
         self.experts = Experts(config.hidden_size, spec)
         self.act = activation(config.hidden_act)
+        self.activation_name = config.hidden_act
+        self.fused_ops = None  # the fused operators (set by use_fused_ops): act(gate) * up in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)
@@ -135,9 +137,15 @@ class SparseMoeBlock(nn.Module):
 
     def _expert(self, x: torch.Tensor, routes: Routes, rows: slice, expert: int) -> torch.Tensor:
         """One expert over its block of tokens, times their router weights, in the model dtype."""
-        gate, up = self.experts.gate_up[expert](x[routes.tokens[rows]]).chunk(2, dim=-1)
-        out = self.experts.down[expert](self.act(gate) * up) * routes.weights[rows]
+        gate_up = self.experts.gate_up[expert](x[routes.tokens[rows]])
+        out = self.experts.down[expert](self._activated(gate_up)) * routes.weights[rows]
         return out.to(x.dtype)
+
+    def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None and self.activation_name == "silu":
+            return self.fused_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each token's top-k experts and weights (transformers' routing), as pairs sorted by expert."""
