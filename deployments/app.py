@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import ray
 from pydantic import Field, ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -58,18 +59,35 @@ class TracingArgs(StrictModel):
 class TensorParallelArgs(StrictModel):
     """Where a replica's tensor-parallel workers run (engine.tensor_parallel_size N > 1): one placement-group bundle
     per worker, the replica itself in the first (deployments/replica/tensor_parallel_workers.py). A serve config's
-    placement_group_bundles for LLMServer replace these (on GPU nodes: {"CPU": c, "GPU": 1} each)."""
+    placement_group_bundles for LLMServer replace these."""
     worker_cpus: float = Field(1.0, gt=0, description="CPUs in each worker's bundle, the replica's own included")
+    worker_gpus: int | None = Field(None, ge=0, le=1, description="GPUs in each worker's bundle; None: 1 where "
+                                    "engine.device is cuda, else 0")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Ray's placement of the bundles: STRICT_PACK keeps a replica's workers on one "
         "node, where their all-reduces stay off the network")
 
-    def options(self, size: int) -> dict:
-        """The engine deployment's placement options for N workers; none at N = 1."""
+    def gpus(self, device: str) -> int:
+        return self.worker_gpus if self.worker_gpus is not None else int(device.startswith("cuda"))
+
+    def options(self, size: int, device: str = "cpu") -> dict:
+        """The engine deployment's placement options for N workers on `device` (EngineConfig.device); none at
+        N = 1."""
         if size == 1:
             return {}
-        return {"placement_group_bundles": [{"CPU": self.worker_cpus} for _ in range(size)],
+        bundle = {"CPU": self.worker_cpus, **({"GPU": self.gpus(device)} if self.gpus(device) else {})}
+        return {"placement_group_bundles": [dict(bundle) for _ in range(size)],
                 "placement_group_strategy": self.placement_strategy}
+
+    def refuse_too_few_gpus(self, size: int, device: str) -> None:
+        """N GPU workers packed on one node (STRICT_PACK) need a node of the connected cluster with N GPUs: refused
+        at start, naming both numbers, rather than a replica waiting for a group that never fits."""
+        if size == 1 or not self.gpus(device) or self.placement_strategy != "STRICT_PACK" or not ray.is_initialized():
+            return
+        most = max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
+        if most < size:
+            raise ValueError(f"tensor_parallel_size {size} packs {size} GPUs on one node; the cluster's largest "
+                             f"node has {int(most)}")
 
 
 class AppArgs(StrictModel):
@@ -98,12 +116,13 @@ def build_app(args: dict | None = None) -> Application:
         parsed = AppArgs(**(args or {}))
         engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
         gate = parsed.gate()
+        parsed.tensor_parallel.refuse_too_few_gpus(engine.tensor_parallel_size, engine.device)
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
-    placement = parsed.tensor_parallel.options(engine.tensor_parallel_size)
-    actor = _engine_actor_options(parsed.tensor_parallel.worker_cpus if placement else 1)
+    placement = parsed.tensor_parallel.options(engine.tensor_parallel_size, engine.device)
+    actor = _engine_actor_options(placement["placement_group_bundles"][0] if placement else {"CPU": 1})
     server = LLMServer.options(ray_actor_options=actor, request_router_config=router, **placement).bind(
         parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
         tracing=parsed.tracing.config())
@@ -129,10 +148,11 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
     return server._with_ingress_request_router(router.bind(server, model_name))
 
 
-def _engine_actor_options(cpus: float) -> dict:
-    """`cpus` CPUs per engine replica (1, or one tensor-parallel bundle's), its process started on Intel's OpenMP
+def _engine_actor_options(bundle: dict[str, float]) -> dict:
+    """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU), its process started on Intel's OpenMP
     runtime (deployments/replica/openmp.py), and Serve's direct-ingress settings when the controller has them
     (deployments/routing/direct_ingress.py). A serve config's ray_actor_options for LLMServer replace these: keep
     the runtime_env there."""
     env_vars = {**replica_env_vars(), **direct_ingress_env()}
-    return {"num_cpus": cpus, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}
+    resources = {"num_cpus": bundle["CPU"], **({"num_gpus": bundle["GPU"]} if "GPU" in bundle else {})}
+    return {**resources, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

@@ -50,8 +50,8 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
     # a step's host work (scheduling step N+1, filling its inputs, reading back step N's tokens) overlapping the
-    # device's work on step N (engine/llm_engine.py). None: on for CUDA, off for CPU, where the model runs on the
-    # host's own cores and there is nothing to overlap
+    # device's work on step N (engine/llm_engine.py). None: on for CUDA with one worker, off for CPU, where the
+    # model runs on the host's own cores and there is nothing to overlap, and under tensor parallelism
     async_scheduling: bool | None = None
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
@@ -79,12 +79,12 @@ class EngineConfig:
     max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
     num_threads: int | None = None  # torch CPU threads per worker; None = the cores, shared evenly by the workers
-    # N workers each holding 1/N of every layer (engine/distributed/), over gloo on CPU: rank 0 in the engine's
-    # process, the others local processes offline and Ray actors in the replica's placement group under Serve (one
-    # bundle each: args.tensor_parallel); 1 = the model whole in the engine's process. N must divide the model's
-    # heads, KV heads and MLP columns; adapters are sharded with the model (LoRA B by output rows in q/k/v and
-    # gate/up, A by input in o and down); CUDA, quantization, async scheduling and kv_cache_memory_fraction are
-    # refused above 1
+    # N workers each holding 1/N of every layer (engine/distributed/), over gloo on CPU and NCCL on CUDA (a GPU
+    # each, run eager): rank 0 in the engine's process, the others local processes offline and Ray actors in the
+    # replica's placement group under Serve (one bundle each: args.tensor_parallel); 1 = the model whole in the
+    # engine's process. N must divide the model's heads, KV heads and MLP columns, and not exceed the node's GPUs;
+    # adapters are sharded with the model (LoRA B by output rows in q/k/v and gate/up, A by input in o and down);
+    # quantization, mixtures of experts, async scheduling and kv_cache_memory_fraction are refused above 1
     tensor_parallel_size: int = 1
     cache_dir: str | None = None  # where converted models live; default $LORA_SERVE_CACHE, else ~/.cache/lora-serve
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
@@ -231,9 +231,10 @@ class EngineConfig:
 
     @property
     def overlaps_steps(self) -> bool:
-        """async_scheduling resolved for the device."""
+        """async_scheduling resolved for the device: on by default on CUDA with one worker (a tensor-parallel
+        driver sends each step's tokens to the workers before the forward: it cannot leave them on the device)."""
         if self.async_scheduling is None:
-            return self.torch_device.type == "cuda"
+            return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         return self.async_scheduling
 
     @property

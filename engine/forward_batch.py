@@ -17,6 +17,7 @@ import torch
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.lora_batch import AdapterRun
+from engine.transfer import moved
 
 SCORED_ROWS_PER_SLICE = 256  # prompt-scoring logits are [rows, vocab] float32: bounded, whatever the chunk size
 
@@ -43,6 +44,12 @@ class ForwardBatch:
     scored: list[ScoredRows]  # the prompt chunks scored, in order
 
     def portable(self) -> ForwardBatch:
-        """The batch as it travels to another process: without the runner's own cache writer (each rank sets its
-        own), everything else as it is."""
-        return dataclasses.replace(self, attention=dataclasses.replace(self.attention, kv_write=None))
+        """The batch as it travels to another process: its tensors on the host (a worker's device is not the
+        driver's: each rank's GPU is cuda:0 to its own Ray actor) and without the runner's own cache writer (each
+        rank sets its own)."""
+        host = moved(self, torch.device("cpu"))
+        return dataclasses.replace(host, attention=dataclasses.replace(host.attention, kv_write=None))
+
+    def on(self, device: torch.device) -> ForwardBatch:
+        """A received batch with its tensors on this rank's device (no copy on CPU)."""
+        return moved(self, device)

@@ -166,7 +166,7 @@ class ModelRunner:
         if config.decoder_stack:  # after the LoRA wrappers and any move of the weights: the stack holds them
             self.model.decoder_stack = build_decoder_stack(self.model, self.kv_caches, self.cpu_ops,
                                                            self.lora_state)
-        self.graphs = self._decode_graphs(config, max_model_len)
+        self.graphs = None if parallel is not None and parallel.sharded else self._decode_graphs(config, max_model_len)
 
     def _wrap_lora_linears(self, config: EngineConfig) -> list:
         """The model's LoRA-capable linears wrapped with max_loras slots each, and the padding their row cost
@@ -215,7 +215,8 @@ class ModelRunner:
 
     def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, captured now, unless eager is enforced (or the base is quantized:
-        bitsandbytes' kernels are not captured here)."""
+        bitsandbytes' kernels are not captured here). A tensor-parallel rank runs eager: a capture would run the
+        model's collectives on this rank alone, and the driver steps through prepare and run, not execute."""
         if self.device.type != "cuda" or config.enforce_eager or config.quantization != "none":
             return None
         max_blocks = -(-max_model_len // self.block_size)
@@ -312,6 +313,7 @@ class ModelRunner:
     def run_forward(self, batch: ForwardBatch) -> None:
         """A tensor-parallel worker's part of a step the driver prepared: the same forward and the same logits,
         in run's order (each logits call gathers the vocabulary's slices from every rank), the logits dropped."""
+        batch = batch.on(self.device)
         batch.attention = dataclasses.replace(batch.attention, kv_write=self.kv_write)
         hidden = self._forward(batch)
         for rows in batch.scored:

@@ -542,6 +542,40 @@ def test_simd_linear_matches_float64_reference(dtype, rows, out_features, in_fea
     assert ((got.double() - want).abs() <= want.abs() * relative + relative * want.abs().max()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("counts", [[3, 0, 9, 2], [0, 0, 1, 0], [20, 13, 0, 7]])
+def test_grouped_simd_linear_is_each_experts_simd_linear(dtype, counts):
+    """A mixture's experts in one call: each expert's rows (6-row blocks and their tails, experts without rows
+    skipped) give what simd_linear gives them against that expert's weight, bit for bit."""
+    if not _simd_linear_usable(dtype):
+        pytest.skip(f"the SIMD linear in {dtype} needs a build and a CPU with it (AVX-512 BF16 for bf16)")
+    module = cpu_ops.load()
+    gen = torch.Generator().manual_seed(sum(counts))
+    weights = torch.randn(len(counts), 192, 96, generator=gen).to(dtype)
+    packed = torch.stack([module.simd_pack_linear_weight(w) for w in weights])
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    x = torch.randn(sum(counts), 96, generator=gen).to(dtype)
+    got = module.grouped_simd_linear(x, packed, offsets)
+    for expert, weight in enumerate(weights):
+        rows = slice(offsets[expert], offsets[expert + 1])
+        if counts[expert]:
+            assert torch.equal(got[rows], module.simd_linear(x[rows], packed[expert], None))
+
+
+@pytest.mark.skipif(not _simd_linear_usable(torch.float32), reason="the SIMD linear needs a build and a CPU with "
+                    "AVX-512 or AVX2 and FMA")
+def test_grouped_simd_linear_refuses_offsets_that_do_not_cover_its_rows():
+    module = cpu_ops.load()
+    packed = torch.stack([module.simd_pack_linear_weight(torch.zeros(64, 64)) for _ in range(3)])
+    x = torch.zeros(5, 64)
+    for offsets, reason in [([0, 2, 4, 6], "rise from 0 to x's 5 rows"), ([0, 3, 2, 5], "rise from 0"),
+                            ([0, 5], "int64 \\[experts \\+ 1\\]")]:
+        with pytest.raises(RuntimeError, match=reason):
+            module.grouped_simd_linear(x, packed, torch.tensor(offsets))
+    with pytest.raises(RuntimeError, match="x in the weights' dtype with their features"):
+        module.grouped_simd_linear(torch.zeros(5, 32), packed, torch.tensor([0, 1, 2, 5]))
+
+
 @pytest.mark.skipif(not _simd_linear_usable(torch.float32), reason="the SIMD linear needs a build and a CPU with "
                     "AVX-512 or AVX2 and FMA")
 def test_simd_linear_refuses_what_it_cannot_take():

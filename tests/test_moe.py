@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
+from engine.kernels import cpu_ops
+from engine.models.moe import Experts
 from lora_cache.adapter import load_adapter
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, _hf_model, hf_greedy, lora_shapes_of
@@ -36,15 +38,29 @@ def _check(llm: LLM, prompts, reference, params):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_tiny_moe_models_match_hf_queued_preempted_and_chunked(request, name):
+    """On the C++ grouped expert kernel (where this machine builds the operators), and expert by expert on
+    PyTorch's linears without them."""
     path = request.getfixturevalue(name)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
     reference = hf_greedy(path, PROMPTS, params.max_tokens)
-    outputs = _check(LLM(str(path), max_num_seqs=3, log_stats=False), PROMPTS, reference, params)
+    grouped = LLM(str(path), max_num_seqs=3, log_stats=False)
+    assert _grouped(grouped) == (cpu_ops.load() is not None)
+    outputs = _check(grouped, PROMPTS, reference, params)
     preempting = LLM(str(path), max_num_seqs=16, num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
                      log_stats=False)
     _check(preempting, PROMPTS, reference, params)
     assert preempting.engine.scheduler.total_preemptions > 0
     assert _logprob_gap(path, outputs) < TOLERANCE
+    per_expert = LLM(str(path), max_num_seqs=3, cpu_kernels=False, log_stats=False)
+    assert not _grouped(per_expert)
+    assert _logprob_gap(path, _check(per_expert, PROMPTS, reference, params)) < TOLERANCE
+
+
+def _grouped(llm: LLM) -> bool:
+    """Whether every layer's experts run on the grouped kernel (else each expert's linears of their own)."""
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+    assert experts
+    return all(m.ops is not None for m in experts)
 
 
 @torch.no_grad()

@@ -18,15 +18,15 @@ CONFIGS = [ROOT / "serve_config.yaml", ROOT / "configs" / "multi_node_gpu.yaml",
 
 
 def _validated(path: Path) -> ServeDeploySchema:
-    """A serve config as Ray Serve reads it, whose engine args and autoscaling policy lora-serve accepts. Its one
-    deployment is the engine replica, which serves the HTTP routes too."""
+    """A serve config as Ray Serve reads it, whose applications' engine args and autoscaling policies lora-serve
+    accepts. Each application's one deployment is the engine replica, which serves the HTTP routes too."""
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
-    app = config.applications[0]
-    EngineConfig.from_overrides(**AppArgs(**app.args).engine)
-    [engine] = app.deployments
-    assert engine.name == "LLMServer"
-    if isinstance(engine.autoscaling_config, dict):  # unset: Serve's DEFAULT sentinel
-        EngineLoadPolicy(**engine.autoscaling_config["policy"]["policy_kwargs"])
+    for app in config.applications:
+        EngineConfig.from_overrides(**AppArgs(**app.args).engine)
+        [engine] = app.deployments
+        assert engine.name == "LLMServer"
+        if isinstance(engine.autoscaling_config, dict):  # unset: Serve's DEFAULT sentinel
+            EngineLoadPolicy(**engine.autoscaling_config["policy"]["policy_kwargs"])
     return config
 
 
@@ -72,3 +72,29 @@ def test_unknown_tensor_parallel_options_are_refused_by_name(tiny_llama_path):
     with pytest.raises(ValueError, match="tensor_parallel.workers: Extra inputs are not permitted"):
         build_app({"engine": {"model": str(tiny_llama_path), "tensor_parallel_size": 2},
                    "tensor_parallel": {"workers": 2}})
+
+
+def test_multi_node_gpu_spans_a_replica_over_four_gpus_of_one_node():
+    """The 70B application: a bundle of CPUs and one GPU per worker, packed on one node, and the replica (rank 0)
+    fits its bundle; its KV heads divide by 4."""
+    [_, app] = _validated(CONFIGS[1]).applications
+    args = AppArgs(**app.args)
+    engine = EngineConfig.from_overrides(**args.engine)
+    placement = args.tensor_parallel.options(engine.tensor_parallel_size, engine.device)
+    assert placement["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] * 4
+    assert placement["placement_group_strategy"] == "STRICT_PACK"
+    assert not isinstance(app.deployments[0].ray_actor_options, dict)  # unset: build_app's, bundle 0's resources
+
+
+def test_gpu_workers_are_given_a_gpu_each_and_cpu_workers_none():
+    args = AppArgs(tensor_parallel={"worker_cpus": 2})
+    assert args.tensor_parallel.options(2, "cuda")["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}] * 2
+    assert args.tensor_parallel.options(2, "cpu")["placement_group_bundles"] == [{"CPU": 2}] * 2
+
+
+def test_more_gpu_workers_than_any_node_has_are_refused_at_start(serve_cluster, tiny_llama_path):
+    """The shared cluster's one node has no GPU: two CUDA workers packed on it are refused by build_app, naming
+    both numbers, rather than left pending."""
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 packs 2 GPUs on one node; the cluster's largest "
+                                         "node has 0"):
+        build_app({"engine": {"model": str(tiny_llama_path), "device": "cuda", "tensor_parallel_size": 2}})

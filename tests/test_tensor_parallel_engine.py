@@ -15,10 +15,14 @@ import signal
 import time
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.distributed.workers import WorkerDiedError
+from engine.forward_batch import ForwardBatch
+from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.lora_batch import AdapterRun
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, hf_greedy
 
@@ -116,6 +120,31 @@ def test_what_does_not_split_or_run_yet_is_refused_by_name(tiny_llama_path):
         EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
     with pytest.raises(ValueError, match="tensor_parallel_size must be positive, got 0"):
         EngineConfig.from_overrides(str(tiny_llama_path), tensor_parallel_size=0)
+
+
+def test_more_workers_than_the_nodes_gpus_are_refused_naming_both_numbers(tiny_llama_path):
+    """From the node's last GPU on (cuda:<count>, whatever this machine has), two workers cannot each have one."""
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2 needs 2 GPUs from cuda:{count}; this node has "
+                                         f"{count}"):
+        LLM(str(tiny_llama_path), device=f"cuda:{count}", tensor_parallel_size=2, log_stats=False)
+
+
+def test_a_steps_batch_travels_with_every_tensor_on_the_host_and_lands_on_the_ranks_device():
+    """ForwardBatch.portable/on carry each tensor of the step, nested ones included, from device to device (here
+    to the meta device, as a worker carries it to its own GPU), and drop the runner's own cache writer."""
+    segment = PrefillSegment(start=1, length=3, context_len=5, block_table=torch.tensor([2, 3]))
+    attention = AttentionMetadata(torch.arange(4), 1, torch.zeros(1, 2, dtype=torch.long), None, [segment],
+                                  decode_context_lens=torch.tensor([3]), kv_write=print)
+    batch = ForwardBatch(torch.arange(4), torch.arange(4), attention, [AdapterRun(-1, 4)], [0, 3], [])
+    sent = batch.portable()
+    assert sent.attention.kv_write is None and sent.input_ids is batch.input_ids  # on the host already: no copy
+    landed = sent.on(torch.device("meta"))
+    tensors = [landed.input_ids, landed.positions, landed.attention.slot_mapping, landed.attention.decode_block_tables,
+               landed.attention.decode_context_lens, landed.attention.prefills[0].block_table]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert landed.adapter_runs == batch.adapter_runs and landed.sample_rows == [0, 3]
+    assert landed.attention.prefills[0].context_len == 5 and landed.attention.decode_mask is None
 
 
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", "LLAMA_ADAPTERS"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray
+import torch
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
@@ -40,6 +41,17 @@ class RayWorkerLauncher:
 
     def host(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def devices(self, size: int, device: torch.device) -> list[torch.device]:
+        """On CUDA, Ray shows each actor (the replica too) only its own bundle's GPU: cuda:0 to every rank."""
+        if device.type != "cuda":
+            return [device] * size
+        group = get_current_placement_group()
+        gpus = [bundle.get("GPU", 0) for bundle in (group.bundle_specs if group is not None else [])][:size]
+        if len(gpus) < size or min(gpus) < 1:
+            raise ValueError(f"tensor_parallel_size {size} on CUDA needs a GPU in each of {size} placement-group "
+                             f"bundles; this replica's has {sum(g >= 1 for g in gpus)} (tensor_parallel.worker_gpus)")
+        return [torch.device("cuda", 0)] * size
 
     def start(self, specs: list[WorkerSpec]) -> RayWorkers:
         group = get_current_placement_group()

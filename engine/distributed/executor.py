@@ -1,6 +1,8 @@
 """The multiprocess tensor-parallel executor: rank 0 is the driver, in the engine's process, and ranks 1..N-1
 are worker processes (worker.py) that a `WorkerLauncher` starts (workers.py: local processes offline, Ray actors in
-the replica's placement group under Serve), all over one gloo group on CPU.
+the replica's placement group under Serve), over one group: gloo on CPU, NCCL on CUDA, where each rank has a GPU
+of its own (the launcher says which) and runs eager (no CUDA graphs: ModelRunner._decode_graphs). A step's batch
+travels through the host (ForwardBatch.portable), and each worker carries it to its own GPU.
 
 The scheduler, block manager, sampler and detokenizer stay in the engine, which sees this executor as it sees the
 in-process one (engine/executor.py). Per step the driver prepares the step's `ForwardBatch` once, broadcasts it
@@ -28,7 +30,7 @@ from engine.distributed.lora_shards import adapter_shard, lora_layout, rank_view
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
 from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
-from engine.distributed.worker import WorkerSpec, build_runner
+from engine.distributed.worker import WorkerSpec, build_runner, on_rank_device
 from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, LocalLauncher, WorkerGroup, WorkerLauncher
 from engine.model_runner import StepResult
 from engine.models import check_tensor_parallel
@@ -40,9 +42,6 @@ def refuse_unsupported(config: EngineConfig, hf_config) -> None:
     does not split, naming both numbers."""
     size = config.tensor_parallel_size
     check_tensor_parallel(hf_config, size)
-    if config.torch_device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size {size} on {config.torch_device.type} is not supported yet: the "
-                         f"workers run on CPU over gloo")
     if config.quantization != "none":
         raise ValueError(f"quantization {config.quantization!r} under tensor parallelism is not supported yet")
     if config.overlaps_steps:
@@ -55,7 +54,10 @@ class MultiprocessExecutor:
         """launcher: where ranks 1..N-1 run; None: local processes (LocalLauncher)."""
         launcher = launcher or LocalLauncher()
         size, address = config.tensor_parallel_size, free_address(launcher.host())
-        specs = [WorkerSpec(rank, size, address, config, str(path), max_model_len) for rank in range(1, size)]
+        devices = [str(device) for device in launcher.devices(size, config.torch_device)]
+        specs = [WorkerSpec(rank, size, address, config, str(path), max_model_len, devices[rank])
+                 for rank in range(1, size)]
+        config = on_rank_device(config, devices[0])
         self.workers = launcher.start(specs)
         self.parallel: TensorParallel | None = None
         try:

@@ -1,6 +1,7 @@
 """A tensor-parallel worker process (ranks 1..N-1; rank 0 is the driver, in the engine's process).
 
-Each worker joins the group, builds its ModelRunner over its rank's shard (engine/distributed/: its heads, its
+Each worker takes its device (on CUDA a GPU of its own, made the current one), joins the group, builds its
+ModelRunner over its rank's shard (engine/distributed/: its heads, its
 MLP columns, its vocabulary slice) and a KV cache of its own KV heads with as many blocks as the driver's, then
 loops: it receives the step's `ForwardBatch` from the driver (step_channel.py), runs the same forward and computes
 the same logits, whose collectives meet the driver's, and drops them; the driver samples. `StopWorkers` ends the
@@ -9,6 +10,7 @@ loop. An error in a worker ends its process (its traceback on stderr), which bre
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,17 +33,27 @@ class WorkerSpec:
     config: EngineConfig
     model_path: str
     max_model_len: int
+    device: str  # this rank's device as its own process sees it (WorkerLauncher.devices)
 
 
 def build_runner(config: EngineConfig, path: Path, hf_config, max_model_len: int,
                  parallel: TensorParallel) -> ModelRunner:
     """This rank's runner; every rank allocates the fewest KV blocks any rank's budget allows."""
     return ModelRunner(config, path, hf_config, max_model_len, parallel,
-                       agree_blocks=lambda count: fewest_blocks(parallel, count))
+                       agree_blocks=lambda count: fewest_blocks(parallel, count, config.torch_device))
 
 
-def fewest_blocks(parallel: TensorParallel, count: int) -> int:
-    blocks = torch.tensor([count], dtype=torch.long)
+def on_rank_device(config: EngineConfig, device: str) -> EngineConfig:
+    """The engine's config as one rank runs it: on its own device, made the current one on CUDA (where Triton
+    launches and a bare "cuda" allocates)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    return dataclasses.replace(config, device=device)
+
+
+def fewest_blocks(parallel: TensorParallel, count: int, device: torch.device) -> int:
+    """The fewest KV blocks any rank's budget allows (NCCL reduces device tensors only)."""
+    blocks = torch.tensor([count], dtype=torch.long, device=device)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=parallel.group)
     return int(blocks.item())
 
@@ -51,11 +63,12 @@ def worker_main(spec: WorkerSpec) -> None:
     from transformers import AutoConfig
 
     torch.set_num_threads(spec.config.threads_per_worker)
-    parallel = join(spec.rank, spec.world_size, spec.address, spec.config.torch_device)
+    config = on_rank_device(spec.config, spec.device)
+    parallel = join(spec.rank, spec.world_size, spec.address, config.torch_device)
     try:
         channel = StepChannel(parallel)
         path = Path(spec.model_path)
-        runner = build_runner(spec.config, path, AutoConfig.from_pretrained(path), spec.max_model_len, parallel)
+        runner = build_runner(config, path, AutoConfig.from_pretrained(path), spec.max_model_len, parallel)
         serve_steps(runner, channel)
     finally:
         leave(parallel)

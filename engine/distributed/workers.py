@@ -1,8 +1,9 @@
 """Where a tensor-parallel engine's workers (ranks 1..N-1) run: the protocols the executor starts, watches and
 stops them through, and their local implementation.
 
-- `WorkerLauncher`: starts one worker per `WorkerSpec` (each runs worker.py's `worker_main`) and says at which host
-  the workers reach the driver's rendezvous. Serving implements it with Ray actors in the replica's placement group
+- `WorkerLauncher`: starts one worker per `WorkerSpec` (each runs worker.py's `worker_main`), says at which host
+  the workers reach the driver's rendezvous, and which device each rank runs on as its own process sees it (a
+  local process sees every GPU of the node: rank r takes the r-th; a Ray actor sees only its bundle's GPU). Serving implements it with Ray actors in the replica's placement group
   (deployments/replica/tensor_parallel_workers.py); the engine knows nothing of Ray.
 - `WorkerGroup`: the started workers: `check` raises `WorkerDiedError` for one that is gone, naming its rank, before
   a step is sent to it and when a step's collective fails, rather than leaving the driver to wait.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
+import torch
 import torch.multiprocessing as mp
 
 from engine.distributed.worker import WorkerSpec, worker_main
@@ -46,6 +48,10 @@ class WorkerLauncher(Protocol):
     def host(self) -> str:
         """The address at which every worker reaches the driver (the rendezvous host)."""
 
+    def devices(self, size: int, device: torch.device) -> list[torch.device]:
+        """Each rank's device, the driver's (rank 0) first, for a group of `size` on `device`'s type; ValueError
+        where the workers cannot each have a GPU of their own, naming both numbers."""
+
     def start(self, specs: list[WorkerSpec]) -> WorkerGroup:
         """One worker per spec, each running worker_main(spec)."""
 
@@ -55,6 +61,16 @@ class LocalLauncher:
 
     def host(self) -> str:
         return "127.0.0.1"
+
+    def devices(self, size: int, device: torch.device) -> list[torch.device]:
+        """On CUDA, GPUs first, first + 1, ... of this node, from the configured one (cuda: the first)."""
+        if device.type != "cuda":
+            return [device] * size
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from cuda:{first}; this node has "
+                             f"{count}")
+        return [torch.device("cuda", first + rank) for rank in range(size)]
 
     def start(self, specs: list[WorkerSpec]) -> WorkerProcesses:
         return WorkerProcesses.spawn(specs)

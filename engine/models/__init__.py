@@ -16,7 +16,7 @@ from engine.layers.quantized import quantize_decoder_linears
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.llama_variants import attention_window
-from engine.models.moe import moe_spec, split_experts
+from engine.models.moe import moe_spec, prepare_experts
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -125,9 +125,10 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         _round_weights(model, narrow)
     if sharded:
         model.shard(parallel)
-    split_experts(model)  # a mixture of experts: per-expert linears, prepacked below as any other
+    prepacks = prepacking_supported(device, dtype)
+    prepare_experts(model, cpu_ops if prepacks else None, narrow)  # grouped, or linears prepacked below
     quantize_decoder_linears(model, quantization, dtype, device)
-    if prepacking_supported(device, dtype):
+    if prepacks:
         prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype
     return model.eval()
 

@@ -223,6 +223,7 @@ static PyMethodDef operators[] = {
     LORA_SERVE_OP(simd_linear_widens_bf16, "whether simd_linear takes bf16 weights with float32 rows"),
     LORA_SERVE_OP(simd_pack_linear_weight, "a weight [out, in] in simd_linear's order"),
     LORA_SERVE_OP(simd_linear, "x W^T (+ bias) with AVX-512 (bf16, float32) or AVX2 (float32), without AMX"),
+    LORA_SERVE_OP(grouped_simd_linear, "a mixture's experts: rows sorted by expert, each group times its weight"),
     LORA_SERVE_OP(parallel_for_count_, "the operators' parallel loop, counting the runs of each item"),
     LORA_SERVE_OP(write_kv_cache, "a step's new keys and values into their cache slots"),
     LORA_SERVE_OP(decoder_stack, "a Llama-family decoder's layers in one call, attention in place"),

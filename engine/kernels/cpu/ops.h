@@ -100,6 +100,11 @@ at::Tensor simd_pack_linear_weight(const at::Tensor& weight);
 // weight float32 or bf16 widened), float32 sums rounded once: the linears of a CPU without AMX (simd_linear.cpp).
 at::Tensor simd_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 
+// A mixture's experts as one grouped product (simd_linear.cpp): x's rows sorted by expert, expert e's rows
+// [offsets[e], offsets[e + 1]) times its weight packed[e] (packed: [E, ...], each simd_pack_linear_weight's), into
+// y [rows, out]; offsets int64 [E + 1] from 0 to x's rows. Each row's sums are simd_linear's.
+at::Tensor grouped_simd_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets);
+
 // A Llama-family decoder's layers over the residual stream h [tokens, hidden] (updated in place), every token
 // attending through paged_attention in place: per layer the weights [input norm, qkv, qkv bias, q norm, k norm, o,
 // o bias, post-attention norm, pre-feedforward norm, post-feedforward norm, gate_up, gate_up bias, down, down bias]
