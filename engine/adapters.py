@@ -9,7 +9,7 @@ load no torch, so the serving side's error handling and request parsing import t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from engine.errors import AdapterError
@@ -31,11 +31,21 @@ class LoRAWeights:
 
 
 @dataclass
+class ExpertLoRAWeights:
+    """One stacked expert parameter of one layer (PEFT's target_parameters, e.g. "mlp.experts.gate_up_proj"):
+    expert e's delta(x) = x @ lora_a[e].T @ lora_b[e].T * scaling."""
+    lora_a: torch.Tensor  # [experts, rank, in_features], float32, CPU, contiguous
+    lora_b: torch.Tensor  # [experts, out_features, rank], float32, CPU, contiguous
+    scaling: float
+
+
+@dataclass
 class LoRAAdapter:
     adapter_id: str
-    rank: int  # max rank over modules
-    target_modules: tuple[str, ...]  # module keys present, sorted, e.g. ("mlp.down_proj", "self_attn.q_proj")
-    layers: dict[int, dict[str, LoRAWeights]]  # layer index -> module key -> weights
+    rank: int  # max rank over modules (an expert parameter's: each expert's)
+    # module keys present, sorted, e.g. ("mlp.down_proj", "self_attn.q_proj"), expert parameters' keys among them
+    target_modules: tuple[str, ...]
+    layers: dict[int, dict[str, LoRAWeights | ExpertLoRAWeights]]  # layer index -> module key -> weights
     nbytes: int  # bytes of all A and B tensors (float32)
     base_model_name_or_path: str | None
     # The version of these weights: a hash of the config and weights files. Responses carry it, so a client knows
@@ -46,9 +56,13 @@ class LoRAAdapter:
 @dataclass(frozen=True)
 class LoraShapes:
     """The base model's LoRA-capable linears, as its model class declares them (engine/models/): what an adapter
-    must fit. `modules` maps a PEFT module key to its (in_features, out_features)."""
+    must fit. `modules` maps a PEFT module key to its (in_features, out_features); `experts`, a mixture of experts'
+    stacked parameters that adapters may target (PEFT's target_parameters), each expert's (in, out)."""
     modules: Mapping[str, tuple[int, int]]
     num_layers: int
+    experts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    num_experts: int = 0
+    expert_layers: frozenset[int] = frozenset()  # the layers that have experts (Qwen3-MoE's dense ones do not)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,10 @@ class EngineConfig:
     # Multi-LoRA: adapters in device slots per replica (0 disables LoRA), and where adapters come from.
     max_loras: int = 0
     max_lora_rank: int = 16  # the largest adapter rank a slot holds; a larger adapter is refused at load
+    # a mixture of experts: slots hold adapters' weights on the experts too (PEFT's target_parameters), every
+    # expert's, which for a large mixture is far more than its attention's (the memory plan shows the slots'
+    # bytes); False keeps them off and refuses such adapters by name
+    expert_lora: bool = True
     adapters_root: str | None = None  # "local": a folder of adapters; "s3": s3://bucket/prefix
     adapter_source: str = "local"  # "local", "hub" (the Hugging Face Hub, HF_ENDPOINT) or "s3" (AWS_ENDPOINT_URL)
     hub_cache: str | None = None  # a Hugging Face cache read when HF_HUB_OFFLINE is set or the Hub is unreachable

@@ -139,7 +139,7 @@ class LLMEngine:
                              "(from lora_cache.local_cache) to read adapters from config.adapter_source")
         if adapters is None:
             return None
-        return adapters(config.adapter_sources(), lora_shapes(hf_config))
+        return adapters(config.adapter_sources(), lora_shapes(hf_config, config.expert_lora))
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]

@@ -43,8 +43,9 @@ from engine.layers.lora_batch import (
     token_slots,
 )
 from engine.memory import MemoryReport, weight_bytes
-from engine.models import load_model, use_fused_ops
+from engine.models import load_model, lora_shapes, use_fused_ops
 from engine.models.decoder_stack import build_decoder_stack
+from engine.models.moe import wrap_expert_loras
 from engine.sampler import token_logprobs, token_ranks
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -127,6 +128,8 @@ class KVLayout:
 
 
 class ModelRunner:
+    expert_lora = False  # whether adapters may target the model's experts (set by _wrap_lora_linears)
+
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
                  parallel: TensorParallel | None = None, agree_blocks: Callable[[int], int] | None = None):
         """parallel: this rank's share of a tensor-parallel model (engine/distributed/), its cache its own KV heads;
@@ -160,7 +163,7 @@ class ModelRunner:
                                                                      self.block_size))
         self.lora_state = LoRAStepState()
         self.max_loras = config.max_loras
-        self.lora_layers = self._wrap_lora_linears(config) if config.max_loras else []
+        self.lora_layers = self._wrap_lora_linears(config, hf_config) if config.max_loras else []
         if self.huge_pages:  # the adapters' slots too: after the LoRA layers are in place
             huge_pages.move_module(self.model)
         if config.decoder_stack:  # after the LoRA wrappers and any move of the weights: the stack holds them
@@ -168,11 +171,18 @@ class ModelRunner:
                                                            self.lora_state)
         self.graphs = None if parallel is not None and parallel.sharded else self._decode_graphs(config, max_model_len)
 
-    def _wrap_lora_linears(self, config: EngineConfig) -> list:
-        """The model's LoRA-capable linears wrapped with max_loras slots each, and the padding their row cost
-        allows a step's adapter segments (lora_padding)."""
+    def _wrap_lora_linears(self, config: EngineConfig, hf_config) -> list:
+        """The model's LoRA-capable linears wrapped with max_loras slots each (and a mixture's experts given slots
+        of their own, under "mlp.experts"), and the padding their row cost allows a step's adapter segments
+        (lora_padding)."""
         layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras, config.max_lora_rank, self.dtype,
                                    self.device, cpu_ops=self.cpu_ops)
+        experts = wrap_expert_loras(self.model, lora_shapes(hf_config, config.expert_lora), self.lora_state,
+                                    config.max_loras, config.max_lora_rank, self.dtype, self.device, self.cpu_ops)
+        self.expert_lora = any(lora is not None for lora in experts)
+        for layer, lora in zip(layers, experts):
+            if lora is not None:
+                layer["mlp.experts"] = lora
         linears = [lora for layer in layers for lora in layer.values()]
         self.lora_padding = padding_allowance(sum(lora.row_flops for lora in linears) // len(linears))
         return layers
@@ -215,9 +225,12 @@ class ModelRunner:
 
     def _decode_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, captured now, unless eager is enforced (or the base is quantized:
-        bitsandbytes' kernels are not captured here). A tensor-parallel rank runs eager: a capture would run the
-        model's collectives on this rank alone, and the driver steps through prepare and run, not execute."""
+        bitsandbytes' kernels are not captured here, nor a mixture of experts: decode_graphs). A tensor-parallel rank
+        runs eager: a capture would run the model's collectives on this rank alone, and the driver steps through
+        prepare and run, not execute."""
         if self.device.type != "cuda" or config.enforce_eager or config.quantization != "none":
+            return None
+        if not self.model.decode_graphs:
             return None
         max_blocks = -(-max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.kv_caches, self.lora_state, config.max_num_seqs, max_blocks,
@@ -327,7 +340,8 @@ class ModelRunner:
         try:
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         finally:
-            self.lora_state.batch = self.lora_state.token_slots = self.lora_state.slot_order = None
+            state = self.lora_state
+            state.batch = state.token_slots = state.slot_order = state.expert_slots = None
 
     def _sampled(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows whose logits are sampled (rows ascending): all of them in a step of decodes alone, else
@@ -347,6 +361,9 @@ class ModelRunner:
             self.lora_state.token_slots = token_slots(runs, self.device)
         else:
             self.lora_state.batch = build_lora_batch(runs, self.device, self.lora_padding)
+        if self.expert_lora:  # each pair of token and expert reads its token's slot, on every path
+            known = self.lora_state.token_slots
+            self.lora_state.expert_slots = known if known is not None else token_slots(runs, self.device)
 
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring, rows: ScoredRows) -> PromptScores:
         logprobs: list[float] = []

@@ -1,9 +1,16 @@
 """Parse and validate a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).
 
-Only plain LoRA on the per-layer linear projections is served; every other feature is refused with a
-reason instead of being served wrong. The delta of one module is always
+Only plain LoRA on the per-layer linear projections, and on a mixture of experts' stacked expert parameters, is
+served; every other feature is refused with a reason instead of being served wrong. The delta of one module (of
+one expert) is always
 
     delta(x) = x @ lora_a.T @ lora_b.T * scaling
+
+An expert parameter (PEFT's target_parameters, "mlp.experts.gate_up_proj" or "mlp.experts.down_proj") is saved
+by PEFT as one lora_A [experts * r, in] and one lora_B [out, r * experts] under the experts module
+("mlp.experts.lora_A"; a second parameter of the same module nests, "mlp.experts.base_layer.lora_A"): expert e's
+A is rows e*r..(e+1)*r, its B the columns e, e + experts, ... (PEFT's ParamWrapper). Which parameter a pair is
+follows from its shapes, which differ between the two; it is read into ExpertLoRAWeights, expert by expert.
 
 PEFT saves lora_A as [r, in_features] and lora_B as [out_features, r] for GPT-2's Conv1D too
 (fan_in_fan_out only matters when merging into the transposed base weight), so no transpose is needed.
@@ -21,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.adapters import LoRAAdapter, LoraShapes, LoRAWeights, check_rank
+from engine.adapters import ExpertLoRAWeights, LoRAAdapter, LoraShapes, LoRAWeights, check_rank
 from engine.errors import AdapterError, AdapterNotFoundError
 from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
@@ -33,7 +40,6 @@ UNSUPPORTED_FEATURES = {
     "lora_bias": "a bias on lora_B (lora_bias)",
     "modules_to_save": "fully trained extra modules (modules_to_save)",
     "layer_replication": "layer_replication",
-    "target_parameters": "LoRA on raw parameters (target_parameters)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QALoRA (use_qalora)",
@@ -57,20 +63,23 @@ def load_adapter(adapter_id: str, folder: Path, shapes: LoraShapes, max_bytes: i
         raise AdapterNotFoundError(adapter_id, "its folder was not found")
     config = _read_config(adapter_id, folder)
     _check_features(adapter_id, config)
+    _check_target_parameters(adapter_id, config, shapes)
     weights_file = _weights_file(adapter_id, folder, max_bytes)
-    modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes.modules,
-                               shapes.num_layers)
+    modules = _group_by_module(adapter_id, _read_tensors(adapter_id, weights_file), shapes)
     _check_layers(adapter_id, config, {layer for layer, _ in modules})
-    layers: dict[int, dict[str, LoRAWeights]] = {}
+    layers: dict[int, dict[str, LoRAWeights | ExpertLoRAWeights]] = {}
     for (layer, key), (name, pair) in sorted(modules.items()):
-        layers.setdefault(layer, {})[key] = _module_weights(adapter_id, config, name, pair, shapes.modules[key])
+        key, weights = _weights_of(adapter_id, config, name, pair, shapes, layer, key)
+        if key in layers.get(layer, {}):
+            raise AdapterError(adapter_id, f"{key} of layer {layer} has two pairs of LoRA weights")
+        layers.setdefault(layer, {})[key] = weights
     weights = [w for modules_of_layer in layers.values() for w in modules_of_layer.values()]
-    rank = max(w.lora_a.shape[0] for w in weights)
+    rank = max(w.lora_a.shape[-2] for w in weights)  # [r, in], or an expert parameter's [experts, r, in]
     check_rank(adapter_id, rank, max_rank)
     return LoRAAdapter(
         adapter_id=adapter_id,
         rank=rank,
-        target_modules=tuple(sorted({key for _, key in modules})),
+        target_modules=tuple(sorted({key for per_layer in layers.values() for key in per_layer})),
         layers=layers,
         nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in weights),
         base_model_name_or_path=config.get("base_model_name_or_path"),
@@ -147,14 +156,19 @@ def _read_tensors(adapter_id: str, path: Path) -> dict[str, torch.Tensor]:
 
 # "model.layers.3.self_attn.q_proj" (Llama family) or "transformer.h.3.attn.c_attn" (GPT-2)
 _LAYER_MODULE = re.compile(r"(?:^|.*\.)(?:layers|h)\.(?P<layer>\d+)\.(?P<key>.+)")
+# a mixture of experts' experts module, where PEFT keeps the LoRA of its stacked parameters, nested once per
+# further parameter it targets
+_EXPERTS_MODULE = re.compile(r"mlp\.experts(?:\.base_layer)*")
 ROUTERS = ("mlp.gate", "block_sparse_moe.gate")  # a mixture of experts' router (Qwen3-MoE and OLMoE's, Mixtral's)
 # what follows ".lora_" in a weight name: "A.weight", or "A.default.weight" with an adapter name
 _LORA_WEIGHT = re.compile(r"(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
 
 
-def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]],
-                     num_layers: int) -> dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]:
-    """(layer, module key) -> (full module name, {"A": tensor, "B": tensor}) from PEFT tensor names."""
+def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor],
+                     lora_shapes: LoraShapes) -> dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]:
+    """(layer, module key) -> (full module name, {"A": tensor, "B": tensor}) from PEFT tensor names (an experts
+    module's key as PEFT nests it: "mlp.experts", "mlp.experts.base_layer")."""
+    shapes, num_layers = lora_shapes.modules, lora_shapes.num_layers
     modules: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]] = {}
     # LoRA tensors first: an unsupported target module (lm_head, embeddings) is the reason to report, not the
     # full weights PEFT saves alongside it.
@@ -169,7 +183,7 @@ def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor], shapes: 
         if match is not None and match["key"] in ROUTERS:
             raise AdapterError(adapter_id, f"target module {name!r} is a mixture of experts' router: LoRA on the "
                                            f"router is not supported")
-        if match is None or match["key"] not in shapes:
+        if match is None or match["key"] not in shapes and not _targets_experts(match["key"], lora_shapes):
             raise AdapterError(adapter_id, f"target module {name!r} is not supported; "
                                            f"supported: {', '.join(sorted(shapes))}")
         layer, key = int(match["layer"]), match["key"]
@@ -184,6 +198,59 @@ def _group_by_module(adapter_id: str, tensors: dict[str, torch.Tensor], shapes: 
             raise AdapterError(adapter_id, f"lora_{weight['ab']} of {name} appears twice")
         pair[weight["ab"]] = tensor
     return modules
+
+
+def _targets_experts(key: str, shapes: LoraShapes) -> bool:
+    return bool(shapes.experts) and _EXPERTS_MODULE.fullmatch(key) is not None
+
+
+def _check_target_parameters(adapter_id: str, config: dict, shapes: LoraShapes) -> None:
+    """target_parameters, when set, name only the base's stacked expert parameters (a suffix of a parameter's
+    name, as PEFT matches them); the router is refused as in target_modules."""
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(adapter_id, "target_parameters must be a list of parameter names")
+    for target in targets:
+        if target.endswith(tuple(f"{router}.weight" for router in ROUTERS)):
+            raise AdapterError(adapter_id, f"target parameter {target!r} is a mixture of experts' router: LoRA on "
+                                           f"the router is not supported")
+        if not any(target == key or target.endswith("." + key) for key in shapes.experts):
+            supported = ", ".join(sorted(shapes.experts)) or ("none: this server serves no adapters on experts (a "
+                                                              "dense base, or expert_lora off)")
+            raise AdapterError(adapter_id, f"LoRA on raw parameters (target_parameters) {target!r} is not "
+                                           f"supported; supported: {supported}")
+
+
+def _weights_of(adapter_id: str, config: dict, name: str, pair: dict[str, torch.Tensor], shapes: LoraShapes,
+                layer: int, key: str) -> tuple[str, LoRAWeights | ExpertLoRAWeights]:
+    """A module's key and weights: a linear's, or an expert parameter's (its key found from its shapes)."""
+    if key in shapes.modules:
+        return key, _module_weights(adapter_id, config, name, pair, shapes.modules[key])
+    return _expert_weights(adapter_id, config, name, pair, shapes, layer)
+
+
+def _expert_weights(adapter_id: str, config: dict, name: str, pair: dict[str, torch.Tensor], shapes: LoraShapes,
+                    layer: int) -> tuple[str, ExpertLoRAWeights]:
+    a, b = (_lora_tensor(adapter_id, name, pair, ab) for ab in "AB")
+    module = re.sub(r"(\.base_layer)+$", "", name)
+    if layer not in shapes.expert_layers:
+        raise AdapterError(adapter_id, f"{module} targets experts in layer {layer}, whose MLP is dense")
+    rank, alpha, rank_source = _rank_and_alpha(config, module)
+    _check_rank_and_alpha(adapter_id, rank, alpha, f" for {module}")
+    experts = shapes.num_experts
+    if a.shape[0] != experts * rank or b.shape[1] != experts * rank:
+        raise AdapterError(adapter_id, f"rank {rank} in {rank_source} over {experts} experts needs lora_A of "
+                                       f"{experts * rank} rows and lora_B of as many columns; {module} has "
+                                       f"{a.shape[0]} and {b.shape[1]}")
+    key = next((k for k, (i, o) in shapes.experts.items() if (a.shape[1], b.shape[0]) == (i, o)), None)
+    if key is None:
+        raise AdapterError(adapter_id, f"{module} maps {a.shape[1]} -> {b.shape[0]} features per expert, which no "
+                                       f"expert parameter of the base model does: the adapter was made for a "
+                                       f"different base model")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    lora_a = a.view(experts, rank, a.shape[1]).contiguous()
+    lora_b = b.view(b.shape[0], rank, experts).permute(2, 0, 1).contiguous()
+    return key, ExpertLoRAWeights(lora_a, lora_b, float(scaling))
 
 
 def _module_weights(adapter_id: str, config: dict, name: str, pair: dict[str, torch.Tensor],

@@ -16,13 +16,17 @@ import math
 
 import torch
 
-from engine.adapters import LoRAAdapter, LoRAWeights
+from engine.adapters import ExpertLoRAWeights, LoRAAdapter, LoRAWeights
 from engine.errors import AdapterError
 from engine.merge_spec import MergeSpec
 
 
 def merge_adapters(key: str, adapters: list[LoRAAdapter], spec: MergeSpec, module_order: list[str]) -> LoRAAdapter:
     """The merged adapter of `adapters` (in spec.ids order); module_order: the model's target modules in order."""
+    for adapter in adapters:
+        if any(isinstance(w, ExpertLoRAWeights) for per_layer in adapter.layers.values() for w in per_layer.values()):
+            raise AdapterError(key, f"adapter {adapter.adapter_id!r} has weights on a mixture of experts' experts "
+                                    f"(target_parameters): merging such adapters is not supported")
     layers: dict[int, dict[str, LoRAWeights]] = {}
     num_layers = 1 + max(layer for adapter in adapters for layer in adapter.layers)
     with torch.random.fork_rng(devices=[]):

@@ -46,15 +46,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_tiny_adapters(base_path, root: Path, names) -> Path:
-    """Random-weight rank-4 q,k,v,o PEFT adapters for the tiny model at base_path, one per name (seeds 0, 1, ...)."""
+def write_tiny_adapters(base_path, root: Path, names, experts: bool = False) -> Path:
+    """Random-weight rank-4 q,k,v,o PEFT adapters for the tiny model at base_path, one per name (seeds 0, 1, ...);
+    experts: on a mixture of experts' experts too (target_parameters)."""
     from transformers import AutoConfig
 
     from benchmarks.lora_adapters import write_random_adapter
 
     config = AutoConfig.from_pretrained(base_path)
     for seed, name in enumerate(names):
-        write_random_adapter(root / name, config, rank=4, seed=seed)
+        write_random_adapter(root / name, config, rank=4, seed=seed, experts=experts)
     return root
 
 

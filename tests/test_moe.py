@@ -18,10 +18,13 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
 from engine.kernels import cpu_ops
-from engine.models.moe import Experts
+from engine.layers.expert_lora import ExpertLoRA
+from engine.merge_spec import MergeSpec
+from engine.models.experts import Experts
 from lora_cache.adapter import load_adapter
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, _hf_model, hf_greedy, lora_shapes_of
+from lora_cache.merge import merge_adapters
+from tests.helpers import PROMPTS, _hf_model, hf_greedy, lora_shapes_of, write_tiny_adapters
 from tests.test_multi_lora import GREEDY, _make_adapters
 
 MODELS = ["tiny_qwen3_moe_path", "tiny_mixtral_path", "tiny_olmoe_path"]
@@ -60,7 +63,7 @@ def _grouped(llm: LLM) -> bool:
     """Whether every layer's experts run on the grouped kernel (else each expert's linears of their own)."""
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
     assert experts
-    return all(m.ops is not None for m in experts)
+    return all(m.kernel is not None for m in experts)
 
 
 @torch.no_grad()
@@ -144,19 +147,91 @@ def test_mixed_attention_adapter_batches_match_peft_merged(request, tmp_path_fac
     assert llm.engine.adapter_slots.evictions > 0
 
 
-def test_what_moe_does_not_run_yet_is_refused_by_name(tiny_qwen3_moe_path, tmp_path):
+EXPERT_ADAPTERS = {  # PEFT's target_parameters: the stacked gate/up and down of every layer's experts
+    "experts-r4": (4, ["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "down-r8": (8, [], ["mlp.experts.down_proj"]),
+    "all-r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_expert_adapter_batches_match_peft_merged(request, tmp_path_factory, name):
+    """Adapters on the experts (and on attention), of ranks 4-16, mixed with attention-only adapters and the base
+    in batches over 2 slots for 4 adapters, on the grouped kernel; and on the per-expert path for one model."""
+    path = request.getfixturevalue(name)
+    root = tmp_path_factory.mktemp(f"moe-expert-adapters-{name}")
+    specs = {**EXPERT_ADAPTERS, "attn-r4": ATTENTION_ADAPTERS["attn-r4"]}
+    references = _make_adapters(path, root, specs, seed=40)
+    kernel_paths = [True, False] if name == MODELS[0] else [True]
+    for cpu_kernels in kernel_paths:
+        llm = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), cpu_kernels=cpu_kernels,
+                  log_stats=False)
+        base = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        prompts = [p for p in PROMPTS[:4] for _ in range(len(specs) + 1)]
+        adapters = [a for _ in PROMPTS[:4] for a in (None, *specs)]
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, adapters=adapters)
+        for i, (out, adapter) in enumerate(zip(outputs, adapters)):
+            want = base[i // (len(specs) + 1)].token_ids if adapter is None else references[adapter][i // (len(specs) + 1)]
+            assert out.token_ids == want, f"{adapter} on {prompts[i]!r} (cpu_kernels {cpu_kernels})"
+    assert references["down-r8"][0] != base[0].token_ids, "an adapter on the experts alone must change outputs"
+
+
+def test_an_expert_adapter_is_sized_by_its_real_bytes(tmp_path, tiny_qwen3_moe_path):
+    """Each expert's A and B of both stacked parameters, in every layer that has experts, and the attention
+    modules': what the cache counts against its budget."""
+    _make_adapters(tiny_qwen3_moe_path, tmp_path, {"experts-r4": EXPERT_ADAPTERS["experts-r4"]}, seed=50)
+    adapter = load_adapter("experts-r4", tmp_path / "experts-r4", lora_shapes_of(tiny_qwen3_moe_path))
+    experts, hidden, inter, rank, layers = 8, 64, 32, 4, 2  # layers 0 and 2 have experts (1 is dense)
+    per_layer = experts * rank * ((hidden + 2 * inter) + (inter + hidden)) + rank * (hidden + 4 * 16)
+    assert adapter.nbytes == 4 * (layers * per_layer + rank * (hidden + 4 * 16))  # q_proj in the dense layer too
+    assert set(adapter.layers[0]) == {"self_attn.q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert set(adapter.layers[1]) == {"self_attn.q_proj"}
+    with pytest.raises(AdapterError, match="has weights on a mixture of experts' experts \\(target_parameters\\): "
+                                           "merging such adapters is not supported"):
+        merge_adapters("a~b", [adapter, adapter], MergeSpec(("a", "b"), (0.5, 0.5)), ["self_attn.q_proj"])
+
+
+def test_expert_lora_off_keeps_no_expert_slots_and_refuses_adapters_on_experts(tmp_path, tiny_qwen3_moe_path):
+    """expert_lora false: the slots hold attention weights alone, and an adapter on the experts is refused by name,
+    not served without its expert weights."""
+    write_tiny_adapters(tiny_qwen3_moe_path, tmp_path, ["attention"])
+    write_tiny_adapters(tiny_qwen3_moe_path, tmp_path, ["experts"], experts=True)
+    llm = LLM(str(tiny_qwen3_moe_path), adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path),
+              expert_lora=False, log_stats=False)
+    assert not any(isinstance(m, ExpertLoRA) for m in llm.engine.runner.model.modules())
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["attention"])[0].token_ids
+    with pytest.raises(AdapterError, match="serves no adapters on experts \\(a dense base, or expert_lora off\\)"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, adapters=["experts"])
+
+
+def test_what_moe_does_not_run_yet_is_refused_by_name(tiny_qwen3_moe_path, tiny_llama_path, tmp_path):
     with pytest.raises(ValueError, match="tensor parallelism does not split qwen3_moe's experts"):
         LLM(str(tiny_qwen3_moe_path), tensor_parallel_size=2, log_stats=False)
     with pytest.raises(ValueError, match="quantization 'int8' of a mixture of experts"):
         LLM(str(tiny_qwen3_moe_path), quantization="int8", log_stats=False)
-    shapes = lora_shapes_of(tiny_qwen3_moe_path)
-    router = _adapter_with(tmp_path / "router", "base_model.model.model.layers.0.mlp.gate", 64, 8)
-    with pytest.raises(AdapterError, match="mlp.gate' is a mixture of experts' router"):
-        load_adapter("router", router, shapes)
-    experts = _adapter_with(tmp_path / "experts", "base_model.model.model.layers.0.self_attn.q_proj", 64, 64,
-                            target_parameters=["mlp.experts.gate_up_proj"])
-    with pytest.raises(AdapterError, match="target_parameters"):
-        load_adapter("experts", experts, shapes)
+    experts = lora_shapes_of(tiny_qwen3_moe_path)
+    for module, fan_in, fan_out, parameters, reason in ADAPTER_REFUSALS:
+        folder = _adapter_with(tmp_path / reason[:12], f"base_model.model.model.layers.{module}", fan_in, fan_out,
+                               target_parameters=parameters)
+        with pytest.raises(AdapterError, match=reason):
+            load_adapter("refused", folder, experts)
+    with pytest.raises(AdapterError, match="LoRA on raw parameters \\(target_parameters\\) 'mlp.experts.down_proj' is "
+                                           "not supported; supported: none: this server serves no adapters on "
+                                           "experts \\(a dense base, or expert_lora off\\)"):
+        load_adapter("refused", folder, lora_shapes_of(tiny_llama_path))
+
+
+# (module, lora_A's input, lora_B's output, target_parameters, why): rank 4 in every config
+ADAPTER_REFUSALS = [
+    ("0.mlp.gate", 64, 8, None, "mlp.gate' is a mixture of experts' router"),
+    ("0.self_attn.q_proj", 64, 64, ["mlp.gate.weight"],
+     "target parameter 'mlp.gate.weight' is a mixture of experts' router"),
+    ("0.self_attn.q_proj", 64, 64, ["mlp.experts.up_proj"],
+     "target_parameters\\) 'mlp.experts.up_proj' is not supported; supported: mlp.experts.down_proj, "
+     "mlp.experts.gate_up_proj"),
+    ("1.mlp.experts", 32, 64, ["mlp.experts.down_proj"], "targets experts in layer 1, whose MLP is dense"),
+    ("0.mlp.experts", 32, 64, ["mlp.experts.down_proj"], "rank 4 in config over 8 experts needs lora_A of 32 rows"),
+]
 
 
 def _adapter_with(folder, module: str, fan_in: int, fan_out: int, **config):

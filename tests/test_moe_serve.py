@@ -1,5 +1,6 @@
-"""A mixture of experts through a real Ray Serve app: a tiny Qwen3-MoE with attention adapters answers the OpenAI
-routes (the `openai` client) and LoRAX's (`lorax-client`), streamed, with the offline engine's text."""
+"""A mixture of experts through a real Ray Serve app: a tiny Qwen3-MoE with an attention adapter and one on
+attention and the experts answers the OpenAI routes (the `openai` client) and LoRAX's (`lorax-client`), streamed,
+with the offline engine's text."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def adapters_root(tiny_qwen3_moe_path, tmp_path_factory):
-    return write_tiny_adapters(tiny_qwen3_moe_path, tmp_path_factory.mktemp("moe-serve-adapters"), ADAPTERS[1:])
+    root = write_tiny_adapters(tiny_qwen3_moe_path, tmp_path_factory.mktemp("moe-serve-adapters"), ADAPTERS[1:2])
+    return write_tiny_adapters(tiny_qwen3_moe_path, root, ADAPTERS[2:], experts=True)
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,16 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
 def _make_adapters(base_path, root, specs, seed):
-    """Random-weight PEFT adapters saved under root/<name>; returns PEFT-merged greedy outputs per adapter."""
+    """Random-weight PEFT adapters saved under root/<name>, each spec (rank, target modules) or (rank, target
+    modules, target parameters); returns PEFT-merged greedy outputs per adapter."""
     tok = AutoTokenizer.from_pretrained(base_path)
     references = {}
-    for i, (name, (rank, targets)) in enumerate(specs.items()):
+    for i, (name, (rank, targets, *parameters)) in enumerate(specs.items()):
         torch.manual_seed(seed + i)
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                            fan_in_fan_out=base.config.model_type == "gpt2")
+                            fan_in_fan_out=base.config.model_type == "gpt2",
+                            target_parameters=parameters[0] if parameters else None)
         peft_model = get_peft_model(base, config)
         peft_model.save_pretrained(root / name)
         merged = peft_model.merge_and_unload().eval()

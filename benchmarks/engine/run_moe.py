@@ -1,5 +1,6 @@
 """A mixture of experts on this machine's CPU: tokens/s of a random-weight Qwen3-MoE at 1, 16 and 64 sequences, the
-base model and 8 adapters, against transformers (and vLLM's CPU build, where it runs the model) in the same run.
+base model, 8 attention adapters and 8 adapters on attention and the experts, against transformers (and vLLM's CPU
+build, where it runs the model) in the same run.
 
     PYTHONPATH=. python -m benchmarks moe                                          # full run
     PYTHONPATH=. python -m benchmarks moe --vllm-python /work/vllm-venv/bin/python # with vLLM
@@ -7,12 +8,15 @@ base model and 8 adapters, against transformers (and vLLM's CPU build, where it 
 
 Design: one Qwen3-MoE of a few hundred million parameters with random weights (hidden 768, 12 layers of 32
 experts of 384, top 4 renormalized; 12 query and 4 KV heads; SmolLM2's vocabulary), saved once in bf16 so that
-every side loads the same weights; 8 rank-8 q,k,v,o adapters of random weights. Each case is N requests of a
-short prompt and 32 new tokens (EOS ignored), all submitted at once; the adapter cases give request i adapter
-i mod 8. lora-serve: the offline engine stepped to the end (benchmarks/peers/peer_timing.py). transformers: one
-static batch through `generate` (left-padded, min_new_tokens = max_new_tokens), with PEFT's mixed-adapter batches
-(`adapter_names`) for the adapter cases. vLLM: its worker (benchmarks/peers/vllm_worker.py), where its CPU build
-loads the model; its error is reported otherwise. Rounds interleave the sides, in turn first.
+every side loads the same weights; 8 rank-8 q,k,v,o adapters of random weights, and 8 more on every layer's
+stacked experts too (PEFT's target_parameters, gate/up and down). Each case is N requests of a short prompt and 32
+new tokens (EOS ignored), all submitted at once; the adapter cases give request i adapter i mod 8 of their kind.
+lora-serve: the offline engine stepped to the end (benchmarks/peers/peer_timing.py), all 16 adapters resident.
+transformers: one static batch through `generate` (left-padded, min_new_tokens = max_new_tokens), with PEFT's
+mixed-adapter batches (`adapter_names`) for the attention adapters; PEFT refuses mixed batches of expert adapters
+(ParamWrapper), so those run one batch per adapter, in turn, as a PEFT user would. vLLM: its worker
+(benchmarks/peers/vllm_worker.py), where its CPU build loads the model; its error is reported otherwise. Rounds
+interleave the sides, in turn first.
 
 Writes moe.md and moe.png to benchmarks/results/KIND/ and moe.json to benchmarks/runs/KIND/.
 """
@@ -41,8 +45,9 @@ from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
-ADAPTERS = 8
+ADAPTERS = 8  # of each kind
 SIDES = ("lora-serve", "transformers", "vLLM")
+KINDS = ("base", "attention", "experts")  # the base model; adapters on attention; on attention and the experts
 
 
 @dataclass(frozen=True)
@@ -82,78 +87,95 @@ def write_model(folder: Path, shape: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def write_adapters(model: Path, root: Path) -> list[Path]:
+def write_adapters(model: Path, root: Path) -> dict[str, list[Path]]:
+    """The adapters of each kind (attention: "attention-i"; attention and experts: "experts-i")."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
-    return [write_random_adapter(root / f"adapter-{i}", config, rank=8, seed=i) for i in range(ADAPTERS)]
+    return {kind: [write_random_adapter(root / f"{kind}-{i}", config, rank=8, seed=i, experts=kind == "experts")
+                   for i in range(ADAPTERS)] for kind in KINDS[1:]}
 
 
-def batch(sequences: int, new_tokens: int, adapters: bool) -> Batch:
-    names = [f"adapter-{i % ADAPTERS}" if adapters else None for i in range(sequences)]
+def batch(sequences: int, new_tokens: int, kind: str) -> Batch:
+    names = [None if kind == "base" else f"{kind}-{i % ADAPTERS}" for i in range(sequences)]
     return Batch([PROMPTS[i % len(PROMPTS)] for i in range(sequences)], [new_tokens] * sequences, names)
 
 
 class HFSide:
-    """transformers' generate over a static batch; PEFT's mixed-adapter batches for the adapter cases."""
+    """transformers' generate over a static batch: PEFT's mixed-adapter batches for the attention adapters, a batch
+    per adapter for the expert ones (each kind on a PEFT model of its own)."""
 
-    def __init__(self, model: Path, adapters: list[Path]):
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, model: Path, adapters: dict[str, list[Path]]):
+        from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
-        self.base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
-        self.peft = PeftModel.from_pretrained(self.base, adapters[0], adapter_name="adapter-0")
-        for path in adapters[1:]:
-            self.peft.load_adapter(path, adapter_name=path.name)
+        self.peft = {kind: _peft_model(model, paths) for kind, paths in adapters.items()}
 
     @torch.inference_mode()
     def run(self, b: Batch) -> Timing:
-        inputs = self.tokenizer(b.prompts, return_tensors="pt", padding=True)
-        new = b.max_tokens[0]
-        kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                      pad_token_id=self.tokenizer.eos_token_id)
-        start = time.perf_counter()
+        start, tokens = time.perf_counter(), 0
         if b.adapters[0] is None:
-            with self.peft.disable_adapter():
-                out = self.peft.generate(**inputs, **kwargs)
+            with self.peft["attention"].disable_adapter():
+                tokens = self._generate(self.peft["attention"], b.prompts, b.max_tokens[0])
+        elif b.adapters[0].startswith("attention"):
+            tokens = self._generate(self.peft["attention"], b.prompts, b.max_tokens[0], adapter_names=b.adapters)
         else:
-            out = self.peft.generate(**inputs, adapter_names=list(b.adapters), **kwargs)
-        seconds = time.perf_counter() - start
-        return Timing(seconds, (out.shape[1] - inputs.input_ids.shape[1]) * len(b.prompts))
+            for name in dict.fromkeys(b.adapters):
+                self.peft["experts"].set_adapter(name)
+                prompts = [p for p, a in zip(b.prompts, b.adapters) if a == name]
+                tokens += self._generate(self.peft["experts"], prompts, b.max_tokens[0])
+        return Timing(time.perf_counter() - start, tokens)
+
+    def _generate(self, model, prompts: list[str], new: int, **kwargs) -> int:
+        inputs = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=self.tokenizer.eos_token_id, **kwargs)
+        return (out.shape[1] - inputs.input_ids.shape[1]) * len(prompts)
 
 
-def sides(model: Path, adapters: list[Path], plan: Plan, vllm: Path | None, log: Path) -> tuple[dict, dict, list]:
-    """Each side's runner by (side, adapters or not), why any is missing, and what to close after the run."""
+def _peft_model(model: Path, adapters: list[Path]):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    peft = PeftModel.from_pretrained(base, adapters[0], adapter_name=adapters[0].name)
+    for path in adapters[1:]:
+        peft.load_adapter(path, adapter_name=path.name)
+    return peft.eval()
+
+
+def sides(model: Path, adapters: dict[str, list[Path]], plan: Plan, vllm: Path | None,
+          log: Path) -> tuple[dict, dict, list]:
+    """Each side's runner by (side, kind), why any is missing, and what to close after the run."""
     from engine import LLM
     from lora_cache.local_cache import local_adapters
 
-    llm = LLM(str(model), dtype="bfloat16", adapters=local_adapters, max_loras=ADAPTERS,
-              adapters_root=str(adapters[0].parent), max_num_seqs=max(plan.sequences), log_stats=False)
+    llm = LLM(str(model), dtype="bfloat16", adapters=local_adapters, max_loras=2 * ADAPTERS,
+              adapters_root=str(adapters["attention"][0].parent), max_num_seqs=max(plan.sequences), log_stats=False)
     hf = HFSide(model, adapters).run
-    runners = {(side, a): run for side, run in (("lora-serve", lambda b: run_lora_serve(llm, b)),
-                                                 ("transformers", hf)) for a in (False, True)}
+    runners = {(side, kind): run for side, run in (("lora-serve", lambda b: run_lora_serve(llm, b)),
+                                                    ("transformers", hf)) for kind in KINDS}
     if vllm is None:
         return runners, {"vLLM": NOT_INSTALLED}, []
     missing, workers = {}, []
-    for with_adapters in (True, False):  # one worker each: vLLM enables LoRA for a whole engine
-        name = log.with_name(f"moe_vllm{'_lora' if with_adapters else ''}.log")
-        side = "vLLM" + " with adapters" * with_adapters
-        worker, why = _vllm_worker(vllm, model, adapters if with_adapters else [], name, max(plan.sequences))
+    for kind in ("attention", "base"):  # one worker each: vLLM enables LoRA for a whole engine
+        name = log.with_name(f"moe_vllm{'_lora' if kind != 'base' else ''}.log")
+        side = "vLLM" + " with adapters" * (kind != "base")
+        worker, why = _vllm_worker(vllm, model, adapters.get(kind, []), name, max(plan.sequences), kind)
         if worker is None:
             missing[side] = f"{side} not measured: {why}"
         else:
-            runners["vLLM", with_adapters] = worker.run
+            runners["vLLM", kind] = worker.run
             workers.append(worker)
     return runners, missing, workers
 
 
-def _vllm_worker(python: Path, model: Path, adapters: list[Path], log: Path, max_num_seqs: int):
+def _vllm_worker(python: Path, model: Path, adapters: list[Path], log: Path, max_num_seqs: int, kind: str):
     """A vLLM worker that has run one warm-up batch, or None and the reason its CPU build gave."""
     worker = None
     try:
         worker = VLLMWorker(python, model, "bfloat16", 512, adapters, log, kv_cache_gib=2, max_num_seqs=max_num_seqs)
-        worker.run(batch(2, 2, bool(adapters)))
+        worker.run(batch(2, 2, kind))
         return worker, None
     except RuntimeError as error:
         if worker is not None:
@@ -170,10 +192,10 @@ def _root_cause(log: Path) -> str | None:
     return None
 
 
-def measure(runners: dict, plan: Plan) -> dict[tuple[str, int, bool], list[float]]:
-    """tokens/s per (side, sequences, adapters), over interleaved rounds (each round the sides in turn first)."""
-    cases = [(n, a) for n in plan.sequences for a in (False, True)]
-    samples = {(side, n, a): [] for side, a in runners for n in plan.sequences}
+def measure(runners: dict, plan: Plan) -> dict[tuple[str, int, str], list[float]]:
+    """tokens/s per (side, sequences, kind), over interleaved rounds (each round the sides in turn first)."""
+    cases = [(n, kind) for n in plan.sequences for kind in KINDS]
+    samples = {(side, n, kind): [] for side, kind in runners for n in plan.sequences}
     names = list(dict.fromkeys(side for side, _ in runners))
     for (_, a), run in runners.items():  # warm-up
         run(batch(2, 2, a))
@@ -188,14 +210,14 @@ def measure(runners: dict, plan: Plan) -> dict[tuple[str, int, bool], list[float
 
 
 def figures(samples: dict) -> list[dict]:
-    return [{"side": side, "sequences": n, "adapters": ADAPTERS if a else 0, "tok_s": statistics.median(v),
-             "min": min(v), "max": max(v)} for (side, n, a), v in samples.items()]
+    return [{"side": side, "sequences": n, "adapters": kind, "tok_s": statistics.median(v),
+             "min": min(v), "max": max(v)} for (side, n, kind), v in samples.items()]
 
 
 def table(rows: list[dict]) -> str:
     by = {(r["side"], r["sequences"], r["adapters"]): r for r in rows}
     present = [s for s in SIDES if any(r["side"] == s for r in rows)]
-    keys = sorted({(r["sequences"], r["adapters"]) for r in rows})
+    keys = sorted({(r["sequences"], r["adapters"]) for r in rows}, key=lambda k: (k[0], KINDS.index(k[1])))
     header = ["sequences", "adapters"] + [f"{s} tok/s" for s in present] + [f"lora-serve / {s}" for s in present[1:]]
     body = []
     for n, a in keys:
@@ -210,14 +232,16 @@ def _cell(row: dict | None) -> str:
 
 
 def markdown(rows: list[dict], missing: dict, plan: Plan, params: int, command: str, env: dict, quick: bool) -> str:
-    lines = report_header("Mixture of experts on CPU: a random Qwen3-MoE, base and 8 adapters", command, env)
+    lines = report_header("Mixture of experts on CPU: a random Qwen3-MoE, base and adapters", command, env)
     shape = plan.shape
     model = (f"Model: Qwen3-MoE with random weights, bf16, {params / 1e6:.0f}M parameters: hidden "
              f"{shape['hidden_size']}, {shape['num_hidden_layers']} layers of {shape['num_experts']} experts of "
              f"{shape['moe_intermediate_size']} (top {shape['num_experts_per_tok']}), {shape['num_attention_heads']} "
              f"query and {shape['num_key_value_heads']} KV heads. Each case: N requests of a short prompt and "
-             f"{plan.new_tokens} new tokens, all at once; adapters: 8 rank-8 q,k,v,o adapters, request i on "
-             f"adapter i mod 8. Median tokens/s over {plan.rounds} interleaved rounds (min-max in brackets).")
+             f"{plan.new_tokens} new tokens, all at once; attention: 8 rank-8 q,k,v,o adapters, request i on "
+             f"adapter i mod 8; experts: 8 rank-8 adapters on q,k,v,o and every layer's stacked experts (gate/up, "
+             f"down), which PEFT runs one adapter's batch at a time (it refuses mixed batches of them). Median "
+             f"tokens/s over {plan.rounds} interleaved rounds (min-max in brackets).")
     lines += ["> quick smoke run: not comparable" if quick else "", "", model, "",
               table(rows), ""]
     lines += list(missing.values())
@@ -226,17 +250,18 @@ def markdown(rows: list[dict], missing: dict, plan: Plan, params: int, command: 
 
 def plot(raw: dict):
     rows = raw["figures"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, adapters in zip(axes, (0, ADAPTERS)):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, kind in zip(axes, KINDS):
         for side in SIDES:
-            these = sorted((r for r in rows if r["side"] == side and r["adapters"] == adapters),
+            these = sorted((r for r in rows if r["side"] == side and r["adapters"] == kind),
                            key=lambda r: r["sequences"])
             if these:
                 ax.plot([r["sequences"] for r in these], [r["tok_s"] for r in these], marker="o", label=side)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequences")
         ax.set_ylabel("tokens/s")
-        ax.set_title("base model" if adapters == 0 else f"{adapters} adapters")
+        ax.set_title({"base": "base model", "attention": f"{ADAPTERS} attention adapters",
+                      "experts": f"{ADAPTERS} adapters on attention and experts"}[kind])
         ax.legend()
     fig.suptitle("Qwen3-MoE (random, bf16) on CPU")
     return fig

@@ -24,7 +24,7 @@ from benchmarks.peers.vllm_worker import MARK
 class Batch:
     prompts: list[str | list[int]]  # text, or token ids (the long prompts, cut to an exact length)
     max_tokens: list[int]
-    adapters: list[str | None]  # adapter name per request ("adapter-<i>" on both sides), None for the base
+    adapters: list[str | None]  # adapter name per request (its folder's name on both sides), None for the base
     temperature: float = 0.0  # 0: greedy; else sampled at this temperature, with top_p
     top_p: float = 1.0
 

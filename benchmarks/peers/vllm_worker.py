@@ -13,6 +13,7 @@ from one run.
 import json
 import sys
 import time
+from pathlib import Path
 
 MARK = "PEER-RESULT "  # opens each answer line: vLLM also logs to stdout
 
@@ -20,7 +21,7 @@ MARK = "PEER-RESULT "  # opens each answer line: vLLM also logs to stdout
 def _lora_requests(adapter_dirs):
     from vllm.lora.request import LoRARequest
 
-    return {f"adapter-{i}": LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(adapter_dirs)}
+    return {Path(path).name: LoRARequest(Path(path).name, i + 1, path) for i, path in enumerate(adapter_dirs)}
 
 
 def _run(llm, loras, job):

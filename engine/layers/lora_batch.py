@@ -93,12 +93,15 @@ class LoRAStepState:
     - on CUDA, `slot_order`: the tokens grouped by slot, for the Triton kernels (a decode CUDA graph is captured
       with the graph's own static SlotOrder, which each replay refills);
     - on CPU with the C++ operators, `token_slots`: each token's slot as a tensor (-1: base model);
-    - otherwise `batch`: the grouped layout of build_lora_batch."""
+    - otherwise `batch`: the grouped layout of build_lora_batch.
+    A mixture of experts' expert LoRA (engine/layers/expert_lora.py) reads `expert_slots`, each token's slot, on
+    every path."""
 
     def __init__(self):
         self.batch: LoRABatch | None = None
         self.token_slots: torch.Tensor | None = None
         self.slot_order: SlotOrder | None = None
+        self.expert_slots: torch.Tensor | None = None
 
 
 def padding_allowance(row_flops: int) -> int:

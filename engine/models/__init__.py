@@ -13,10 +13,11 @@ from engine.adapters import LoraShapes
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
+from engine.models.experts import prepare_experts
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.llama_variants import attention_window
-from engine.models.moe import moe_spec, prepare_experts
+from engine.models.moe import expert_lora_shapes, moe_spec
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -45,13 +46,19 @@ LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "olmoe": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
-def lora_shapes(hf_config) -> LoraShapes:
-    """The base model's LoRA-capable linears, as its model class declares them: what every adapter must fit."""
+def lora_shapes(hf_config, experts: bool = True) -> LoraShapes:
+    """The base model's LoRA-capable linears, as its model class declares them, and where it is a mixture of
+    experts (unless `experts` is False) its stacked expert parameters: what every adapter must fit."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in LORA_MODEL_TYPES:
         raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
                          f"supported: {', '.join(LORA_MODEL_TYPES)}")
-    return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), hf_config.num_hidden_layers)
+    layers = hf_config.num_hidden_layers
+    spec = moe_spec(hf_config)
+    if spec is None or not experts:
+        return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), layers)
+    return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), layers, expert_lora_shapes(hf_config),
+                      spec.num_experts, frozenset(i for i in range(layers) if spec.sparse(i)))
 
 
 def model_class(hf_config) -> type[nn.Module]:
@@ -126,7 +133,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     if sharded:
         model.shard(parallel)
     prepacks = prepacking_supported(device, dtype)
-    prepare_experts(model, cpu_ops if prepacks else None, narrow)  # grouped, or linears prepacked below
+    prepare_experts(model, device, cpu_ops if prepacks else None, narrow)  # grouped, or linears prepacked below
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacks:
         prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype

@@ -77,6 +77,7 @@ class GPT2LMHeadModel(nn.Module):
     kernel_only_attention = None  # its attention runs on every path (engine/models/llama.py: Gemma 2's does not)
     long_rope_rows = None  # learned positions: one row per position
     kv_window = None  # every key stays in reach
+    decode_graphs = True  # its decode steps are captured in CUDA graphs
 
     def __init__(self, config, max_positions: int):
         super().__init__()

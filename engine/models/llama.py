@@ -321,6 +321,12 @@ class LlamaForCausalLM(nn.Module):
         return f"sliding-window layers ({min(windows)} tokens)" if windows else None
 
     @property
+    def decode_graphs(self) -> bool:
+        """Whether a decode step may be captured in a CUDA graph: not a mixture of experts, whose routing reads
+        each step's expert counts back to the host."""
+        return self.variant.moe is None
+
+    @property
     def kv_window(self) -> int | None:
         """The window every layer attends over (Mistral's, and an all-sliding Qwen2's, past their default context),
         or None where any layer attends further back: then no key older than it is read again."""

@@ -6,18 +6,19 @@ run as grouped matrix products over the tokens sorted by expert.
   and OLMoE round the weights to the model dtype before the combine; Mixtral combines in float32 and rounds the
   weighted output (transformers' order, which bf16 results follow).
 - **Grouped experts**: the (token, expert) pairs are sorted by expert once, so each expert's tokens are one
-  contiguous block. On CPU one C++ call (grouped_simd_linear, engine/kernels/cpu/simd_linear.cpp) multiplies every
-  expert's block by its gate/up weight and one more by its down weight, each expert's weights packed once for the
-  engine's own linear kernel, and the outputs, times their router weights, are summed back into their tokens' rows
-  in one index_add. No work is done per token, and experts no token chose are never read. Where that kernel does not
-  serve (CUDA, the C++ operators off, shapes it does not tile), each expert's two linears are linears of their own,
-  prepacked as a dense model's, run expert by expert.
+  contiguous block. One call of the device's grouped kernel (engine/models/experts.py: C++ on CPU, Triton on CUDA)
+  multiplies every expert's block by its gate/up weight, the fused operator computes act(gate) * up, and one more
+  call multiplies by the down weights; the outputs, times their router weights, are summed back into their tokens'
+  rows in one index_add. No work is done per token, and experts no token chose are never read. Where no grouped
+  kernel serves, each expert's two linears are linears of their own, run expert by expert.
+- **Adapters on the experts** (PEFT's target_parameters): each product takes its pairs' deltas
+  (engine/layers/expert_lora.py), each pair reading its token's adapter slot's weights for its expert.
 - **Checkpoints in either layout**: transformers 5's fused expert tensors (`mlp.experts.gate_up_proj`,
   `mlp.experts.down_proj`) and the per-expert one its save_pretrained writes and the Hub's checkpoints hold
   (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1` / `w3` /
   `w2`). The stacked weights are stored flat while they load ([E * 2I, H] and [E * H, I]), so that a per-expert
-  tensor is a run of rows, loaded as a fused weight's parts are (engine/models/__init__.py); then the stacked weights
-  are packed for the grouped kernel, or each expert's rows become its own linears (`prepare_experts`), before the
+  tensor is a run of rows, loaded as a fused weight's parts are (engine/models/__init__.py); then the grouped kernel
+  takes the stacked weights, or each expert's rows become its own linears (engine/models/experts.py), before the
   model's linears are prepacked.
 
 Shared experts (Qwen2-MoE's) and other MoE architectures are refused by name (engine/models/__init__.py).
@@ -31,8 +32,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.adapters import LoraShapes
 from engine.layers import uninitialized
+from engine.layers.expert_lora import ExpertLoRA
+from engine.layers.lora_batch import LoRAStepState
 from engine.models.activations import activation
+from engine.models.experts import Experts
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 # the stacked expert parameters adapters may target (PEFT's target_parameters), as transformers 5 names them
@@ -84,89 +89,6 @@ def _dense_layers(config) -> frozenset[int]:
                      if i in config.mlp_only_layers or config.num_experts == 0 or (i + 1) % step != 0)
 
 
-class Experts(nn.Module):
-    """The experts' weights: stacked and stored flat while the checkpoint loads (the module docstring says why),
-    then either packed for the grouped kernel (`pack`) or one linear per expert and projection (`split`), which the
-    linears' prepacking puts on the engine's own kernels like any other linear."""
-
-    def __init__(self, hidden: int, spec: MoESpec):
-        super().__init__()
-        self.num_experts, self.hidden, self.intermediate = spec.num_experts, hidden, spec.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts * 2 * spec.intermediate_size, hidden))
-        self.down_proj = nn.Parameter(torch.empty(spec.num_experts * hidden, spec.intermediate_size))
-        self.gate_up: nn.ModuleList | None = None  # per expert, once split
-        self.down: nn.ModuleList | None = None
-        self.ops = None  # the C++ operators, once packed for their grouped kernel
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loaded weights, [E, 2I, H] and [E, H, I] (views)."""
-        return (self.gate_up_proj.detach().view(self.num_experts, 2 * self.intermediate, self.hidden),
-                self.down_proj.detach().view(self.num_experts, self.hidden, self.intermediate))
-
-    def split(self) -> None:
-        """One linear per expert over its rows of the stacked weights (views: nothing is copied here)."""
-        gate_up, down = self.stacked()
-        self.gate_up = nn.ModuleList(_linear(weight) for weight in gate_up)
-        self.down = nn.ModuleList(_linear(weight) for weight in down)
-        del self.gate_up_proj, self.down_proj
-
-    def pack(self, cpu_ops, storage: torch.dtype) -> None:
-        """Every expert's weights in grouped_simd_linear's order, stored in `storage` (bf16 where the kernel widens
-        bf16 weights for float32 rows)."""
-        gate_up, down = self.stacked()
-        self.register_buffer("packed_gate_up", _packed(cpu_ops, gate_up, storage))
-        self.register_buffer("packed_down", _packed(cpu_ops, down, storage))
-        self.ops = cpu_ops
-        del self.gate_up_proj, self.down_proj
-
-    def grouped(self, rows: torch.Tensor, offsets: torch.Tensor, activate) -> torch.Tensor:
-        """rows sorted by expert (expert e's rows offsets[e]..offsets[e + 1]) through their experts, packed: the
-        gate/up product, activate (act(gate) * up), the down product."""
-        gate_up = self.ops.grouped_simd_linear(rows, self.packed_gate_up, offsets)
-        return self.ops.grouped_simd_linear(activate(gate_up), self.packed_down, offsets)
-
-
-def _packed(cpu_ops, weights: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
-    """[E, out, in] packed expert by expert into one tensor (no second copy of all the experts at once)."""
-    first = cpu_ops.simd_pack_linear_weight(weights[0].to(storage))
-    packed = first.new_empty((weights.shape[0], *first.shape))
-    for expert, weight in enumerate(weights):
-        packed[expert].copy_(cpu_ops.simd_pack_linear_weight(weight.to(storage)))
-    return packed
-
-
-def grouped_storage(cpu_ops, weights: torch.Tensor, storage_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype grouped_simd_linear keeps these experts' weights [E, out, in] in, for rows of their dtype: theirs,
-    or bf16 for float32 rows (storage_dtype bf16) where it widens bf16; None where it does not take them."""
-    if cpu_ops is None:
-        return None
-    widens = cpu_ops.simd_linear_widens_bf16()
-    if weights.dtype == torch.bfloat16 and widens:
-        return None  # bf16 rows: this build's kernel takes bf16 weights for float32 rows only
-    storage = torch.bfloat16 if storage_dtype == torch.bfloat16 and widens else weights.dtype
-    return storage if cpu_ops.simd_linear_usable(weights[0].to(storage)) else None
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    return layer
-
-
-def prepare_experts(model: nn.Module, cpu_ops=None, storage_dtype: torch.dtype | None = None) -> None:
-    """Every Experts module of a loaded model packed for the grouped kernel of `cpu_ops` where it takes both its
-    weights, else split into per-expert linears (before the model's linears are prepacked). storage_dtype: as
-    prepack_linears' (bf16 values held in float32 weights, kept as bf16 where the kernel widens them)."""
-    for module in model.modules():
-        if isinstance(module, Experts):
-            storages = {grouped_storage(cpu_ops, weights, storage_dtype) for weights in module.stacked()}
-            storage = storages.pop() if len(storages) == 1 else None
-            if storage is not None:
-                module.pack(cpu_ops, storage)
-            else:
-                module.split()
-
-
 @dataclass(frozen=True)
 class Routes:
     """A step's (token, expert) pairs sorted by expert: each expert's tokens one contiguous run."""
@@ -185,36 +107,52 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.gate = uninitialized.linear(config.hidden_size, spec.num_experts, bias=False)  # the router
-        self.experts = Experts(config.hidden_size, spec)
+        self.experts = Experts(spec.num_experts, config.hidden_size, spec.intermediate_size)
         self.act = activation(config.hidden_act)
         self.activation_name = config.hidden_act
         self.fused_ops = None  # the fused operators (set by use_fused_ops): act(gate) * up in one call
+        self.lora: ExpertLoRA | None = None  # adapters on the experts (wrap_expert_loras)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)
-        if self.experts.ops is not None:
-            return self._grouped(x, routes)
+        slots = self.lora.pair_slots(routes.tokens, routes.experts) if self.lora is not None else None
+        if self.experts.kernel is not None:
+            return self._grouped(x, routes, slots)
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(routes.counts.tolist()):
             if count:
                 rows = slice(start, start + count)
-                out.index_add_(0, routes.tokens[rows], self._expert(x, routes, rows, expert))
+                out.index_add_(0, routes.tokens[rows], self._expert(x, routes, rows, expert, slots))
                 start += count
         return out
 
-    def _grouped(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, routes: Routes, slots: torch.Tensor | None) -> torch.Tensor:
         """Every expert at once on the grouped kernel, the pairs' outputs weighted and summed into their tokens in
         expert order, as the per-expert path sums them."""
-        rows = self.experts.ops.gather_rows(x, routes.tokens)
-        out = self.experts.grouped(rows, routes.offsets(), self._activated) * routes.weights
-        return torch.zeros_like(x).index_add_(0, routes.tokens, out.to(x.dtype))
+        offsets = routes.offsets()
+        out = self._mlp(self.experts.kernel.gather(x, routes.tokens), slots,
+                        lambda rows: self.experts.grouped_gate_up(rows, offsets),
+                        lambda rows: self.experts.grouped_down(rows, offsets))
+        return torch.zeros_like(x).index_add_(0, routes.tokens, (out * routes.weights).to(x.dtype))
 
-    def _expert(self, x: torch.Tensor, routes: Routes, rows: slice, expert: int) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, routes: Routes, rows: slice, expert: int,
+                slots: torch.Tensor | None) -> torch.Tensor:
         """One expert over its block of tokens, times their router weights, in the model dtype."""
-        gate_up = self.experts.gate_up[expert](x[routes.tokens[rows]])
-        out = self.experts.down[expert](self._activated(gate_up)) * routes.weights[rows]
-        return out.to(x.dtype)
+        out = self._mlp(x[routes.tokens[rows]], None if slots is None else slots[rows],
+                        self.experts.gate_up[expert], self.experts.down[expert])
+        return (out * routes.weights[rows]).to(x.dtype)
+
+    def _mlp(self, rows: torch.Tensor, slots: torch.Tensor | None, gate_up, down) -> torch.Tensor:
+        """The experts' MLP over pairs' rows, each product with its pairs' adapter deltas (slots: None, none)."""
+        hidden = gate_up(rows)
+        if slots is not None:
+            self.lora.add_(GATE_UP, hidden, rows, slots)
+        activated = self._activated(hidden)
+        out = down(activated)
+        if slots is not None:
+            self.lora.add_(DOWN, out, activated, slots)
+        return out
 
     def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_ops is not None and self.activation_name == "silu":
@@ -234,6 +172,21 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.spec.num_experts)
         tokens = order // self.spec.top_k
         return Routes(tokens, experts.flatten()[order], weights.flatten()[order].unsqueeze(1), counts)
+
+
+def wrap_expert_loras(model: nn.Module, shapes: LoraShapes, state: LoRAStepState, max_loras: int, max_rank: int,
+                      dtype: torch.dtype, device: torch.device, cpu_ops=None) -> list[ExpertLoRA | None]:
+    """Adapter slots on every layer's experts (None for a dense layer), in layer order; none for a dense model."""
+    if not shapes.experts:
+        return []
+    loras: list[ExpertLoRA | None] = []
+    for layer in model.decoder_layers:
+        block = next((m for m in layer.modules() if isinstance(m, SparseMoeBlock)), None)
+        if block is not None:
+            block.lora = ExpertLoRA(dict(shapes.experts), shapes.num_experts, state, max_loras, max_rank, dtype,
+                                    device, cpu_ops)
+        loras.append(None if block is None else block.lora)
+    return loras
 
 
 def expert_checkpoint_param(name: str) -> tuple[str, int, int] | None:
