@@ -17,6 +17,7 @@ import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.replica.replica_stats import ReplicaStats
+from engine import SamplingParams
 from engine.adapters import LoraShapes
 
 PROMPTS = [
@@ -170,3 +171,34 @@ def uvicorn_serving(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)  # the adapter tests' references: PEFT-merged greedy
+
+
+def peft_adapters(base_path, root, specs, seed):
+    """Random-weight PEFT adapters saved under root/<name>, each spec (rank, target modules) or (rank, target
+    modules, target parameters); returns PEFT-merged greedy outputs per adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = AutoTokenizer.from_pretrained(base_path)
+    references = {}
+    for i, (name, (rank, targets, *parameters)) in enumerate(specs.items()):
+        torch.manual_seed(seed + i)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+                            fan_in_fan_out=base.config.model_type == "gpt2",
+                            target_parameters=parameters[0] if parameters else None)
+        peft_model = get_peft_model(base, config)
+        peft_model.save_pretrained(root / name)
+        merged = peft_model.merge_and_unload().eval()
+        references[name] = [_peft_greedy(merged, tok, p) for p in PROMPTS[:4]]
+    return references
+
+
+def _peft_greedy(model, tok, prompt):
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                             do_sample=False, pad_token_id=tok.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()

@@ -24,8 +24,7 @@ from engine.models.experts import Experts
 from lora_cache.adapter import load_adapter
 from lora_cache.local_cache import local_adapters
 from lora_cache.merge import merge_adapters
-from tests.helpers import PROMPTS, _hf_model, hf_greedy, lora_shapes_of, write_tiny_adapters
-from tests.test_multi_lora import GREEDY, _make_adapters
+from tests.helpers import GREEDY, PROMPTS, _hf_model, hf_greedy, lora_shapes_of, peft_adapters, write_tiny_adapters
 
 MODELS = ["tiny_qwen3_moe_path", "tiny_mixtral_path", "tiny_olmoe_path"]
 TOLERANCE = 1e-4
@@ -134,7 +133,7 @@ ATTENTION_ADAPTERS = {"attn-r4": (4, ["q_proj", "v_proj"]), "attn-r16": (16, ["q
 def test_mixed_attention_adapter_batches_match_peft_merged(request, tmp_path_factory, name):
     path = request.getfixturevalue(name)
     root = tmp_path_factory.mktemp(f"moe-adapters-{name}")
-    references = _make_adapters(path, root, ATTENTION_ADAPTERS, seed=30)
+    references = peft_adapters(path, root, ATTENTION_ADAPTERS, seed=30)
     llm = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False)
     base = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     prompts = [p for p in PROMPTS[:4] for _ in range(len(ATTENTION_ADAPTERS) + 1)]
@@ -161,7 +160,7 @@ def test_mixed_expert_adapter_batches_match_peft_merged(request, tmp_path_factor
     path = request.getfixturevalue(name)
     root = tmp_path_factory.mktemp(f"moe-expert-adapters-{name}")
     specs = {**EXPERT_ADAPTERS, "attn-r4": ATTENTION_ADAPTERS["attn-r4"]}
-    references = _make_adapters(path, root, specs, seed=40)
+    references = peft_adapters(path, root, specs, seed=40)
     kernel_paths = [True, False] if name == MODELS[0] else [True]
     for cpu_kernels in kernel_paths:
         llm = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), cpu_kernels=cpu_kernels,
@@ -179,7 +178,7 @@ def test_mixed_expert_adapter_batches_match_peft_merged(request, tmp_path_factor
 def test_an_expert_adapter_is_sized_by_its_real_bytes(tmp_path, tiny_qwen3_moe_path):
     """Each expert's A and B of both stacked parameters, in every layer that has experts, and the attention
     modules': what the cache counts against its budget."""
-    _make_adapters(tiny_qwen3_moe_path, tmp_path, {"experts-r4": EXPERT_ADAPTERS["experts-r4"]}, seed=50)
+    peft_adapters(tiny_qwen3_moe_path, tmp_path, {"experts-r4": EXPERT_ADAPTERS["experts-r4"]}, seed=50)
     adapter = load_adapter("experts-r4", tmp_path / "experts-r4", lora_shapes_of(tiny_qwen3_moe_path))
     experts, hidden, inter, rank, layers = 8, 64, 32, 4, 2  # layers 0 and 2 have experts (1 is dense)
     per_layer = experts * rank * ((hidden + 2 * inter) + (inter + hidden)) + rank * (hidden + 4 * 16)

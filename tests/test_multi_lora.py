@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, write_tiny_adapters
+from tests.helpers import GREEDY, PROMPTS, peft_adapters, write_tiny_adapters
 
 LLAMA_ADAPTERS = {  # name -> (rank, target modules)
     "attn-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -29,35 +26,6 @@ GPT2_ADAPTERS = {
     "all-r16": (16, ["c_attn", "c_proj", "c_fc"]),
     "fc-r8": (8, ["c_fc"]),
 }
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-
-
-def _make_adapters(base_path, root, specs, seed):
-    """Random-weight PEFT adapters saved under root/<name>, each spec (rank, target modules) or (rank, target
-    modules, target parameters); returns PEFT-merged greedy outputs per adapter."""
-    tok = AutoTokenizer.from_pretrained(base_path)
-    references = {}
-    for i, (name, (rank, targets, *parameters)) in enumerate(specs.items()):
-        torch.manual_seed(seed + i)
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                            fan_in_fan_out=base.config.model_type == "gpt2",
-                            target_parameters=parameters[0] if parameters else None)
-        peft_model = get_peft_model(base, config)
-        peft_model.save_pretrained(root / name)
-        merged = peft_model.merge_and_unload().eval()
-        references[name] = [_greedy(merged, tok, p) for p in PROMPTS[:4]]
-    return references
-
-
-def _greedy(model, tok, prompt):
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                             do_sample=False, pad_token_id=tok.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
-
-
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", LLAMA_ADAPTERS),
                                                  ("tiny_qwen3_path", LLAMA_ADAPTERS),  # head_dim != hidden / heads
                                                  ("tiny_phi3_path", PHI3_ADAPTERS),
@@ -73,7 +41,7 @@ def _greedy(model, tok, prompt):
 def test_mixed_adapter_batch_matches_peft_merged(request, tmp_path_factory, base_fixture, specs, max_loras):
     base_path = request.getfixturevalue(base_fixture)
     root = tmp_path_factory.mktemp(f"adapters-{base_fixture}-{max_loras}")
-    references = _make_adapters(base_path, root, specs, seed=10)
+    references = peft_adapters(base_path, root, specs, seed=10)
     llm = LLM(str(base_path), adapters=local_adapters, max_loras=max_loras, adapters_root=str(root), log_stats=False)
     base_outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
 

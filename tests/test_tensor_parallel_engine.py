@@ -24,7 +24,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata, PrefillSegment
 from engine.layers.lora_batch import AdapterRun
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import GREEDY, PROMPTS, hf_greedy, peft_adapters
 
 TOLERANCE = 1e-4
 MAX_TOKENS = 16
@@ -157,13 +157,13 @@ def test_mixed_adapter_batches_over_two_workers_match_peft_merged(request, tmp_p
 
     base_path, specs = request.getfixturevalue(base_fixture), getattr(multi, specs)
     root = tmp_path_factory.mktemp(f"tp-adapters-{base_fixture}")
-    references = multi._make_adapters(base_path, root, specs, seed=20)
+    references = peft_adapters(base_path, root, specs, seed=20)
     with LLM(str(base_path), tensor_parallel_size=2, adapters=local_adapters, max_loras=2, adapters_root=str(root),
              dtype="float32", log_stats=False) as llm:
-        base = llm.generate(PROMPTS[:4], multi.GREEDY, use_tqdm=False)
+        base = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
         prompts = [p for p in PROMPTS[:4] for _ in range(len(specs) + 1)]
         adapters = [a for _ in PROMPTS[:4] for a in (None, *specs)]
-        outputs = llm.generate(prompts, multi.GREEDY, use_tqdm=False, adapters=adapters)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, adapters=adapters)
         assert llm.engine.adapter_slots.evictions > 0
     for i, (out, adapter) in enumerate(zip(outputs, adapters)):
         want = base[i // (len(specs) + 1)].token_ids if adapter is None else references[adapter][i // (len(specs) + 1)]

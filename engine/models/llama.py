@@ -263,10 +263,11 @@ class LlamaForCausalLM(nn.Module):
         """Refuse a tensor_parallel_size that splits a head or the MLP's columns unevenly (the vocabulary is
         padded instead), or OLMo 2's query and key norms over whole projections, which would need the ranks'
         squares summed."""
-        if variant_of(c).moe is not None:
+        variant = variant_of(c)
+        if variant.moe is not None:
             raise ValueError(f"tensor parallelism does not split {c.model_type}'s experts yet (tensor_parallel_size "
                              f"{world_size})")
-        if variant_of(c).qk_norm == "projection":
+        if variant.qk_norm == "projection":
             raise ValueError(f"tensor parallelism does not split {c.model_type}'s query and key norms over whole "
                              f"projections (tensor_parallel_size {world_size})")
         check_divides(world_size, {"num_attention_heads": c.num_attention_heads,
