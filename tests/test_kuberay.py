@@ -63,17 +63,46 @@ def test_a_misspelt_field_is_refused(rayservice_schema):
         jsonschema.validate(manifest, rayservice_schema)
 
 
+def _groups(cluster: dict) -> dict[str, dict]:
+    return {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
+
+
+def _resources(params: dict) -> dict:
+    return yaml.safe_load(yaml.safe_load(params["resources"]))
+
+
+def _engine(app: dict) -> dict:
+    [llm] = [d for d in app["deployments"] if d["name"] == "LLMServer"]
+    return llm
+
+
+def _gpus(group: dict) -> int:
+    [container] = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(group["rayStartParams"]["num-gpus"])
+    return int(group["rayStartParams"]["num-gpus"])
+
+
 def test_gpu_workers_carry_the_resource_the_engine_replicas_ask_for():
     cluster = _manifest()["spec"]["rayClusterConfig"]
-    [gpu] = cluster["workerGroupSpecs"]
-    assert yaml.safe_load(yaml.safe_load(gpu["rayStartParams"]["resources"])) == {"llm_node": 1}
-    assert yaml.safe_load(yaml.safe_load(cluster["headGroupSpec"]["rayStartParams"]["resources"])) == {"llm_node": 0}
-    [container] = gpu["template"]["spec"]["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    app = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["applications"][0]
-    [llm] = [d for d in app["deployments"] if d["name"] == "LLMServer"]
+    gpu = _groups(cluster)["gpu"]
+    assert _resources(gpu["rayStartParams"]) == {"llm_node": 1}
+    assert _resources(cluster["headGroupSpec"]["rayStartParams"]) == {"llm_node": 0}
+    assert _gpus(gpu) == 1
+    llm = _engine(yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["applications"][0])
     assert llm["ray_actor_options"]["resources"] == {"llm_node": 1} and llm["ray_actor_options"]["num_gpus"] == 1
     assert gpu["maxReplicas"] == llm["autoscaling_config"]["max_replicas"]
+
+
+def test_a_tensor_parallel_replica_has_a_node_of_its_gpus_that_one_gpu_replicas_cannot_take():
+    """The 70B application's replica packs tensor_parallel_size one-GPU bundles on one node (STRICT_PACK): its
+    group's nodes have that many GPUs, and no llm_node for the one-GPU replicas to land on."""
+    cluster = _manifest()["spec"]["rayClusterConfig"]
+    app = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["applications"][1]
+    group = _groups(cluster)["gpu-x4"]
+    assert app["args"]["tensor_parallel"]["placement_strategy"] == "STRICT_PACK"
+    assert _gpus(group) == app["args"]["engine"]["tensor_parallel_size"]
+    assert _resources(group["rayStartParams"]) == {"llm_node": 0}
+    assert group["maxReplicas"] == _engine(app)["autoscaling_config"]["max_replicas"]
 
 
 def test_the_image_recipe_starts_the_config_the_manifest_serves():
