@@ -43,9 +43,13 @@ def _manifest() -> dict:
     return yaml.safe_load(MANIFEST.read_text())
 
 
+def _served(manifest: dict) -> dict:
+    """The manifest's Serve config, parsed."""
+    return yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
 def test_serve_config_is_the_multi_node_config():
-    served = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])
-    assert served == yaml.safe_load((ROOT / "configs" / "multi_node_gpu.yaml").read_text())
+    assert _served(_manifest()) == yaml.safe_load((ROOT / "configs" / "multi_node_gpu.yaml").read_text())
 
 
 def test_manifest_is_a_valid_rayservice(rayservice_schema):
@@ -83,12 +87,13 @@ def _gpus(group: dict) -> int:
 
 
 def test_gpu_workers_carry_the_resource_the_engine_replicas_ask_for():
-    cluster = _manifest()["spec"]["rayClusterConfig"]
+    manifest = _manifest()
+    cluster = manifest["spec"]["rayClusterConfig"]
     gpu = _groups(cluster)["gpu"]
     assert _resources(gpu["rayStartParams"]) == {"llm_node": 1}
     assert _resources(cluster["headGroupSpec"]["rayStartParams"]) == {"llm_node": 0}
     assert _gpus(gpu) == 1
-    llm = _engine(yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["applications"][0])
+    llm = _engine(_served(manifest)["applications"][0])
     assert llm["ray_actor_options"]["resources"] == {"llm_node": 1} and llm["ray_actor_options"]["num_gpus"] == 1
     assert gpu["maxReplicas"] == llm["autoscaling_config"]["max_replicas"]
 
@@ -96,8 +101,9 @@ def test_gpu_workers_carry_the_resource_the_engine_replicas_ask_for():
 def test_a_tensor_parallel_replica_has_a_node_of_its_gpus_that_one_gpu_replicas_cannot_take():
     """The 70B application's replica packs tensor_parallel_size one-GPU bundles on one node (STRICT_PACK): its
     group's nodes have that many GPUs, and no llm_node for the one-GPU replicas to land on."""
-    cluster = _manifest()["spec"]["rayClusterConfig"]
-    app = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["applications"][1]
+    manifest = _manifest()
+    cluster = manifest["spec"]["rayClusterConfig"]
+    app = _served(manifest)["applications"][1]
     group = _groups(cluster)["gpu-x4"]
     assert app["args"]["tensor_parallel"]["placement_strategy"] == "STRICT_PACK"
     assert _gpus(group) == app["args"]["engine"]["tensor_parallel_size"]
