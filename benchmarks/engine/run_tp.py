@@ -14,7 +14,7 @@ stack's gain. For reference, a bare gloo all-reduce among N processes that do no
 step's overhead, not a speed-up.
 
 Writes tp.md and tp.png to benchmarks/results/KIND/ and tp.json to benchmarks/runs/KIND/ (benchmarks/common.py:
-save_results). The script is guarded by `if __name__ == "__main__":`, as the spawned workers require.
+save_results). The script is guarded by `if __name__ == "__main__":`, as the worker processes require.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 - `collective_clock`: while it is open, TensorParallel.all_reduce and all_gather (the model's collectives: two
   all-reduces a layer, the embedding's all-reduce, the logits' all-gather) and StepChannel.send (the step's
   broadcast to the workers) are wrapped at class level with perf_counter accumulation. Only this process, rank 0,
-  is patched: ranks 1..N-1 are spawned interpreters that import the engine afresh. No engine code changes; at
-  N = 1 nothing is sharded and the wrappers are never called.
+  is patched: ranks 1..N-1 are processes of their own, forked from a server that imported the engine unpatched
+  (engine/distributed/workers.py). No engine code changes; at N = 1 nothing is sharded and the wrappers are never
+  called.
 - `measure_case`: `batch` requests added at once, then engine.step() one call at a time: the first step prefills
   every prompt (within max_num_batched_tokens: one step), each later one decodes one token of each sequence.
   Each step's wall time, with the collective seconds rank 0 spent inside it and the tokens it ran (the

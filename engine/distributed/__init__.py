@@ -15,7 +15,7 @@ one and the LM head one all-gather of the logits.
 - `executor.py`: the multiprocess executor: rank 0 (the driver) in the engine's process, ranks 1..N-1 in worker
   processes (`worker.py` is their loop), each step's `ForwardBatch` broadcast to them once (`step_channel.py`).
 - `workers.py`: the protocols a launcher of the workers implements (`WorkerLauncher`, `WorkerGroup`), and the
-  offline one, local spawned processes; Serve's starts Ray actors in the replica's placement group.
+  offline one, local processes from a fork server; Serve's starts Ray actors in the replica's placement group.
 
 The model classes say how their own layers split (`check_tensor_parallel` and `shard` in engine/models/llama.py
 and gpt2.py); `engine.models.check_tensor_parallel(hf_config, N)` refuses sizes that do not split, naming both

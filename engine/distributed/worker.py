@@ -26,7 +26,7 @@ from engine.model_runner import ModelRunner
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a spawned worker needs to build its shard (pickled into its process)."""
+    """What a worker process needs to build its shard (pickled into its process)."""
     rank: int
     world_size: int
     address: str  # the group's rendezvous, tcp://host:port
@@ -59,7 +59,7 @@ def fewest_blocks(parallel: TensorParallel, count: int, device: torch.device) ->
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    """A spawned worker's life: join, build, serve steps until told to stop, leave."""
+    """A worker process's life: join, build, serve steps until told to stop, leave."""
     from transformers import AutoConfig
 
     torch.set_num_threads(spec.config.threads_per_worker)

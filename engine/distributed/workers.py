@@ -7,9 +7,10 @@ stops them through, and their local implementation.
   (deployments/replica/tensor_parallel_workers.py); the engine knows nothing of Ray.
 - `WorkerGroup`: the started workers: `check` raises `WorkerDiedError` for one that is gone, naming its rank, before
   a step is sent to it and when a step's collective fails, rather than leaving the driver to wait.
-- `LocalLauncher` and `WorkerProcesses`, the offline default: local processes started with torch.multiprocessing's
-  "spawn" (a fresh interpreter each: no forked torch or OpenMP state; a script that builds a tensor-parallel engine
-  at import must guard it with `if __name__ == "__main__":`, as multiprocessing requires).
+- `LocalLauncher` and `WorkerProcesses`, the offline default: local processes forked by torch.multiprocessing's
+  "forkserver", a single-threaded server that has imported torch and the worker but run nothing (no forked OpenMP
+  or CUDA state, as with "spawn", without an interpreter's imports per worker). A script that builds a
+  tensor-parallel engine at import must guard it with `if __name__ == "__main__":`, as multiprocessing requires.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from engine.distributed.worker import WorkerSpec, worker_main
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop exits within this, or is killed
 DEATH_GRACE_S = 5.0  # after a failed collective, how long the driver waits to see which worker died
+# Imported once by the fork server, so that each worker it forks starts with torch and the engine loaded: the
+# second engine a process builds starts its workers in a fraction of a second, not an interpreter's import each.
+FORKSERVER_PRELOAD = ("torch", "engine.distributed.worker")
 
 
 class WorkerDiedError(RuntimeError):
@@ -82,7 +86,8 @@ class WorkerProcesses:
 
     @classmethod
     def spawn(cls, specs: list[WorkerSpec]) -> WorkerProcesses:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         processes = [ctx.Process(target=worker_main, args=(spec,), name=f"tensor-parallel-rank-{spec.rank}",
                                  daemon=True) for spec in specs]
         for process in processes:
