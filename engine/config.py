@@ -20,6 +20,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "fp16": "float16"}
 LOAD_FORMATS = ("safetensors", "dummy")
 QUANTIZATIONS = ("none", "int8", "nf4")  # bitsandbytes' (engine/layers/quantized.py)
+CUDA_PREFILLS = ("sdpa", "triton", "flex")  # engine/layers/attention.py: cuda_prefill_kernel
+CUDA_EXPERTS = ("per_expert", "grouped")  # engine/models/experts.py: grouped_kernel
 
 
 def cpu_has_native_bf16() -> bool:
@@ -50,9 +52,17 @@ class EngineConfig:
     load_format: str = "safetensors"  # "dummy": random weights, no checkpoint read (speed tests of model shapes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (they are captured per batch-size bucket)
     # a step's host work (scheduling step N+1, filling its inputs, reading back step N's tokens) overlapping the
-    # device's work on step N (engine/llm_engine.py). None: on for CUDA with one worker, off for CPU, where the
-    # model runs on the host's own cores and there is nothing to overlap, and under tensor parallelism
-    async_scheduling: bool | None = None
+    # device's work on step N (engine/llm_engine.py). Opt-in: it has not run on a GPU yet (docs/gpu.md), and on CPU
+    # the model runs on the host's own cores, so there is nothing to overlap; refused under tensor parallelism
+    async_scheduling: bool = False
+    # CUDA prompt chunks' attention: "sdpa" (each chunk's blocks gathered, then SDPA), "triton" (one Triton call a
+    # step reading the paged cache in place, engine/kernels/paged_prefill.py) or "flex" (its FlexAttention
+    # variant). Only "sdpa" has run on a GPU yet (docs/gpu.md), so the others are opt-in
+    cuda_prefill: str = "sdpa"
+    # CUDA, a mixture of experts: "per_expert" (each expert's two linears, run expert by expert) or "grouped" (the
+    # Triton grouped product over every expert at once, engine/kernels/grouped_gemm.py; not run on a GPU yet,
+    # docs/gpu.md). The CPU always takes its C++ grouped operator where it builds
+    cuda_experts: str = "per_expert"
     # CPU: the C++ operators (engine/kernels/cpu_ops.py, compiled once per machine): decode attention reading the
     # paged cache in place, RMSNorm and rotary; False keeps the pure-PyTorch paths (their references in tests)
     cpu_kernels: bool = True
@@ -138,6 +148,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         self._validate_kv_cache_dtype()
+        if self.cuda_prefill not in CUDA_PREFILLS:
+            raise ValueError(f"cuda_prefill must be one of {', '.join(CUDA_PREFILLS)}, got {self.cuda_prefill!r}")
+        if self.cuda_experts not in CUDA_EXPERTS:
+            raise ValueError(f"cuda_experts must be one of {', '.join(CUDA_EXPERTS)}, got {self.cuda_experts!r}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, got {self.kv_cache_memory_fraction}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -232,14 +246,6 @@ class EngineConfig:
     def threads_per_worker(self) -> int:
         """num_threads, else the machine's cores shared evenly by the tensor-parallel workers."""
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
-
-    @property
-    def overlaps_steps(self) -> bool:
-        """async_scheduling resolved for the device: on by default on CUDA with one worker (a tensor-parallel
-        driver sends each step's tokens to the workers before the forward: it cannot leave them on the device)."""
-        if self.async_scheduling is None:
-            return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
-        return self.async_scheduling
 
     @property
     def torch_device(self) -> torch.device:

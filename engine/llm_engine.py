@@ -1,6 +1,6 @@
 """LLMEngine: step() = schedule -> run the model -> sample -> update (the offline API over it: engine/llm.py).
 
-With async scheduling (EngineConfig.async_scheduling, on by default on CUDA) the host does not wait for a step's
+With async scheduling (EngineConfig.async_scheduling, opt-in: docs/gpu.md) the host does not wait for a step's
 tokens before scheduling the next, as vLLM v1 schedules: step N+1 is scheduled and launched while the device still
 runs step N, its decode inputs taken from step N's sampled tokens on the device; then step N's tokens are read back
 (copied behind N's sampling kernels, so the wait ends when N's tokens are ready, not N+1's) and processed, and step
@@ -104,7 +104,7 @@ class LLMEngine:
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
-        self.overlap = config.overlaps_steps  # async scheduling (step)
+        self.overlap = config.async_scheduling  # async scheduling (step)
         self._in_flight: InFlight | None = None
         self._preload(config.preload_adapters, pin=False)
         self._preload(config.pinned_adapters, pin=True)

@@ -30,6 +30,7 @@ from engine.layers.attention import (
     InPlaceQueries,
     PrefillSegment,
     block_rows,
+    cuda_prefill_kernel,
     paged_prefill,
 )
 from engine.layers.lora import wrap_lora_linears
@@ -144,7 +145,7 @@ class ModelRunner:
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" and config.cpu_kernels else None
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
                                 config.load_format, self.cpu_ops, weight_dtype=config.torch_dtype,
-                                parallel=parallel)
+                                parallel=parallel, cuda_experts=config.cuda_experts)
         self.long_rope_rows = self.model.long_rope_rows  # None, or where a longrope model's long factors start
         self.kv_window = self.model.kv_window  # None, or the window every layer attends over
         self.layout = self._kv_layout(config, agree_blocks)
@@ -155,12 +156,7 @@ class ModelRunner:
         if fused is not None:
             use_fused_ops(self.model, fused)
         self.kv_write = fused.write_kv_cache if fused is not None else None
-        self.paged_decode = self._reads_cache_in_place()
-        self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
-        self.in_place_chunk = self._in_place_chunk()
-        self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
-                              and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim,
-                                                                     self.block_size))
+        self._choose_attention(config)
         self.lora_state = LoRAStepState()
         self.max_loras = config.max_loras
         self.lora_layers = self._wrap_lora_linears(config, hf_config) if config.max_loras else []
@@ -194,6 +190,22 @@ class ModelRunner:
         from engine.kernels import cuda_ops
 
         return cuda_ops
+
+    def _choose_attention(self, config: EngineConfig) -> None:
+        """The attention paths of every step, chosen once: decodes in place or over gathered blocks, which prompt
+        chunks join the C++ decode kernel, and the kernel that takes the other chunks."""
+        self.paged_decode = self._reads_cache_in_place()
+        self.in_place = self.paged_decode and self.device.type == "cpu"  # short chunks join the decodes' kernel
+        self.in_place_chunk = self._in_place_chunk()
+        self.prefill_kernel = self._prefill_kernel(config)
+        self.prompt_kernel = (self.cpu_ops is not None  # long chunks: the C++ prompt kernel where it is faster
+                              and cpu_attention.prompt_kernel_usable(self.dtype, self.layout.head_dim,
+                                                                     self.block_size))
+
+    def _prefill_kernel(self, config: EngineConfig):
+        """CUDA: the in-place kernel for every prompt chunk of a step that config.cuda_prefill names, or None (gather
+        + SDPA per chunk). CPU: None, its chunks take the C++ kernels or SDPA."""
+        return cuda_prefill_kernel(config.cuda_prefill) if self.device.type == "cuda" else None
 
     def _in_place_chunk(self) -> int:
         """Prompt chunks shorter than this attend in the C++ kernel with the decodes: IN_PLACE_CHUNK, or every
@@ -467,10 +479,11 @@ class ModelRunner:
             return AttentionMetadata(slots, len(decode), None, None, prefills, in_place=queries, kv_write=write,
                                      cpu_prompt_kernel=self.prompt_kernel)
         tables = self._decode_tables(decode)
-        batch = paged_prefill(prefills, slots, self.block_size) if self.device.type == "cuda" and prefills else None
+        kernel = self.prefill_kernel
+        batch = paged_prefill(prefills, slots, self.block_size) if kernel is not None and prefills else None
         return AttentionMetadata(slots, len(decode), tables.block_tables, tables.mask, prefills, tables.context_lens,
                                  tables.rows, kv_write=write, cpu_prompt_kernel=self.prompt_kernel,
-                                 paged_prefill=batch)
+                                 prefill_kernel=kernel, paged_prefill=batch)
 
     def _in_place_queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
         """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);

@@ -1,4 +1,5 @@
-"""AsyncEngine: streaming while others run, abort frees blocks, stats."""
+"""AsyncEngine: streaming while others run, abort frees blocks, stats; the shared engine's tests run with async
+scheduling off (the default) and on (what a GPU run needs to verify it: docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from engine import AsyncEngine, SamplingParams
 from tests.helpers import PROMPTS
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def engine(tiny_llama_path, request):
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, async_scheduling=request.param)
     yield eng
     eng.shutdown()
 

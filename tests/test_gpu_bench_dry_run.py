@@ -17,11 +17,16 @@ def test_bound_sections_dry_run(smollm2_path, tmp_path):
     sections = json.loads((tmp_path / "out" / "gpu.json").read_text())["sections"]
     assert all(section["ok"] for section in sections.values()), sections
     assert sections["bandwidth"]["figures"]["matmul_tflop_s"] > 0
-    for model, row in sections["decode_bound"]["figures"].items():
+    decode = sections["decode_bound"]["figures"]
+    assert set(decode) == {f"{model}{label}" for model in ("llama-3.2-1b", "llama-3-8b")
+                           for label in ("", ", async scheduling")}
+    for row in decode.values():
         assert "error" not in row, row
         assert row["bound_ms"] > 0 and 0 < row["of_bound"] and row["kv_bytes"] > 0
-    prefill = sections["prefill"]["figures"]["llama-3-8b"]
-    assert "error" not in prefill and prefill["tflop_s"] > 0 and prefill["of_matmul"] > 0
+    prefill = sections["prefill"]["figures"]
+    assert set(prefill) == {"llama-3-8b, sdpa", "llama-3-8b, triton", "llama-3-8b, flex"}
+    for row in prefill.values():
+        assert "error" not in row and row["tflop_s"] > 0 and row["of_matmul"] > 0
     text = (tmp_path / "out" / "gpu.md").read_text()
     assert "against its bandwidth bound" in text and "against the bf16 matmul rate" in text
 

@@ -20,6 +20,7 @@ from engine.errors import AdapterError
 from engine.kernels import cpu_ops
 from engine.layers.expert_lora import ExpertLoRA
 from engine.merge_spec import MergeSpec
+from engine.models import experts
 from engine.models.experts import Experts
 from lora_cache.adapter import load_adapter
 from lora_cache.local_cache import local_adapters
@@ -46,7 +47,7 @@ def test_tiny_moe_models_match_hf_queued_preempted_and_chunked(request, name):
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
     reference = hf_greedy(path, PROMPTS, params.max_tokens)
     grouped = LLM(str(path), max_num_seqs=3, log_stats=False)
-    assert _grouped(grouped) == (cpu_ops.load() is not None)
+    assert _grouped(grouped) == (grouped.engine.runner.device.type == "cpu" and cpu_ops.load() is not None)
     outputs = _check(grouped, PROMPTS, reference, params)
     preempting = LLM(str(path), max_num_seqs=16, num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
                      log_stats=False)
@@ -56,6 +57,22 @@ def test_tiny_moe_models_match_hf_queued_preempted_and_chunked(request, name):
     per_expert = LLM(str(path), max_num_seqs=3, cpu_kernels=False, log_stats=False)
     assert not _grouped(per_expert)
     assert _logprob_gap(path, _check(per_expert, PROMPTS, reference, params)) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_triton_grouped_experts_match_hf(request, name, monkeypatch):
+    """cuda_experts="grouped": every expert of a layer in one Triton grouped product. On CUDA the option chooses it;
+    on CPU, where the C++ operator always serves, it is forced in place of that one, in Triton's interpreter."""
+    path = request.getfixturevalue(name)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    if not torch.cuda.is_available():
+        pytest.importorskip("triton")
+        kernel = experts.triton_grouped_kernel()
+        monkeypatch.setattr(experts, "grouped_kernel", lambda *args: kernel)
+    llm = LLM(str(path), max_num_seqs=3, cuda_experts="grouped", log_stats=False)
+    assert _grouped(llm)
+    outputs = _check(llm, PROMPTS[:3], hf_greedy(path, PROMPTS[:3], params.max_tokens), params)
+    assert _logprob_gap(path, outputs) < TOLERANCE
 
 
 def _grouped(llm: LLM) -> bool:

@@ -9,6 +9,8 @@ against that mask.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -168,13 +170,17 @@ def test_flex_block_mask_lists_every_page_a_query_block_sees(block):
     assert (listed | ~seen).all(), "a page with visible keys is missing from the block mask"
 
 
-def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer, monkeypatch):
-    """The runner's own segments through the Triton kernel: fresh prompts (no table: blocks from their slots), chunks
-    of a chunked prefill, and prompts after a cached prefix, none of them block-aligned. On CPU the CUDA route is
-    forced (the kernel in the interpreter), with the C++ kernels off so that every chunk takes it; greedy tokens as
-    the SDPA path's, in float32."""
-    from engine import LLM, SamplingParams
-    from engine.layers import attention
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kernel", ["triton", "flex"])
+def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer, monkeypatch, kernel):
+    """cuda_prefill="triton" or "flex" against the default "sdpa" (gather + SDPA per chunk), on the runner's own
+    segments: fresh prompts (no table: blocks from their slots), chunks of a chunked prefill, and prompts after a
+    cached prefix, none of them block-aligned. On CUDA the option chooses the kernel; on CPU, where the runner takes
+    none, the kernel is forced (Triton's in the interpreter, FlexAttention eager), with the C++ kernels off so that
+    every chunk takes it. Greedy tokens as the SDPA path's, in float32."""
+    from engine import LLM, SamplingParams, model_runner
+    from engine.layers.attention import cuda_prefill_kernel
+    from engine.model_runner import ModelRunner
     from tests.helpers import PROMPTS
 
     base = tokenizer(" ".join(PROMPTS))["input_ids"][:40]
@@ -183,20 +189,21 @@ def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer,
     options = {"dtype": "float32", "log_stats": False, "cpu_kernels": False, "max_num_batched_tokens": 24,
                "kv_cache_bytes": 32 << 20}
 
-    def run() -> list[list[int]]:
-        llm = LLM(str(tiny_llama_path), **options)
+    def run(**chosen) -> list[list[int]]:
+        llm = LLM(str(tiny_llama_path), **options, **chosen)
         llm.generate(prompts[:1], params, use_tqdm=False)  # caches the shared base
         tokens = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.stats().prefix_cache_hit_tokens > 0
         return tokens
 
-    monkeypatch.setattr(attention, "CUDA_PREFILL", "sdpa")
     want = run()
-    calls = []
-    monkeypatch.setattr(attention, "CUDA_PREFILL", "triton")
-    monkeypatch.setattr(attention, "_prefill_in_place", lambda q: True)
-    kernel = attention._paged_prefill
-    monkeypatch.setattr(attention, "_paged_prefill", lambda *args: (calls.append(args[3].prefills), kernel(*args)))
-    assert run() == want
-    segments = [seg for step in calls for seg in step]
+    if DEVICE == "cpu":  # the runner takes no CUDA kernel on CPU: forced here
+        attend = (cuda_prefill_kernel(kernel) if kernel == "triton"
+                  else functools.partial(flex_prefill_attention, compiled=False))
+        monkeypatch.setattr(ModelRunner, "_prefill_kernel", lambda self, config: attend)
+    segments = []  # the runner builds the kernel's batch only where a kernel takes the step's chunks
+    build = model_runner.paged_prefill
+    monkeypatch.setattr(model_runner, "paged_prefill",
+                        lambda prefills, *args: segments.extend(prefills) or build(prefills, *args))
+    assert run(cuda_prefill=kernel) == want
     assert any(seg.block_table is None for seg in segments) and any(seg.block_table is not None for seg in segments)

@@ -5,10 +5,11 @@ yardstick (the bandwidth section: copy bandwidth and the bf16 matmul rate).
   read every weight once and every sequence's keys and values; its bound is those bytes over the copy bandwidth.
   The step time is a run of `new` tokens less a run of one token (the same prefill and first token), over new - 1:
   every sequence decodes in each of those steps. Decodes that join the first run's prefill steps count against it,
-  so the figure errs low.
+  so the figure errs low. Each shape runs synchronous (the default) and with async scheduling.
 - Prefill (8B shape, `prefill_prompts` prompts of `prefill_len` tokens, max_tokens 1): the FLOPs of the linears (2
   per weight per token; the LM head only for each prompt's last token) and of causal attention (4 x query heads x
-  head_dim per visible query-key pair), over the run's time, against the bf16 matmul rate.
+  head_dim per visible query-key pair), over the run's time, against the bf16 matmul rate; once per CUDA prefill
+  kernel (EngineConfig.cuda_prefill), so an opt-in kernel is measured against the default in the same run.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from benchmarks.common import markdown_table, scaled
 from benchmarks.gpu.gpu_engine import Bench, guarded, make_llm, run_llm
 from benchmarks.gpu.gpu_models import decode_weight_bytes, kv_bytes_per_token, shape
 from benchmarks.gpu.gpu_timing import free_device, timed
+from engine.config import CUDA_PREFILLS
 
 BOUND_MODELS = ("llama-3.2-1b", "llama-3-8b")
 PREFILL_MODEL = "llama-3-8b"
 PREFILL_STEP_TOKENS = 16384  # the prefill's token budget a step: 8 prompts of 2,048
+STEP_VARIANTS = (("", {}), (", async scheduling", {"async_scheduling": True}))
 
 
-def decode_at_bound(bench: Bench, model: str) -> dict:
+def decode_at_bound(bench: Bench, model: str, overrides: dict) -> dict:
     plan, config = bench.plan, shape(model, bench.tiny)
     batch, prompt, new = plan.bound_batch, plan.bound_prompt, plan.new
-    llm = make_llm(bench, model, max_seqs=batch, max_len=prompt + new + 16)
+    llm = make_llm(bench, model, max_seqs=batch, max_len=prompt + new + 16, **overrides)
     prompts = bench.prompts(model, batch, prompt)
     run_llm(llm, bench.prompts(model, batch, prompt, seed=99), 4)  # warm-up: every shape compiled and captured
     _, first = timed(bench.device, run_llm, llm, prompts, 1)
@@ -42,8 +45,11 @@ def decode_at_bound(bench: Bench, model: str) -> dict:
 
 
 def section_decode_bound(bench: Bench) -> dict:
-    return {model: guarded(f"decode bound {model}", bench.device, decode_at_bound, bench, model)
-            for model in BOUND_MODELS}
+    """Each shape synchronous (the default) and with async scheduling (opt-in until a GPU run verifies it), in the
+    same run."""
+    return {f"{model}{label}": guarded(f"decode bound {model}{label}", bench.device, decode_at_bound, bench, model,
+                                       overrides)
+            for model in BOUND_MODELS for label, overrides in STEP_VARIANTS}
 
 
 def prefill_flops(config: dict, prompts: int, length: int) -> float:
@@ -56,11 +62,11 @@ def prefill_flops(config: dict, prompts: int, length: int) -> float:
         + 2 * config["vocab_size"] * hidden * prompts
 
 
-def prefill_rate(bench: Bench) -> dict:
+def prefill_rate(bench: Bench, kernel: str) -> dict:
     plan = bench.plan
     count, length = plan.prefill_prompts, plan.prefill_len
     llm = make_llm(bench, PREFILL_MODEL, max_seqs=count, max_len=length + 16,
-                   max_num_batched_tokens=min(count * length, PREFILL_STEP_TOKENS))
+                   max_num_batched_tokens=min(count * length, PREFILL_STEP_TOKENS), cuda_prefill=kernel)
     run_llm(llm, bench.prompts(PREFILL_MODEL, count, length, seed=99), 1)  # warm-up
     _, seconds = timed(bench.device, run_llm, llm, bench.prompts(PREFILL_MODEL, count, length), 1)
     del llm
@@ -71,7 +77,9 @@ def prefill_rate(bench: Bench) -> dict:
 
 
 def section_prefill(bench: Bench) -> dict:
-    return {PREFILL_MODEL: guarded("prefill", bench.device, prefill_rate, bench)}
+    """The 8B shape's prefill on each CUDA prefill kernel (cuda_prefill: sdpa, the default, then the opt-in ones)."""
+    return {f"{PREFILL_MODEL}, {kernel}": guarded(f"prefill {kernel}", bench.device, prefill_rate, bench, kernel)
+            for kernel in CUDA_PREFILLS}
 
 
 BOUND_SECTIONS = (("decode_bound", section_decode_bound), ("prefill", section_prefill))

@@ -44,7 +44,7 @@ def refuse_unsupported(config: EngineConfig, hf_config) -> None:
     check_tensor_parallel(hf_config, size)
     if config.quantization != "none":
         raise ValueError(f"quantization {config.quantization!r} under tensor parallelism is not supported yet")
-    if config.overlaps_steps:
+    if config.async_scheduling:
         raise ValueError("async_scheduling under tensor parallelism is not supported yet")
 
 

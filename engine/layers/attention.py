@@ -6,9 +6,10 @@ every decode token and every prompt chunk shorter than IN_PLACE_CHUNK attend in 
 their blocks in place; longer chunks attend one sequence at a time, through the C++ prompt kernel in bf16 on a
 CPU with AVX-512 BF16 and no AMX, else through SDPA's flash kernel (_prefill).
 On CUDA, decode tokens (one new token per sequence, placed first in the flat batch) attend in one call to a
-Triton kernel that reads their blocks in place, and the step's prompt chunks, fresh or after cached tokens, in one
-call to a Triton prefill kernel that reads theirs in place too (engine/kernels/paged_prefill.py; CUDA_PREFILL
-chooses it, its FlexAttention variant or gather + SDPA per chunk). On CPU without the kernel, decodes take SDPA or
+Triton kernel that reads their blocks in place, and the step's prompt chunks, fresh or after cached tokens, take
+the path the runner chose once from EngineConfig.cuda_prefill (cuda_prefill_kernel): gather + SDPA per chunk (the
+default), or one call of a Triton prefill kernel that reads their blocks in place too
+(engine/kernels/paged_prefill.py), or of its FlexAttention variant. On CPU without the kernel, decodes take SDPA or
 grouped matmuls over gathered copies of the blocks.
 
 Why head-major: a sequence's blocks gathered for one KV head are one contiguous [tokens, head_dim]
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 from engine.kernels import cpu_attention
 from engine.kernels.prefill_batch import PagedPrefill
 from engine.transfer import to_device
+
+# (q, k_cache, v_cache, batch, out): every prompt chunk of a step attends, its rows of out written
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedPrefill, torch.Tensor], None]
 
 
 @dataclass
@@ -68,17 +72,16 @@ class AttentionMetadata:
     kv_write: Callable[..., None] | None = None
     # long prompt chunks attend in the C++ prompt kernel (cpu_attention.prompt_kernel_usable), not SDPA's
     cpu_prompt_kernel: bool = False
-    # CUDA: `prefills` for the prefill kernel (paged_prefill()), built once per step: by the runner, else by the
-    # step's first layer for all the others
+    # CUDA: the in-place kernel that takes every prompt chunk of the step in one call (cuda_prefill_kernel), None
+    # for gather + SDPA per chunk; and `prefills` as it reads them (paged_prefill()), built once per step: by the
+    # runner, else by the step's first layer for all the others
+    prefill_kernel: PrefillKernel | None = None
     paged_prefill: PagedPrefill | None = None
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the cache in place with the decodes
-# CUDA prompt chunks: "triton" (engine/kernels/paged_prefill.py, in place, one call per step), "flex" (its
-# FlexAttention variant, compiled, the alternative the device benchmark measures) or "sdpa" (gather + SDPA per chunk)
-CUDA_PREFILL = "triton"
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -102,7 +105,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = _decode(q[:meta.num_decode], k_cache, v_cache, meta)
-    if meta.prefills and _prefill_in_place(q):
+    if meta.prefills and meta.prefill_kernel is not None:
         _paged_prefill(q, k_cache, v_cache, meta, out)
         return out.flatten(1)
     for seg in meta.prefills:
@@ -127,21 +130,22 @@ def paged_prefill(prefills: list[PrefillSegment], slot_mapping: torch.Tensor, bl
                         max(-(-seg.context_len // block_size) for seg in prefills))
 
 
-def _prefill_in_place(q: torch.Tensor) -> bool:
-    """Whether prompt chunks take the CUDA prefill kernels (a test forces them on CPU, under Triton's interpreter)."""
-    return q.is_cuda and CUDA_PREFILL != "sdpa"
+def cuda_prefill_kernel(name: str) -> PrefillKernel | None:
+    """The in-place prompt kernel that EngineConfig.cuda_prefill names, None for "sdpa" (gather + SDPA per chunk).
+    Imported here only: triton may be absent on CPU."""
+    if name == "sdpa":
+        return None
+    from engine.kernels import paged_prefill as kernels
+
+    return {"triton": kernels.paged_prefill_attention, "flex": kernels.flex_prefill_attention}[name]
 
 
 def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                    out: torch.Tensor) -> None:
-    """Every prompt chunk of a CUDA step in one call that reads the cache in place, into its rows of out (imported
-    here only: triton may be absent on CPU)."""
-    from engine.kernels import paged_prefill as kernels
-
+    """Every prompt chunk of the step in one call of the chosen kernel, into its rows of out."""
     if meta.paged_prefill is None:  # the runner did not build it: the step's first layer does, for the others
         meta.paged_prefill = paged_prefill(meta.prefills, meta.slot_mapping, k_cache.shape[2])
-    attend = kernels.flex_prefill_attention if CUDA_PREFILL == "flex" else kernels.paged_prefill_attention
-    attend(q, k_cache, v_cache, meta.paged_prefill, out)
+    meta.prefill_kernel(q, k_cache, v_cache, meta.paged_prefill, out)
 
 
 def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -106,14 +106,15 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str = "none", load_format: str = "safetensors", cpu_ops=None,
-               weight_dtype: torch.dtype | None = None, parallel: TensorParallel | None = None) -> nn.Module:
+               weight_dtype: torch.dtype | None = None, parallel: TensorParallel | None = None,
+               cuda_experts: str = "per_expert") -> nn.Module:
     """The model in `dtype` on `device`; on CPU its linears prepacked, on the engine's own kernels where `cpu_ops` has
     one for them. A `weight_dtype` narrower than `dtype` (bf16 weights of a model computing in float32, on a CPU
     without bf16 matrix math): every weight is rounded to it, so the model computes what a `weight_dtype` model
     would in float32, and the linears keep it as their storage where a kernel of `cpu_ops` widens it. `parallel`
     with more than one worker: this rank's tensor-parallel share of the model (engine/distributed/), refused
     before anything loads where its sizes do not split; the full checkpoint is read, then sharded before the
-    linears are prepacked."""
+    linears are prepacked. cuda_experts: a mixture's experts on CUDA, EngineConfig.cuda_experts."""
     cls = model_class(hf_config)
     if quantization != "none" and moe_spec(hf_config) is not None:
         raise ValueError(f"quantization {quantization!r} of a mixture of experts ({hf_config.model_type}) is not "
@@ -133,7 +134,8 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     if sharded:
         model.shard(parallel)
     prepacks = prepacking_supported(device, dtype)
-    prepare_experts(model, device, cpu_ops if prepacks else None, narrow)  # grouped, or linears prepacked below
+    # grouped, or linears prepacked below
+    prepare_experts(model, device, cpu_ops if prepacks else None, narrow, cuda_experts == "grouped")
     quantize_decoder_linears(model, quantization, dtype, device)
     if prepacks:
         prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype

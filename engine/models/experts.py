@@ -4,9 +4,11 @@ The stacked weights load flat ([E * 2I, H] gate/up, [E * H, I] down: engine/mode
 `prepare_experts` hands each layer's experts to a `GroupedKernel` where one serves the device:
 - CPU: the C++ operators' grouped_simd_linear (engine/kernels/cpu/simd_linear.cpp), each expert's weights packed
   once for the engine's own linear kernel;
-- CUDA: the Triton grouped product (engine/kernels/grouped_gemm.py) over the stacked weights as they are.
-Where none serves (the C++ operators off or not built, widths the CPU kernel does not tile), each expert's rows
-become two linears of its own (`Experts.split`), prepacked as a dense model's, and the experts run one by one.
+- CUDA, where EngineConfig.cuda_experts chooses "grouped": the Triton grouped product (engine/kernels/grouped_gemm.py)
+  over the stacked weights as they are. It has not run on a GPU yet (docs/gpu.md), so it is opt-in.
+Where none serves (CUDA by default, the C++ operators off or not built, widths the CPU kernel does not tile), each
+expert's rows become two linears of its own (`Experts.split`), prepacked as a dense model's, and the experts run one
+by one.
 """
 
 from __future__ import annotations
@@ -75,13 +77,14 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 
 
 def prepare_experts(model: nn.Module, device: torch.device, cpu_ops=None,
-                    storage_dtype: torch.dtype | None = None) -> None:
+                    storage_dtype: torch.dtype | None = None, cuda_grouped: bool = False) -> None:
     """Every Experts module of a loaded model held by the device's grouped kernel where it takes both its weights,
     else split into per-expert linears (before the model's linears are prepacked). storage_dtype: as
-    prepack_linears' (bf16 values held in float32 weights, kept as bf16 where the CPU kernel widens them)."""
+    prepack_linears' (bf16 values held in float32 weights, kept as bf16 where the CPU kernel widens them);
+    cuda_grouped: the Triton grouped product on CUDA (EngineConfig.cuda_experts "grouped")."""
     for module in model.modules():
         if isinstance(module, Experts):
-            kernel = grouped_kernel(device, cpu_ops, storage_dtype, module.stacked())
+            kernel = grouped_kernel(device, cpu_ops, storage_dtype, module.stacked(), cuda_grouped)
             if kernel is not None:
                 module.pack(kernel)
             else:
@@ -89,12 +92,10 @@ def prepare_experts(model: nn.Module, device: torch.device, cpu_ops=None,
 
 
 def grouped_kernel(device: torch.device, cpu_ops, storage_dtype: torch.dtype | None,
-                   weights: tuple[torch.Tensor, ...]) -> GroupedKernel | None:
+                   weights: tuple[torch.Tensor, ...], cuda_grouped: bool = False) -> GroupedKernel | None:
     """The grouped kernel that takes every one of these stacked weights on `device`, or None."""
     if device.type == "cuda":
-        from engine.kernels import grouped_gemm  # triton: CUDA only
-
-        return GroupedKernel(grouped_gemm.gather_rows, grouped_gemm.grouped_linear, torch.Tensor.contiguous)
+        return triton_grouped_kernel() if cuda_grouped else None
     if cpu_ops is None:
         return None
     storages = {cpu_storage(cpu_ops, stacked, storage_dtype) for stacked in weights}
@@ -103,6 +104,13 @@ def grouped_kernel(device: torch.device, cpu_ops, storage_dtype: torch.dtype | N
         return None
     return GroupedKernel(cpu_ops.gather_rows, cpu_ops.grouped_simd_linear,
                          lambda stacked: _packed(cpu_ops, stacked, storage))
+
+
+def triton_grouped_kernel() -> GroupedKernel:
+    """The Triton grouped product over the stacked weights as they are (imported here only: triton is for CUDA)."""
+    from engine.kernels import grouped_gemm
+
+    return GroupedKernel(grouped_gemm.gather_rows, grouped_gemm.grouped_linear, torch.Tensor.contiguous)
 
 
 def cpu_storage(cpu_ops, weights: torch.Tensor, storage_dtype: torch.dtype | None) -> torch.dtype | None:
