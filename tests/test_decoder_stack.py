@@ -10,10 +10,21 @@ from transformers import AutoConfig
 from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_ops
+from engine.layers.linear import own_kernel
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU operators do not build here")
+
+
+def _has_own_kernel(dtype: torch.dtype) -> bool:
+    """Whether this CPU's linears of `dtype` run on an own kernel, as the stack needs (on an AMX CPU only bf16's:
+    oneDNN keeps the float32 linears there, engine/layers/linear.py)."""
+    return own_kernel(cpu_ops.load(), torch.zeros(64, 64, dtype=dtype)) is not None
+
+
+# the dtype the stack serves for the tests of other things than dtypes: float32 where it can, else bf16
+STACK_DTYPE = "float32" if _has_own_kernel(torch.float32) else "bfloat16"
 
 SCORED = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True)
 LONG_PROMPT = " ".join(PROMPTS) * 3  # past IN_PLACE_CHUNK tokens: its prefill takes the modules' path
@@ -47,6 +58,8 @@ def _scores(outputs) -> list[tuple]:
                                   "tiny_gemma2_path", "tiny_gemma3_path", "tiny_olmo2_path"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_gives_the_modules_bits(request, monkeypatch, name, dtype):
+    if not _has_own_kernel(getattr(torch, dtype)):
+        pytest.skip(f"{dtype} linears have no own kernel on this CPU, so no stack")
     path = str(request.getfixturevalue(name))
     prompts = PROMPTS[:6] + [LONG_PROMPT]
     stacked = LLM(path, dtype=dtype, max_num_seqs=4, log_stats=False)
@@ -69,11 +82,12 @@ def test_adapter_steps_give_the_lora_linears_bits(request, name, tmp_path, monke
     write_random_adapter(root / "b", AutoConfig.from_pretrained(path), rank=8, seed=5,
                          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     prompts, adapters = PROMPTS[:6], ["a", None, "b", "a", None, "b"]
-    stacked = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False)
+    options = {"adapters": local_adapters, "max_loras": 2, "adapters_root": str(root), "dtype": STACK_DTYPE,
+               "log_stats": False}
+    stacked = LLM(str(path), **options)
     calls = _stack_calls(stacked, monkeypatch)
     got = stacked.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
-    modules = LLM(str(path), adapters=local_adapters, max_loras=2, adapters_root=str(root), decoder_stack=False,
-                  log_stats=False)
+    modules = LLM(str(path), decoder_stack=False, **options)
     want = modules.generate(prompts, SCORED, use_tqdm=False, adapters=adapters)
     base = modules.generate(prompts[:1], SCORED, use_tqdm=False)
     assert _scores(got) == _scores(want)
@@ -82,7 +96,7 @@ def test_adapter_steps_give_the_lora_linears_bits(request, name, tmp_path, monke
 
 
 def test_long_prompt_chunk_takes_the_modules_path(tiny_llama_path, monkeypatch):
-    llm = LLM(str(tiny_llama_path), log_stats=False)
+    llm = LLM(str(tiny_llama_path), dtype=STACK_DTYPE, log_stats=False)
     calls = _stack_calls(llm, monkeypatch)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate([PROMPTS[0]], params, use_tqdm=False)
