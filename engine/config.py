@@ -85,6 +85,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences running at once; more wait in the queue
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks of an already computed prefix
     max_num_batched_tokens: int = 4096  # per-step token budget (prefill + decode tokens)
+    # steps sized by time too: a step's prompt tokens cut to what fits this many seconds beside its decodes, at the
+    # costs the engine learns from its own steps (engine/step_cost.py), and waiting prompts ordered shortest first
+    # with aging; None: steps sized by max_num_batched_tokens alone, first come first served
+    step_time_target_s: float | None = 0.5
     max_model_len: int | None = None  # defaults to the model's context length
     max_tokens_limit: int | None = None  # a ceiling on any request's max_tokens, below what the context allows
     max_waiting_requests: int = 512  # a request beyond this many waiting ones is refused (EngineOverloadedError)
@@ -169,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"adapter_cache_timeout_s must be positive, got {self.adapter_cache_timeout_s}")
         self._validate_preloads()
         self._validate_tensor_parallel()
+        if self.step_time_target_s is not None and self.step_time_target_s <= 0:
+            raise ValueError(f"step_time_target_s must be positive or None, got {self.step_time_target_s}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

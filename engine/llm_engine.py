@@ -41,6 +41,7 @@ from engine.sampler import SampledTokens, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.step_cost import StepCost, StepShape
 from engine.tokens_in_flight import Readback
 from engine.transfer import to_device
 
@@ -97,8 +98,7 @@ class LLMEngine:
         self.adapters = self._adapter_provider(config, hf_config, adapters)
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapter_slots, config.max_adapter_wait_s, self.long_rope_switch)
+        self.scheduler = self._scheduler(config)
         self.sampler = Sampler(config.torch_device, config.seed, self.runner.cpu_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
@@ -106,15 +106,24 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.overlap = config.async_scheduling  # async scheduling (step)
         self._in_flight: InFlight | None = None
+        self._timed_shape = StepShape(0, 0)  # async scheduling: the step whose time the next call measures
         self._preload(config.preload_adapters, pin=False)
         self._preload(config.pinned_adapters, pin=True)
         _freeze_startup_objects()
         if config.log_stats:
-            quantized = f", {config.quantization}" if config.quantization != "none" else ""
-            workers = f"; each of {config.tensor_parallel_size} tensor-parallel workers" * (
-                config.tensor_parallel_size > 1)
-            print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}){workers}: "
-                  f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
+            self._log_plan(config)
+
+    def _scheduler(self, config: EngineConfig) -> Scheduler:
+        """The scheduler over the blocks and adapter slots, with a step-cost model where steps are sized by time."""
+        self.step_cost = StepCost(config.step_time_target_s) if config.step_time_target_s is not None else None
+        return Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.adapter_slots,
+                         config.max_adapter_wait_s, self.long_rope_switch, self.step_cost)
+
+    def _log_plan(self, config: EngineConfig) -> None:
+        quantized = f", {config.quantization}" if config.quantization != "none" else ""
+        workers = f"; each of {config.tensor_parallel_size} tensor-parallel workers" * (config.tensor_parallel_size > 1)
+        print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}){workers}: "
+              f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
 
     def memory(self) -> MemoryReport:
         """Rank 0's: under tensor parallelism every worker holds as much (its share of the weights, its KV heads)."""
@@ -321,6 +330,7 @@ class LLMEngine:
         the tokens sampled here are read back by the next call, once the next step is launched: the device runs
         one step while the host prepares the next and reads the last, and each call returns the step before's
         outputs."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         for load in plan.adapter_loads:
             self.executor.load_adapter(load.slot, self.adapters.get(load.adapter_id))
@@ -328,9 +338,19 @@ class LLMEngine:
         if self.overlap:
             outputs = self._read_back()
             self._sample(launched)
-            return outputs
-        self._sample(launched)
-        return self._read_back()
+        else:
+            self._sample(launched)
+            outputs = self._read_back()
+        self._observe(plan.shape, time.perf_counter() - start)
+        return outputs
+
+    def _observe(self, shape: StepShape, seconds: float) -> None:
+        """The step's time into the step-cost model. With async scheduling a call waits for the step before's
+        tokens, so its time is that step's: it is paired with that step's work."""
+        if self.overlap:
+            shape, self._timed_shape = self._timed_shape, shape
+        if self.step_cost is not None and shape != StepShape(0, 0):
+            self.step_cost.observe(shape, seconds)
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep | None:
         """Run the model on the scheduled tokens (queued, on CUDA): a token still in flight is read on the

@@ -4,7 +4,15 @@ Every step, running sequences are served first (oldest first: a decode token eac
 chunk of a long prompt), then waiting sequences are admitted while the token budget, the
 `max_num_seqs` cap and the free KV blocks allow; an admitted sequence first takes the cached blocks
 of its longest already computed prefix (block_manager.py) and is fed only the rest of its prompt,
-in chunks when it exceeds the token budget. When a running sequence needs a block and none
+in chunks when it exceeds the token budget.
+
+Steps are sized by time as well as by tokens (engine/step_cost.py): given what a prompt token and a decode cost on
+this engine, learned from its own steps, a step's prompt tokens are cut to what fits the step-time target beside
+its decodes. Running streams keep their pace under a burst of prompts, the burst's first tokens come out one chunk
+after another instead of all at the end of one long step, and a waiting prompt still gets a chunk every step. The
+waiting queue is then ordered shortest remaining prompt first within each priority, with aging: a request's wait
+counts as the prompt tokens the engine could have prefilled meanwhile, so a long prompt passes shorter ones once it
+has waited as long as theirs take. When a running sequence needs a block and none
 is free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has already produced. A request for a LoRA adapter is admitted
 only with a device slot for its adapter (so at most `max_loras` adapters run in one step); one
@@ -40,6 +48,7 @@ from engine.adapter_slots import AdapterSlots
 from engine.block_manager import BlockManager
 from engine.layers.rotary import runs_long
 from engine.sequence import Sequence
+from engine.step_cost import StepCost, StepShape
 
 
 @dataclass
@@ -61,10 +70,29 @@ class AdapterLoad:
 
 
 @dataclass
+class StepBudget:
+    """What a step has left to hand out: tokens of any kind, and of those, prompt tokens."""
+    tokens: int
+    prefill: int
+
+    def grant(self, wanted: int, prefill: bool) -> int:
+        return min(wanted, self.tokens, self.prefill) if prefill else min(wanted, self.tokens)
+
+    def take(self, n: int, prefill: bool) -> None:
+        self.tokens -= n
+        self.prefill -= n if prefill else 0
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     num_preempted: int
     adapter_loads: list[AdapterLoad] = field(default_factory=list)  # copied in before the step
+    shape: StepShape = field(default_factory=lambda: StepShape(0, 0))  # its work, as the step-cost model counts it
+
+    def add(self, seq: Sequence, n: int, prefilling: bool) -> None:
+        self.scheduled.append(ScheduledSeq(seq, n))
+        self.shape = StepShape(self.shape.prefill_tokens + n * prefilling, self.shape.decodes + (not prefilling))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -74,8 +102,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  adapter_slots: AdapterSlots | None = None, max_adapter_wait_s: float = 1.0,
-                 long_rope_switch: int | None = None):
+                 long_rope_switch: int | None = None, step_cost: StepCost | None = None):
+        """step_cost: steps sized by time too, and the waiting queue ordered shortest prompt first with aging; None:
+        by tokens alone, first come first served within a priority."""
         self.block_manager = block_manager
+        self.step_cost = step_cost
         self.long_rope_switch = long_rope_switch
         self.adapter_slots = adapter_slots
         self.max_adapter_wait_s = max_adapter_wait_s
@@ -92,18 +123,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = StepBudget(self.max_num_batched_tokens, self._prefill_budget())
         plan = SchedulerOutput([], 0)
-        budget = self._schedule_running(budget, plan)
+        self._schedule_running(budget, plan)
         if plan.num_preempted == 0:
+            self._order_waiting()
             self._admit_waiting(budget, plan)
         return plan
 
-    def _schedule_running(self, budget: int, plan: SchedulerOutput) -> int:
-        """Schedule the running sequences into plan (preempting the newest when blocks run out); returns the
-        token budget left."""
+    def _prefill_budget(self) -> int:
+        """The step's prompt tokens: what fits the step-time target beside its decodes, or the token budget."""
+        if self.step_cost is None:
+            return self.max_num_batched_tokens
+        decodes = sum(1 for seq in self.running if not _prefilling(seq))
+        return self.step_cost.prefill_budget(decodes)
+
+    def _order_waiting(self) -> None:
+        """Shortest remaining prompt first within each priority, a request's wait counted as the prompt tokens the
+        engine prefills in that time (aging); first come first served until the engine knows that rate."""
+        rate = self.step_cost.prefill_rate() if self.step_cost is not None else None
+        if rate is None or len(self.waiting) < 2:
+            return
+        now = time.perf_counter()
+        self.waiting = deque(sorted(self.waiting, key=lambda seq: (
+            seq.params.priority, seq.num_uncomputed_tokens - rate * (now - seq.arrival_time))))
+
+    def _schedule_running(self, budget: StepBudget, plan: SchedulerOutput) -> None:
+        """Schedule the running sequences into plan (preempting the newest when blocks run out), out of budget."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
             if seq.final_by_length:  # finishes once its token in flight is read back: nothing left to compute
                 i += 1
@@ -111,30 +159,33 @@ class Scheduler:
             if self._past_long_rope_switch(seq):  # its K/V turned with the short factors: recomputed with the long
                 self._restart(self.running.pop(i))
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            prefilling = _prefilling(seq)
+            n = budget.grant(seq.num_uncomputed_tokens, prefilling)
+            if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes still go
+                i += 1
+                continue
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
                 plan.num_preempted += 1
                 if i >= len(self.running):  # seq itself was the newest and got preempted
-                    return budget
+                    return
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            plan.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            plan.add(seq, n, prefilling)
+            budget.take(n, prefilling)
             i += 1
-        return budget
 
-    def _admit_waiting(self, budget: int, plan: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: StepBudget, plan: SchedulerOutput) -> None:
         """Admit waiting sequences into plan while the budget, max_num_seqs and the free blocks allow."""
         no_slot: list[Sequence] = []  # their adapter has no slot free now: they keep their place in line
         starving = self._starving_adapter()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget.tokens, budget.prefill) > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.pending_index is not None:  # restarted with a token in flight: admitted once it is read back
                 break
             seq.admit(self._past_long_rope_switch(seq))  # before its prefix is looked up
             prefix = self.block_manager.cached_prefix(seq)
             computed = len(prefix) * self.block_manager.block_size
-            n = min(seq.num_tokens - computed, budget)
+            n = budget.grant(seq.num_tokens - computed, prefill=True)
             if not self.block_manager.can_allocate(seq, computed + n, prefix):
                 break
             may_pass = starving is None or seq.adapter_id in (None, starving)
@@ -146,8 +197,8 @@ class Scheduler:
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.start_running()
             _insert_by_priority(self.running, seq)
-            plan.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            plan.add(seq, n, prefilling=True)
+            budget.take(n, prefill=True)
         self.waiting.extendleft(reversed(no_slot))
 
     def _starving_adapter(self) -> str | None:
@@ -205,6 +256,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self._release_slot(seq)
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """Whether its next tokens are prompt tokens (a first prefill, or a recompute after a preemption), not one
+    generated token's decode."""
+    return seq.num_uncomputed_tokens > 1 or seq.num_computed_tokens < len(seq.prompt_token_ids)
 
 
 def _insert_by_priority(queue: deque[Sequence] | list[Sequence], seq: Sequence, ahead: bool = False) -> None:
