@@ -30,8 +30,10 @@ TOLERANCE = 1e-4
 MAX_TOKENS = 16
 # queued (16 prompts, 4 running), preempted (40 blocks of 4 tokens for 4 sequences of up to 32), chunked prefill
 # (8 tokens a step), the prefix cache on
+# steps by tokens alone: time-sized steps and the waiting queue's aging follow each engine's own step times, and
+# the two engines compared here must schedule (and preempt) alike
 STRESSED = {"dtype": "float32", "log_stats": False, "kv_cache_bytes": 32 << 20, "max_num_seqs": 4,
-            "num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 8}
+            "num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 8, "step_time_target_s": None}
 SHARED_PREFIX = "The quick sort algorithm works by choosing a pivot element and then"
 
 
