@@ -24,6 +24,12 @@ CUDA_PREFILLS = ("sdpa", "triton", "flex")  # engine/layers/attention.py: cuda_p
 CUDA_EXPERTS = ("per_expert", "grouped")  # engine/models/experts.py: grouped_kernel
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """An option with a closed set of values: an unknown one refused by name, the known ones listed."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 matrix math natively on this CPU (its own check: AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT, used by its bf16 kernels)."""
@@ -147,15 +153,11 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         self._validate_kv_cache_dtype()
-        if self.cuda_prefill not in CUDA_PREFILLS:
-            raise ValueError(f"cuda_prefill must be one of {', '.join(CUDA_PREFILLS)}, got {self.cuda_prefill!r}")
-        if self.cuda_experts not in CUDA_EXPERTS:
-            raise ValueError(f"cuda_experts must be one of {', '.join(CUDA_EXPERTS)}, got {self.cuda_experts!r}")
+        _check_choice("cuda_prefill", self.cuda_prefill, CUDA_PREFILLS)
+        _check_choice("cuda_experts", self.cuda_experts, CUDA_EXPERTS)
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, got {self.kv_cache_memory_fraction}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -165,8 +167,7 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, "
                              f"got {self.max_loras}, {self.max_lora_rank}")
-        if self.adapter_source not in SOURCES:
-            raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.adapter_source!r}")
+        _check_choice("adapter_source", self.adapter_source, SOURCES)
         if self.adapter_download_timeout_s <= 0 or self.adapter_download_retries < 0:
             raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
         if self.adapter_cache_timeout_s <= 0:

@@ -4,15 +4,7 @@ Every step, running sequences are served first (oldest first: a decode token eac
 chunk of a long prompt), then waiting sequences are admitted while the token budget, the
 `max_num_seqs` cap and the free KV blocks allow; an admitted sequence first takes the cached blocks
 of its longest already computed prefix (block_manager.py) and is fed only the rest of its prompt,
-in chunks when it exceeds the token budget.
-
-Steps are sized by time as well as by tokens (engine/step_cost.py): given what a prompt token and a decode cost on
-this engine, learned from its own steps, a step's prompt tokens are cut to what fits the step-time target beside
-its decodes. Running streams keep their pace under a burst of prompts, the burst's first tokens come out one chunk
-after another instead of all at the end of one long step, and a waiting prompt still gets a chunk every step. The
-waiting queue is then ordered shortest remaining prompt first within each priority, with aging: a request's wait
-counts as the prompt tokens the engine could have prefilled meanwhile, so a long prompt passes shorter ones once it
-has waited as long as theirs take. When a running sequence needs a block and none
+in chunks when it exceeds the token budget. When a running sequence needs a block and none
 is free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has already produced. A request for a LoRA adapter is admitted
 only with a device slot for its adapter (so at most `max_loras` adapters run in one step); one
@@ -21,10 +13,19 @@ could starve it (a popular adapter's requests keep re-pinning its slot), so once
 has waited `max_adapter_wait_s`, only base-model requests and requests of its own adapter may pass
 it: running requests finish, a slot drains, and it is admitted. Its wait is bounded.
 
+Steps are sized by time as well as by tokens (engine/step_cost.py): given what a prompt token and a decode cost on
+this engine, learned from its own steps, a step's prompt tokens are cut to what fits the step-time target beside
+its decodes. Running streams keep their pace under a burst of prompts, the burst's first tokens come out one chunk
+after another instead of all at the end of one long step, and a waiting prompt still gets a chunk every step. The
+waiting queue is then ordered shortest remaining prompt first within each priority, with aging: a request's wait
+counts as the prompt tokens the engine could have prefilled meanwhile, so a long prompt passes shorter ones once it
+has waited as long as theirs take.
+
 Requests carry vLLM's `priority` (SamplingParams; lower first, 0 by default). Both queues stay ordered by it, ties
 in their order of arrival: the waiting queue admits the most urgent first, and the running list is served from
 its front and preempted from its back, so a block shortage recomputes the least urgent, newest request. With every
-priority equal this is first come, first served; a request finds its place by binary search.
+priority equal and steps sized by tokens alone this is first come, first served; a request finds its place by
+binary search.
 
 A longrope model (engine/layers/rotary.py) turns a sequence with its long factors once the sequence is longer than
 `long_rope_switch`: one admitted longer runs on them from its start, and a running one that grows past the switch

@@ -3,8 +3,8 @@
 A step's time is modelled as fixed + per_token * prefill tokens + per_decode * decodes. The three coefficients are
 fitted by recursive least squares, with old steps forgotten at a steady rate, over the engine's own steps (the wall
 time from scheduling a step to having its tokens), so they follow the device, model, adapters and load they run
-under with nothing measured ahead of time: a CPU replica learns that a prompt token costs milliseconds, a GPU one
-that it costs microseconds, and the same target gives each the chunks it wants.
+under with nothing measured ahead of time: each replica learns what a prompt token costs on its own device, and
+the same target gives each device the chunks it wants.
 
 The scheduler asks how many prefill tokens fit beside a step's decodes (`prefill_budget`). Until the fit has seen
 enough prefill steps it answers with `first_chunk` tokens, so a burst arriving at a cold engine is measured in a

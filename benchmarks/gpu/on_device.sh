@@ -91,18 +91,15 @@ opt_in_tests() {
   cuda_tests "$1" opt-in-tests tests/test_gpu_paths.py tests/test_paged_prefill_kernel.py \
     tests/test_async_scheduling.py tests/test_async_engine.py tests/test_grouped_gemm.py tests/test_moe.py
 }
-bench() {
-  timeout -k 10 "$1" python3 -m benchmarks gpu --quick --tokenizer "$tokenizer" --out "$out" 2>&1 \
+bench() {  # bench SECONDS [OPTION...]: python -m benchmarks gpu --quick, with the options
+  local limit=$1; shift
+  timeout -k 10 "$limit" python3 -m benchmarks gpu --quick "$@" --tokenizer "$tokenizer" --out "$out" 2>&1 \
     | tee "$out/bench.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
 # the opt-in paths measured against the defaults they would replace, in the same run (prefill on each cuda_prefill
 # kernel, decode at many sequences with and without async scheduling), with their yardsticks and the 32 adapters
-opt_in_bench() {
-  timeout -k 10 "$1" python3 -m benchmarks gpu --quick --sections bandwidth,decode_bound,prefill,decode,lora \
-    --tokenizer "$tokenizer" --out "$out" 2>&1 | tee "$out/bench.log" | tail -40
-  return "${PIPESTATUS[0]}"
-}
+opt_in_bench() { bench "$1" --sections bandwidth,decode_bound,prefill,decode,lora; }
 report() {
   echo "== phases"; cat "$out/phases.txt"
   [[ -f $out/gpu_serve.md ]] && { echo "== gpu_serve.md"; cat "$out/gpu_serve.md"; }

@@ -87,7 +87,7 @@ def loads(args) -> list[Load]:
     return points + [Load(*shapes[0], rate=rate) for rate in args.rates]
 
 
-def run_guidellm(args, server: Server, load: Load, out: Path) -> Point:
+def run_guidellm(args, server: Server, load: Load, round_: int, out: Path) -> Point:
     """One guidellm run of `load` against `server`, its JSON report kept at `out`."""
     count = max(8, args.requests // 8) if load.streams == 1 else args.requests
     command = [args.guidellm, "run", "--disable-console-interactive",
@@ -100,8 +100,9 @@ def run_guidellm(args, server: Server, load: Load, out: Path) -> Point:
                           check=False, timeout=args.point_timeout)
     cores = (_children_cpu() - before) / (time.perf_counter() - start)
     if done.returncode != 0 or not out.exists():
-        return Point(server.name, 0, load, guidellm_cores=cores, failure=done.stderr[-2000:] or done.stdout[-2000:])
-    return Point(server.name, 0, load, guidellm_cores=cores, **figures(json.loads(out.read_text())))
+        return Point(server.name, round_, load, guidellm_cores=cores,
+                     failure=done.stderr[-2000:] or done.stdout[-2000:])
+    return Point(server.name, round_, load, guidellm_cores=cores, **figures(json.loads(out.read_text())))
 
 
 def _children_cpu() -> float:
@@ -143,9 +144,7 @@ def run_server(name: str, args, round_: int, folder: Path) -> list[Point]:
             points = []
             for i, load in enumerate(loads(args)):
                 print(f"round {round_ + 1}, {name}: {load.label}", flush=True)
-                point = run_guidellm(args, server, load, folder / f"{name}-r{round_}-{i}.json")
-                point.round = round_
-                points.append(point)
+                points.append(run_guidellm(args, server, load, round_, folder / f"{name}-r{round_}-{i}.json"))
             return points
         finally:
             server.stop()
@@ -250,8 +249,7 @@ def add_arguments(parser) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = benchmark_args(__doc__, "lora-serve alone, 128/64 at 8 streams, 16 requests: a smoke test", argv,
                           add_arguments)
-    args.variants = [tuple(spec.split("=", 1)) for spec in args.variant_specs]
-    args.variants = [(name, Path(path)) for name, path in args.variants]
+    args.variants = [(name, Path(path)) for name, path in (spec.split("=", 1) for spec in args.variant_specs)]
     args.vllm_dtype = args.vllm_dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
     if args.quick:
         args.shapes, args.streams, args.rates, args.requests, args.vllm_python = ["128x64"], [8], [], 16, None

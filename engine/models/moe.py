@@ -6,8 +6,8 @@ run as grouped matrix products over the tokens sorted by expert.
   and OLMoE round the weights to the model dtype before the combine; Mixtral combines in float32 and rounds the
   weighted output (transformers' order, which bf16 results follow).
 - **Grouped experts**: the (token, expert) pairs are sorted by expert once, so each expert's tokens are one
-  contiguous block. One call of the device's grouped kernel (engine/models/experts.py: C++ on CPU, Triton on CUDA by choice)
-  multiplies every expert's block by its gate/up weight, the fused operator computes act(gate) * up, and one more
+  contiguous block. One call of the device's grouped kernel (engine/models/experts.py: C++ on CPU, Triton on CUDA
+  where chosen) multiplies every expert's block by its gate/up weight, the fused operator computes act(gate) * up, and one more
   call multiplies by the down weights; the outputs, times their router weights, are summed back into their tokens'
   rows in one index_add. No work is done per token, and experts no token chose are never read. Where no grouped
   kernel serves, each expert's two linears are linears of their own, run expert by expert.
