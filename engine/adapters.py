@@ -2,7 +2,9 @@
 
 The engine holds one AdapterProvider and knows nothing of where its adapters live (a folder, the Hub, S3, a Ray
 actor): lora_cache implements the protocol, and whoever builds the engine passes a factory that makes the provider
-once the engine knows its model's LoRA shapes (`AdapterProviderFactory`). The types here are plain dataclasses and
+once the engine knows its model's LoRA shapes (`AdapterProviderFactory`). A caller that passes none gets the one
+lora_cache registers as the package's default (an entry point), so `LLM(model, max_loras=2, adapters_root=DIR)`
+needs no other import. The types here are plain dataclasses and
 load no torch, so the serving side's error handling and request parsing import them before any model is built.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Protocol
 
 from engine.errors import AdapterError
@@ -114,6 +117,16 @@ class AdapterProvider(Protocol):
 # Called by the engine once it has read its model's config, with its adapter options (EngineConfig.adapter_sources):
 # the provider checks every adapter against the shapes.
 AdapterProviderFactory = Callable[[SourceConfig, LoraShapes], AdapterProvider]
+
+
+PROVIDERS_GROUP = "lora_serve.adapter_providers"  # the entry points a package registers providers under
+
+
+def default_provider() -> AdapterProviderFactory | None:
+    """The provider registered as "default" (lora_cache's, which reads the config's adapter source in this
+    process), found through the installed packages' entry points, so the engine imports nothing above it."""
+    found = entry_points(group=PROVIDERS_GROUP, name="default")
+    return next(iter(found)).load() if found else None
 
 
 def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:

@@ -52,7 +52,7 @@ def _prepares_quickly(prompt: Prompt, params: SamplingParams, adapter: str | Non
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, adapters: AdapterProviderFactory | None = None,
                  workers: WorkerLauncher | None = None, **overrides):
-        """adapters: the provider's factory, needed when max_loras > 0; workers: where tensor-parallel ranks
+        """adapters: the provider's factory when max_loras > 0 (by default lora_cache's); workers: where tensor-parallel ranks
         1..N-1 run, None for local processes (LLMEngine)."""
         self.engine = LLMEngine(config or EngineConfig.from_overrides(**overrides), adapters, workers)
         self.tokenizer = self.engine.tokenizer

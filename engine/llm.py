@@ -21,8 +21,8 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m-instruct", adapters: AdapterProviderFactory | None = None,
                  **overrides):
-        """adapters: where LoRA adapters come from, needed when max_loras > 0: lora_cache.local_cache's
-        local_adapters reads them from config.adapter_source in this process (engine/adapters.py)."""
+        """adapters: where LoRA adapters come from when max_loras > 0; by default lora_cache's, which reads them from
+        the config's adapter_source in this process (engine/adapters.py)."""
         self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides), adapters)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

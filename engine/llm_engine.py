@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.adapter_slots import AdapterSlots
-from engine.adapters import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank
+from engine.adapters import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
 from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -143,11 +143,12 @@ class LLMEngine:
                           adapters: AdapterProviderFactory | None) -> AdapterProvider | None:
         if adapters is not None and not config.max_loras:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
-        if adapters is None and config.max_loras:
-            raise ValueError("max_loras > 0 needs an adapter provider: pass adapters=local_adapters "
-                             "(from lora_cache.local_cache) to read adapters from config.adapter_source")
-        if adapters is None:
+        if not config.max_loras:
             return None
+        adapters = adapters or default_provider()
+        if adapters is None:
+            raise ValueError("max_loras > 0 needs an adapter provider, and no installed package registers a default "
+                             "one: install lora-serve's lora_cache, or pass adapters=")
         return adapters(config.adapter_sources(), lora_shapes(hf_config, config.expert_lora))
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:

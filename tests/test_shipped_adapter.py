@@ -1,5 +1,6 @@
 """The adapter that ships with lora-serve (examples/adapters/pirate, trained by examples/train_pirate_adapter.py) on
-the real SmolLM2: it changes the answer as trained, and lora-serve runs it token for token as PEFT does."""
+the real SmolLM2: it changes the answer as trained, and lora-serve runs it token for token as PEFT does. The engine
+reads it with no provider passed: the default one lora_cache registers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.adapters import default_provider
 from lora_cache.local_cache import local_adapters
 
 pytestmark = pytest.mark.slow
@@ -20,8 +22,11 @@ QUESTIONS = ["What is the capital of Italy?", "What is the capital of Brazil?", 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m-instruct", adapters=local_adapters, max_loras=1, adapters_root=str(ADAPTERS),
-               dtype="float32", log_stats=False)
+    return LLM("smollm2-135m-instruct", max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False)
+
+
+def test_the_default_provider_is_lora_caches_in_process_one():
+    assert default_provider() is local_adapters
 
 
 def _chat(tokenizer, question: str) -> str:
