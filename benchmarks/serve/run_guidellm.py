@@ -129,9 +129,15 @@ def start(name: str, args, tmp: Path) -> Server:
     return start_lora_serve(name, config, tmp)
 
 
+WARM_UP_PROMPT = "Warm up on a prompt of a few hundred tokens, as the load's are. " * 20
+
+
 def warm_up(server: Server) -> None:
-    body = {"model": server.model, "prompt": "Hello", "max_tokens": 4}
-    requests.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status()
+    """A few prompts of the load's length before the first point, on either server alike: the first prefills
+    of a fresh process fault in its memory, and lora-serve's step-cost model learns from its first steps."""
+    body = {"model": server.model, "prompt": WARM_UP_PROMPT, "max_tokens": 8}
+    for _ in range(6):
+        requests.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status()
 
 
 def run_server(name: str, args, round_: int, folder: Path) -> list[Point]:
@@ -173,9 +179,14 @@ def by_point(raw: dict) -> dict[tuple[str, str], dict]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for point in sorted(raw["points"], key=lambda p: (_order(Load(**p["load"])), p["server"])):
         groups.setdefault((point["server"], Load(**point["load"]).label), []).append(point)
-    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "guidellm_cores")
-    return {group: {key: _median(points, key) for key in keys} | {"failures": sum(bool(p["failure"]) for p in points)}
-            for group, points in groups.items()}
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "guidellm_cores")
+    return {group: {key: _median(points, key) for key in keys} | _counts(points) for group, points in groups.items()}
+
+
+def _counts(points: list[dict]) -> dict:
+    """Errored requests and failed runs, summed over rounds (a median would hide one round's errors)."""
+    errors = [p["errors"] for p in points if p.get("errors") is not None]
+    return {"errors": sum(errors) if errors else None, "failures": sum(bool(p["failure"]) for p in points)}
 
 
 def _order(load: Load) -> tuple:
@@ -263,8 +274,9 @@ def summary(raw: dict) -> str:
     requests = raw["requests"]
     note = (f"Method: guidellm 0.8.1, streamed /v1/completions of synthetic prompts (ignore_eos), {requests} "
             f"requests a point ({max(8, requests // 8)} at 1 stream); {raw['rounds']} interleaved round(s), each "
-            f"server started alone; medians over rounds. ITL is guidellm's: a request's mean gap between tokens. "
-            f"guidellm cores: the CPU guidellm took over the point's wall time, on the same 2 cores. vLLM: its "
+            f"server started alone; medians over rounds, errors and failed runs summed. ITL is guidellm's: a "
+            f"request's mean gap between tokens. guidellm cores: the CPU guidellm took over the point's wall time, "
+            f"its start-up (tokenizer, synthetic prompts) included, on the same 2 cores. vLLM: its "
             f"OpenAI server (CPU build, both cores bound, Intel OpenMP) in {raw['vllm_dtype']}.")
     header = report_header(f"guidellm load: lora-serve against vLLM ({raw['mode']})", raw["command"],
                            raw["environment"])
