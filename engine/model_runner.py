@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import host_heap, huge_pages
+from engine import huge_pages
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.distributed.parallel import TensorParallel
@@ -150,8 +150,6 @@ class ModelRunner:
         self.kv_window = self.model.kv_window  # None, or the window every layer attends over
         self.layout = self._kv_layout(config, agree_blocks)
         self.huge_pages = config.huge_pages and self.device.type == "cpu" and huge_pages.supported()
-        if self.device.type == "cpu":
-            host_heap.keep_freed_memory()
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_ops = self._cuda_ops(config)
         fused = self.cpu_ops or self.cuda_ops  # the C++ or the Triton operators: the same calls
