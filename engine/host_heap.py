@@ -3,15 +3,17 @@
 A prefill step on CPU allocates its activations afresh in every layer (a chunk of 4,096 tokens makes tensors of
 several MB to tens of MB), and frees them before the next layer. On glibc's defaults the freed heap top is trimmed
 and large blocks are unmapped, so the next layer's tensors land on pages the kernel must fault in and zero again, a
-large share of a prefill step on a small CPU (docs/benchmarks.md). An engine replica on CPU therefore starts with
-glibc's tunables (`GLIBC_TUNABLES`, read when a process starts, so they hold for every thread): allocations up to
+large share of a prefill step on a small CPU (docs/benchmarks.md). A process started with glibc's tunables
+(`GLIBC_TUNABLES`, read when a process starts, so they hold for every thread) keeps that memory: allocations up to
 `MMAP_THRESHOLD` come from the heap, up to `TRIM_THRESHOLD` of freed heap stays mapped, and every thread allocates
-from the one main heap. The last matters: a thread's own arena grows in heaps of at most 64 MiB, which it unmaps
-as soon as they are empty, so raised thresholds alone (mallopt, once a process runs) left an engine stepping on a
+from the one main heap. The last matters: a thread's own arena grows in heaps of at most 64 MiB, which it unmaps as
+soon as they are empty, so raised thresholds alone (mallopt, once a process runs) left an engine stepping on a
 server's thread faulting as much as before. The memory kept is what a step's peak already used.
 
-An offline engine's process gets the same by starting with `process_env()`'s variable (docs/usage.md). Elsewhere
-than glibc there is nothing to set.
+Opt-in: the variable `process_env()` gives goes on the command that starts a process (an offline script, or
+`serve run`, whose Ray processes inherit it; docs/usage.md). Engine replicas do not get it by default: with it, a
+`serve run` under the whole test suite did not stop within a minute of SIGINT, for a reason not yet found.
+Elsewhere than glibc there is nothing to set.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ from benchmarks.common import (benchmark_args, environment, fmt, markdown_table,
                                save_results)
 from benchmarks.serve.http_servers import ROOT  # noqa: E402
 from deployments.replica.openmp import replica_env_vars  # noqa: E402
-from engine import host_heap  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
@@ -55,8 +54,7 @@ WAKERS_IN = ("none", "engine", "other")
 
 
 def cell(*options: str) -> dict:
-    env = {**os.environ, **replica_env_vars(), **host_heap.process_env(os.environ.get("GLIBC_TUNABLES")),
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **replica_env_vars(), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "benchmarks.serve.contention_worker", *options]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
