@@ -11,8 +11,8 @@ soon as they are empty, so raised thresholds alone (mallopt, once a process runs
 server's thread faulting as much as before. The memory kept is what a step's peak already used.
 
 Opt-in: the variable `process_env()` gives goes on the command that starts a process (an offline script, or
-`serve run`, whose Ray processes inherit it; docs/usage.md). Engine replicas do not get it by default: with it, a
-`serve run` under the whole test suite did not stop within a minute of SIGINT, for a reason not yet found.
+`serve run`, whose Ray processes inherit it; docs/usage.md). Engine replicas do not get it by default until the
+whole test suite has passed with it in them.
 Elsewhere than glibc there is nothing to set.
 """
 
