@@ -68,6 +68,7 @@ from benchmarks.common import (benchmark_args, environment, markdown_table, repo
 from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
                                            start_lora_serve, start_vllm, steal_seconds, with_dtype)
 from benchmarks.serve.offline_engines import LORA_SERVE, VLLM, LoraServeOffline, VllmOffline  # noqa: E402
+from benchmarks.peers.peer_compare import _long_prompt as long_prompt  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
@@ -279,9 +280,7 @@ def make_prompts(n: int, prompt_tokens: int | None) -> list[str]:
     if prompt_tokens is None:
         return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model(MODEL, default_cache_dir() / "models"))
-    texts = [f"Request {i}. " + " ".join(PROMPTS[(i + j) % len(PROMPTS)] for j in range(prompt_tokens // 4))
-             for i in range(n)]
-    return [tokenizer.decode(tokenizer(text).input_ids[:prompt_tokens]) for text in texts]
+    return [tokenizer.decode(long_prompt(tokenizer, f"Request {i}.", prompt_tokens, i)) for i in range(n)]
 
 
 def run(args) -> dict:
