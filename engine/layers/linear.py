@@ -5,10 +5,12 @@ weights streaming from memory, oneDNN's prepacked format measured faster here in
 to 64 (a cache-hot microbenchmark hides the difference).
 
 The engine's own kernels (engine/kernels/cpu) take what they do faster than oneDNN:
-- on a CPU with AMX, linears of up to AMX_MAX_ROWS rows (decode steps), on a second packing of the weight, which
-  amx_linear.cpp streams at the memory's rate, faster than oneDNN; at 128 rows the two were even, and longer
-  prefill chunks stay on oneDNN, whose AMX blocking reuses each weight tile across many rows. The price is a
-  second copy of those weights in memory.
+- on a CPU with AMX, linears of up to AMX_MAX_ROWS rows (decode steps and short prefill steps), on a second
+  packing of the weight, which amx_linear.cpp streams at the memory's rate, faster than oneDNN. Alone, the two
+  were even at 128 rows; inside a step the kernel keeps its lead up to about a thousand rows, since oneDNN runs on
+  OpenMP's threads and every switch between its linears and the operators' own pool (work_pool.cpp) wakes one set
+  of threads while the other still holds the cores. Longer prefill steps stay on oneDNN, whose AMX blocking reuses
+  each weight tile across many rows. The price is a second copy of those weights in memory.
 - on a CPU with AVX-512 and no AMX (simd_linear.cpp): every bf16 linear, on its own packing alone (oneDNN's is
   not kept), faster than oneDNN at every row count measured, near the dot-product units' rate; float32 linears of
   up to FP32_MAX_ROWS rows (at 512 the two were even, so prefill chunks stay on oneDNN, and those linears keep
@@ -41,7 +43,7 @@ def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
-AMX_MAX_ROWS = 64  # rows up to which the AMX kernel beats oneDNN (even at 128)
+AMX_MAX_ROWS = 1024  # rows up to which the AMX kernel beats oneDNN inside a step (docs/architecture.md)
 FP32_MAX_ROWS = 128  # rows up to which the AVX-512 kernel beats oneDNN in float32 (even at 512; AVX2: at any count)
 
 
