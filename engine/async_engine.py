@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.adapters import AdapterProviderFactory
+from engine.lora.provider import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
 from engine.llm_engine import LLMEngine, Prompt, TrackedRequest

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.adapter_ids import validate_adapter_id
-from engine.adapters import SOURCES, SourceConfig
+from engine.lora.ids import validate_adapter_id
+from engine.lora.provider import SOURCES, SourceConfig
 
 if TYPE_CHECKING:
     import torch

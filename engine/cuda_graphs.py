@@ -8,7 +8,7 @@ its inputs into the buffers, pads the batch to the next bucket and replays the g
 
 What makes the forward capturable: attention reads the paged cache in place through block tables and
 context lengths held on the device (engine/kernels/paged_attention.py); multi-LoRA takes the tokens
-grouped by adapter slot as tensors (engine/kernels/lora.py), so loading another adapter into a slot
+grouped by adapter slot as tensors (engine/lora/triton_kernels.py), so loading another adapter into a slot
 changes what a replay computes without a new capture. Padded rows decode one dummy token into a scratch KV
 block that no sequence owns, and their outputs are dropped.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, KVCache
-from engine.layers.lora_batch import LoRAStepState, SlotOrder, slot_order_values
+from engine.lora.segments import LoRAStepState, SlotOrder, slot_order_values
 from engine.tokens_in_flight import PendingInputs
 
 
@@ -62,7 +62,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), self.scratch_slot, **longs)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, **longs)
         self.context_lens = torch.ones(max_batch, **longs)
-        # the tokens grouped by adapter slot (engine/kernels/lora.py): rows sorted by slot, each slot's start, count
+        # the tokens grouped by adapter slot (engine/lora/triton_kernels.py): rows sorted by slot, each slot's start, count
         self.max_loras = max_loras
         self.order_tokens = torch.zeros(max_batch, **longs)
         self.order_slots = torch.zeros(2 * max_loras, **longs)  # starts, then counts (all 0: no adapter token)

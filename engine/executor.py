@@ -35,7 +35,7 @@ class Executor(Protocol):
     def execute(self, scheduled: list[ScheduledSeq], pending_tokens: torch.Tensor | None = None) -> StepResult:
         """One step's forward over every worker: the logits to sample and the step's prompt scores."""
 
-    def load_adapter(self, slot: int, adapter) -> None:
+    def copy_adapter(self, slot: int, adapter) -> None:
         """A LoRAAdapter's weights into device slot `slot` (of every worker)."""
 
     def alive(self) -> bool:
@@ -52,8 +52,8 @@ class InProcessExecutor:
     def execute(self, scheduled: list[ScheduledSeq], pending_tokens: torch.Tensor | None = None) -> StepResult:
         return self.runner.execute(scheduled, pending_tokens)
 
-    def load_adapter(self, slot: int, adapter) -> None:
-        self.runner.load_adapter(slot, adapter)
+    def copy_adapter(self, slot: int, adapter) -> None:
+        self.runner.copy_adapter(slot, adapter)
 
     def alive(self) -> bool:
         return True

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.lora_batch import AdapterRun
+from engine.lora.segments import AdapterRun
 from engine.transfer import moved
 
 SCORED_ROWS_PER_SLICE = 256  # prompt-scoring logits are [rows, vocab] float32: bounded, whatever the chunk size

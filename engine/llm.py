@@ -8,10 +8,10 @@ from typing import Self
 
 from tqdm.auto import tqdm
 
-from engine.adapters import AdapterProviderFactory
+from engine.lora.provider import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
-from engine.merge_spec import MergeSpec
+from engine.lora.merge_spec import MergeSpec
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 
@@ -22,7 +22,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", adapters: AdapterProviderFactory | None = None,
                  **overrides):
         """adapters: where LoRA adapters come from when max_loras > 0; by default lora_cache's, which reads them from
-        the config's adapter_source in this process (engine/adapters.py)."""
+        the config's adapter_source in this process (engine/lora/provider.py)."""
         self.engine = LLMEngine(EngineConfig.from_overrides(model, **overrides), adapters)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

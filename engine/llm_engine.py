@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from engine.adapter_slots import AdapterSlots
-from engine.adapters import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
+from engine.lora.slots import AdapterSlots
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
 from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -78,7 +78,7 @@ class InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None,
                  workers: WorkerLauncher | None = None):
-        """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/adapters.py);
+        """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/lora/provider.py);
         workers: where tensor-parallel ranks 1..N-1 run (engine/distributed/workers.py), None: local processes."""
         self.config = config
         if config.torch_device.type == "cpu":
@@ -219,7 +219,7 @@ class LLMEngine:
             self._check_adapter(adapter_id)
             grant = self.adapter_slots.acquire(adapter_id)
             if grant.needs_load:
-                self.executor.load_adapter(grant.slot, self.adapters.get(adapter_id))
+                self.executor.copy_adapter(grant.slot, self.adapters.get(adapter_id))
             if not pin:
                 self.adapter_slots.release(adapter_id)
 
@@ -333,8 +333,8 @@ class LLMEngine:
         outputs."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        for load in plan.adapter_loads:
-            self.executor.load_adapter(load.slot, self.adapters.get(load.adapter_id))
+        for wanted in plan.adapter_copies:
+            self.executor.copy_adapter(wanted.slot, self.adapters.get(wanted.adapter_id))
         launched = self._launch(plan.scheduled)
         if self.overlap:
             outputs = self._read_back()

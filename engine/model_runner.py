@@ -33,8 +33,8 @@ from engine.layers.attention import (
     cuda_prefill_kernel,
     paged_prefill,
 )
-from engine.layers.lora import wrap_lora_linears
-from engine.layers.lora_batch import (
+from engine.lora.linear import wrap_lora_linears
+from engine.lora.segments import (
     AdapterRun,
     LoRAStepState,
     build_lora_batch,
@@ -251,9 +251,9 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def load_adapter(self, slot: int, adapter) -> None:
+    def copy_adapter(self, slot: int, adapter) -> None:
         """Copy a LoRAAdapter's weights into device slot `slot` of every LoRA layer (under tensor parallelism, this
-        rank's shard of it: engine/distributed/lora_shards.py)."""
+        rank's shard of it: engine/lora/shards.py)."""
         for index, layer in enumerate(self.lora_layers):
             weights = adapter.layers.get(index, {})
             for lora in layer.values():
@@ -516,8 +516,8 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         """An int64 tensor of a step's (rectangular) lists. On CPU through numpy, which converts holding the GIL:
-        torch.tensor releases it for its copy, and in a replica the step thread then waited for the event loop to
-        give it back (py-spy, 32 streams: a large share of the step thread's GIL waits)."""
+        torch.tensor releases it for its copy, and in a replica the step thread would then wait for the event
+        loop to give it back."""
         if self.device.type == "cpu":
             return torch.from_numpy(np.array(values, dtype=np.int64))
         return to_device(values, self.device, torch.long)

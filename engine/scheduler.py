@@ -45,7 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.adapter_slots import AdapterSlots
+from engine.lora.slots import AdapterSlots
 from engine.block_manager import BlockManager
 from engine.layers.rotary import runs_long
 from engine.sequence import Sequence
@@ -64,7 +64,7 @@ class ScheduledSeq:
 
 
 @dataclass
-class AdapterLoad:
+class AdapterCopy:
     """An adapter the runner copies into a device slot before the step runs."""
     slot: int
     adapter_id: str
@@ -88,7 +88,7 @@ class StepBudget:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     num_preempted: int
-    adapter_loads: list[AdapterLoad] = field(default_factory=list)  # copied in before the step
+    adapter_copies: list[AdapterCopy] = field(default_factory=list)  # copied in before the step
     shape: StepShape = field(default_factory=lambda: StepShape(0, 0))  # its work, as the step-cost model counts it
 
     def add(self, seq: Sequence, n: int, prefilling: bool) -> None:
@@ -190,7 +190,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, computed + n, prefix):
                 break
             may_pass = starving is None or seq.adapter_id in (None, starving)
-            if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, plan.adapter_loads)):
+            if seq.adapter_id is not None and (not may_pass or not self._grant_slot(seq, plan.adapter_copies)):
                 no_slot.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -219,13 +219,13 @@ class Scheduler:
         return sum(1 for seq in self.waiting
                    if seq.adapter_id is not None and seq.adapter_id not in self.adapter_slots.slot_of)
 
-    def _grant_slot(self, seq: Sequence, adapter_loads: list[AdapterLoad]) -> bool:
+    def _grant_slot(self, seq: Sequence, adapter_copies: list[AdapterCopy]) -> bool:
         grant = self.adapter_slots.acquire(seq.adapter_id)
         if grant is None:
             return False
         seq.assign_slot(grant.slot)
         if grant.needs_load:
-            adapter_loads.append(AdapterLoad(grant.slot, seq.adapter_id))
+            adapter_copies.append(AdapterCopy(grant.slot, seq.adapter_id))
         return True
 
     def _release_slot(self, seq: Sequence) -> None:

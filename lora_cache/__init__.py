@@ -1,6 +1,6 @@
 """Adapter cache: just-in-time LoRA loading from local folders, the Hugging Face Hub and S3; tiers: device slots,
 the CPU copy (in serving, the Ray object store), the disk tier of downloads, the source. It implements the engine's
-adapter provider protocol (engine/adapters.py): local_cache.py offline, actor.py (the only module that imports Ray)
+adapter provider protocol (engine/lora/provider.py): local_cache.py offline, actor.py (the only module that imports Ray)
 in serving; it imports nothing of deployments (tests/test_layout.py checks both).
 
 The package imports nothing itself, so that the routing side (replica_report.py, read by the request router in

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from engine.adapter_ids import validate_adapter_id
-from engine.adapters import LoraShapes, SourceConfig
+from engine.lora.ids import validate_adapter_id
+from engine.lora.provider import LoraShapes, SourceConfig
 from engine.errors import AdapterError, AdapterNotFoundError, key_name
-from engine.merge_spec import MergeSpec, is_merge_key
+from engine.lora.merge_spec import MergeSpec, is_merge_key
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
@@ -47,7 +47,7 @@ from lora_cache.replica_report import AdapterVersion, ClusterView, ReplicaReport
 from lora_cache.sources import AdapterLocation, AdapterSource
 
 if TYPE_CHECKING:
-    from engine.adapters import LoRAAdapter
+    from engine.lora.provider import LoRAAdapter
     from lora_cache.reader import AdapterReader
 
 ACTOR_NAME = "lora-serve-adapter-cache"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.adapters import ExpertLoRAWeights, LoRAAdapter, LoraShapes, LoRAWeights, check_rank
+from engine.lora.provider import ExpertLoRAWeights, LoRAAdapter, LoraShapes, LoRAWeights, check_rank
 from engine.errors import AdapterError, AdapterNotFoundError
 from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
@@ -53,7 +53,7 @@ UNSUPPORTED_FEATURES = {
 BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
-def load_adapter(adapter_id: str, folder: Path, shapes: LoraShapes, max_bytes: int = 1 << 30,
+def read_adapter(adapter_id: str, folder: Path, shapes: LoraShapes, max_bytes: int = 1 << 30,
                  max_rank: int | None = None) -> LoRAAdapter:
     """Read and validate the adapter in `folder` against the base model's LoRA `shapes`, its weights file
     at most `max_bytes` and its rank at most `max_rank` (the server's max_lora_rank). Messages name the adapter and

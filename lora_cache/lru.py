@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from engine.adapters import LoadStats
+from engine.lora.provider import LoadStats
 
 V = TypeVar("V")
 

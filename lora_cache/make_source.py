@@ -3,7 +3,7 @@ hub_source.py, s3_source.py). The remote sources' libraries load only when one i
 
 from __future__ import annotations
 
-from engine.adapters import SOURCES, SourceConfig
+from engine.lora.provider import SOURCES, SourceConfig
 from lora_cache.sources import AdapterSource, LocalSource
 
 

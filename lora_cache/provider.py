@@ -1,4 +1,4 @@
-"""What the two implementations of the engine's AdapterProvider protocol (engine/adapters.py) share.
+"""What the two implementations of the engine's AdapterProvider protocol (engine/lora/provider.py) share.
 
 Offline, the in-process CPU tier (lora_cache/local_cache.py); in serving, a replica's copy of what the cluster-wide
 cache actor hands out (RayAdapterCache in lora_cache/actor.py). The engine holds one behind the protocol and knows
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.adapters import LoadStats
+from engine.lora.provider import LoadStats
 from lora_cache.lru import LRUByBytes
 
 if TYPE_CHECKING:
-    from engine.adapters import LoRAAdapter
+    from engine.lora.provider import LoRAAdapter
 
 
 class HeldAdapters:

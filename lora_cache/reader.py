@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.adapters import LoRAAdapter, LoraShapes
-from engine.merge_spec import MergeSpec
-from lora_cache.adapter import load_adapter
+from engine.lora.provider import LoRAAdapter, LoraShapes
+from engine.lora.merge_spec import MergeSpec
+from lora_cache.adapter import read_adapter
 from lora_cache.merge import merge_adapters
 
 
@@ -26,7 +26,7 @@ class AdapterReader:
         self.max_rank = max_rank
 
     def read(self, key: str, folder: Path) -> LoRAAdapter:
-        return load_adapter(key, folder, self.shapes, self.max_adapter_bytes, self.max_rank)
+        return read_adapter(key, folder, self.shapes, self.max_adapter_bytes, self.max_rank)
 
     def merge(self, key: str, parts: list[LoRAAdapter], spec: MergeSpec) -> LoRAAdapter:
         return merge_adapters(key, parts, spec, list(self.shapes.modules))

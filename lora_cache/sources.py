@@ -1,7 +1,7 @@
 """Where adapters come from: an adapter id -> a local folder holding adapter_config.json and
 adapter_model.safetensors.
 
-A source only locates files; `load_adapter` validates them. `local` reads a folder tree; `hub` downloads from the
+A source only locates files; `read_adapter` validates them. `local` reads a folder tree; `hub` downloads from the
 Hugging Face Hub (lora_cache/hub_source.py), or with HF_HUB_OFFLINE reads an existing Hugging Face cache
 (`HubCacheSource`); `s3` reads S3-compatible object storage (lora_cache/s3_source.py). The remote sources download
 into the disk tier (lora_cache/disk_tier.py) and return its folder.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from engine.adapter_ids import validate_adapter_id
+from engine.lora.ids import validate_adapter_id
 from engine.errors import AdapterError, AdapterNotFoundError
 from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 

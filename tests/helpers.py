@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.replica.replica_stats import ReplicaStats
 from engine import SamplingParams
-from engine.adapters import LoraShapes
+from engine.lora.provider import LoraShapes
 
 PROMPTS = [
     "The capital of France is",

@@ -14,11 +14,11 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from engine.adapter_ids import validate_adapter_id
-from engine.adapters import SourceConfig
+from engine.lora.ids import validate_adapter_id
+from engine.lora.provider import SourceConfig
 from engine.errors import AdapterError
 from engine.models import lora_shapes
-from lora_cache.adapter import load_adapter
+from lora_cache.adapter import read_adapter
 from lora_cache.make_source import make_source
 from lora_cache.sources import HubCacheSource
 
@@ -78,7 +78,7 @@ def _edit_tensors(folder: Path, edit):
 
 def _refused(folder, *reason_parts, config=LLAMA, adapter_id="acme/x", **kwargs):
     with pytest.raises(AdapterError) as err:
-        load_adapter(adapter_id, folder, lora_shapes(config), **kwargs)
+        read_adapter(adapter_id, folder, lora_shapes(config), **kwargs)
     message = str(err.value)
     assert f"adapter '{adapter_id}'" in message
     for part in reason_parts:
@@ -88,7 +88,7 @@ def _refused(folder, *reason_parts, config=LLAMA, adapter_id="acme/x", **kwargs)
 
 def test_llama_adapter_matches_peft(llama_adapter):
     peft_model, folder = llama_adapter
-    adapter = load_adapter("acme/llama", folder, lora_shapes(LLAMA))
+    adapter = read_adapter("acme/llama", folder, lora_shapes(LLAMA))
     assert adapter.adapter_id == "acme/llama" and adapter.rank == 8
     assert adapter.target_modules == ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
                                       "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")
@@ -113,7 +113,7 @@ def test_llama_adapter_matches_peft(llama_adapter):
 
 def test_rslora_scaling(tmp_path):
     peft_model = _peft_model(LLAMA, tmp_path, r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj"])
-    adapter = load_adapter("acme/rs", tmp_path, lora_shapes(LLAMA))
+    adapter = read_adapter("acme/rs", tmp_path, lora_shapes(LLAMA))
     weights = adapter.layers[0]["self_attn.q_proj"]
     assert weights.scaling == 16 / math.sqrt(4)
     x = torch.randn(3, 64)
@@ -124,7 +124,7 @@ def test_rslora_scaling(tmp_path):
 def test_gpt2_adapter_matches_peft(tmp_path):
     # Conv1D stores its weight transposed; PEFT wants fan_in_fan_out=True for it (and warns otherwise).
     peft_model = _peft_model(GPT2, tmp_path, r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
-    adapter = load_adapter("gpt2-lora", tmp_path, lora_shapes(GPT2))
+    adapter = read_adapter("gpt2-lora", tmp_path, lora_shapes(GPT2))
     assert adapter.target_modules == ("attn.c_attn", "mlp.c_fc") and adapter.rank == 4
     block = peft_model.base_model.model.transformer.h[1]
     x = torch.randn(5, 64)
@@ -137,7 +137,7 @@ def test_gpt2_adapter_matches_peft(tmp_path):
 def test_rank_and_alpha_pattern(tmp_path):
     peft_model = _peft_model(LLAMA, tmp_path, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                              rank_pattern={"v_proj": 4}, alpha_pattern={"model.layers.1.self_attn.q_proj": 4})
-    adapter = load_adapter("acme/pattern", tmp_path, lora_shapes(LLAMA))
+    adapter = read_adapter("acme/pattern", tmp_path, lora_shapes(LLAMA))
     assert adapter.rank == 8
     assert adapter.layers[0]["self_attn.v_proj"].lora_a.shape == (4, 64)
     assert adapter.layers[0]["self_attn.v_proj"].scaling == 16 / 4
@@ -161,7 +161,7 @@ def test_refuses_weights_over_the_size_limit(llama_adapter):
 
 def test_refuses_a_rank_over_the_servers_max_lora_rank(llama_adapter):
     _refused(llama_adapter[1], "rank 8 is above this server's max_lora_rank 4", max_rank=4)
-    assert load_adapter("acme/x", llama_adapter[1], lora_shapes(LLAMA), max_rank=8).rank == 8
+    assert read_adapter("acme/x", llama_adapter[1], lora_shapes(LLAMA), max_rank=8).rank == 8
 
 
 def test_no_refusal_names_a_server_path(llama_copy, tmp_path):
@@ -223,7 +223,7 @@ def test_layers_to_transform_must_cover_the_weights(tmp_path, llama_copy):
     _edit_config(llama_copy, layers_to_transform=[0])
     _refused(llama_copy, "weights for layers [1], which layers_to_transform [0] leaves out")
     _peft_model(LLAMA, tmp_path, r=4, target_modules=["q_proj"], layers_to_transform=[1])
-    assert set(load_adapter("acme/x", tmp_path, lora_shapes(LLAMA)).layers) == {1}
+    assert set(read_adapter("acme/x", tmp_path, lora_shapes(LLAMA)).layers) == {1}
 
 
 def test_refuses_missing_lora_b(llama_copy):
@@ -238,7 +238,7 @@ def test_refuses_non_finite_weights(llama_copy):
 
 def test_accepts_adapter_name_in_tensor_names(llama_copy):
     _edit_tensors(llama_copy, lambda t: t.update({Q_PROJ_A.replace("lora_A.", "lora_A.default."): t.pop(Q_PROJ_A)}))
-    assert load_adapter("acme/x", llama_copy, lora_shapes(LLAMA)).layers[0]["self_attn.q_proj"].lora_a.shape == (8, 64)
+    assert read_adapter("acme/x", llama_copy, lora_shapes(LLAMA)).layers[0]["self_attn.q_proj"].lora_a.shape == (8, 64)
 
 
 def test_refuses_malformed_config_and_missing_folder(llama_copy, tmp_path):
@@ -281,7 +281,7 @@ def test_local_source_finds_names_and_org_names(llama_adapter, tmp_path):
     assert source.name == "local"
     assert source.locate("plain") == tmp_path / "plain"
     folder = source.locate("acme/sql")
-    assert load_adapter("acme/sql", folder, lora_shapes(LLAMA)).rank == 8
+    assert read_adapter("acme/sql", folder, lora_shapes(LLAMA)).rank == 8
     with pytest.raises(AdapterError, match="'acme/other': not found in"):
         source.locate("acme/other")
     with pytest.raises(AdapterError, match="a local adapter has no revisions"):
@@ -332,7 +332,7 @@ def test_hub_cache_source(llama_adapter, tmp_path):
     assert source.name == "hub"
     folder = source.locate("acme/with-ref")
     assert folder == tmp_path / "models--acme--with-ref" / "snapshots" / ("a" * 40)
-    assert load_adapter("acme/with-ref", folder, lora_shapes(LLAMA)).rank == 8
+    assert read_adapter("acme/with-ref", folder, lora_shapes(LLAMA)).rank == 8
     assert source.locate("acme/single").name == "b" * 40
     with pytest.raises(AdapterError, match="'acme/missing': not found in the Hugging Face cache"):
         source.locate("acme/missing")

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.adapters import SourceConfig
+from engine.lora.provider import SourceConfig
 from engine.errors import AdapterError
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter_folder import AdapterCacheUnavailableError

@@ -78,7 +78,7 @@ def arrows(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
 
 
 def test_the_engine_imports_nothing_of_lora_cache_or_deployments():
-    """The engine defines the protocols (engine/adapters.py: the adapter provider, its types, the slot table);
+    """The engine defines the protocols (engine/lora/provider.py: the adapter provider, its types, the slot table);
     lora_cache implements them and deployments composes both."""
     graph = import_graph()
     assert arrows(graph, "engine", "lora_cache") == []
@@ -98,7 +98,7 @@ def test_no_module_imports_itself_back():
 def test_the_graph_sees_imports_where_they_are():
     """The checks above would pass on a graph that missed imports: this one knows a few arrows of each kind."""
     graph = import_graph()
-    assert "engine.adapters" in graph["engine.llm_engine"]  # at the top
+    assert "engine.lora.provider" in graph["engine.llm_engine"]  # at the top
     assert "engine.async_engine" in graph["deployments.replica.llm_server"]  # inside a function
     assert "engine.errors" in graph["lora_cache.adapter_folder"]
     assert "deployments.api.events" in graph["deployments.routes.choice_streams"]
@@ -110,6 +110,16 @@ def loaded_packages(modules: str, among: tuple[str, ...]) -> list[str]:
     code = f"import json, sys, {modules}; print(json.dumps({loaded}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_lora_module_of_the_engine_is_in_its_lora_package():
+    """The slot table, the wrappers, the segments, the shards, the kernels and the provider protocol live in
+    engine/lora/, so that changing how LoRA is applied means reading one package. The C++ operators (one file each,
+    engine/kernels/cpu/) are the exception: they are built as one module."""
+    outside = [module for module in first_party_modules() if module.startswith("engine.")
+               and not module.startswith("engine.lora") and any(word in module.rpartition(".")[2]
+                                                                  for word in ("lora", "adapter"))]
+    assert outside == []
 
 
 def test_the_engine_imports_no_ray_and_no_http():

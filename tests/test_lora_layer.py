@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_ops
-from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, token_slots
+from engine.lora.linear import LoRALinear, LoRASubModule
+from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, token_slots
 
 CPU = torch.device("cpu")
 IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6

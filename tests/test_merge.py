@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
-from engine.merge_spec import MergeSpec
+from engine.lora.merge_spec import MergeSpec
 from engine.models import lora_shapes
-from lora_cache.adapter import load_adapter
+from lora_cache.adapter import read_adapter
 from lora_cache.local_cache import local_adapters
 from lora_cache.merge import merge_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
@@ -47,7 +47,7 @@ def _both_merges(tiny_llama_path, adapters, spec: MergeSpec):
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(tiny_llama_path)
-    parts = [load_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
+    parts = [read_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
     merged = merge_adapters(spec.key(), parts, spec, list(lora_shapes(hf_config).modules))
     model = _peft_merged(tiny_llama_path, adapters, spec)
     pairs = []
@@ -128,6 +128,6 @@ def test_a_merge_that_overflows_float32_is_refused(tiny_llama_path, adapters):
 
     hf_config = AutoConfig.from_pretrained(tiny_llama_path)
     spec = MergeSpec(("one", "two"), (1e300, 1e300))
-    parts = [load_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
+    parts = [read_adapter(name, adapters / name, lora_shapes(hf_config)) for name in spec.ids]
     with pytest.raises(AdapterError, match="overflow float32"):
         merge_adapters(spec.key(), parts, spec, list(lora_shapes(hf_config).modules))

@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
 from engine.kernels import cpu_ops
-from engine.layers.expert_lora import ExpertLoRA
-from engine.merge_spec import MergeSpec
+from engine.lora.expert_linear import ExpertLoRA
+from engine.lora.merge_spec import MergeSpec
 from engine.models import experts
 from engine.models.experts import Experts
-from lora_cache.adapter import load_adapter
+from lora_cache.adapter import read_adapter
 from lora_cache.local_cache import local_adapters
 from lora_cache.merge import merge_adapters
 from tests.helpers import GREEDY, PROMPTS, _hf_model, hf_greedy, lora_shapes_of, peft_adapters, write_tiny_adapters
@@ -199,7 +199,7 @@ def test_an_expert_adapter_is_sized_by_its_real_bytes(tmp_path, tiny_qwen3_moe_p
     """Each expert's A and B of both stacked parameters, in every layer that has experts, and the attention
     modules': what the cache counts against its budget."""
     peft_adapters(tiny_qwen3_moe_path, tmp_path, {"experts-r4": EXPERT_ADAPTERS["experts-r4"]}, seed=50)
-    adapter = load_adapter("experts-r4", tmp_path / "experts-r4", lora_shapes_of(tiny_qwen3_moe_path))
+    adapter = read_adapter("experts-r4", tmp_path / "experts-r4", lora_shapes_of(tiny_qwen3_moe_path))
     experts, hidden, inter, rank, layers = 8, 64, 32, 4, 2  # layers 0 and 2 have experts (1 is dense)
     per_layer = experts * rank * ((hidden + 2 * inter) + (inter + hidden)) + rank * (hidden + 4 * 16)
     assert adapter.nbytes == 4 * (layers * per_layer + rank * (hidden + 4 * 16))  # q_proj in the dense layer too
@@ -233,11 +233,11 @@ def test_what_moe_does_not_run_yet_is_refused_by_name(tiny_qwen3_moe_path, tiny_
         folder = _adapter_with(tmp_path / reason[:12], f"base_model.model.model.layers.{module}", fan_in, fan_out,
                                target_parameters=parameters)
         with pytest.raises(AdapterError, match=reason):
-            load_adapter("refused", folder, experts)
+            read_adapter("refused", folder, experts)
     with pytest.raises(AdapterError, match="LoRA on raw parameters \\(target_parameters\\) 'mlp.experts.down_proj' is "
                                            "not supported; supported: none: this server serves no adapters on "
                                            "experts \\(a dense base, or expert_lora off\\)"):
-        load_adapter("refused", folder, lora_shapes_of(tiny_llama_path))
+        read_adapter("refused", folder, lora_shapes_of(tiny_llama_path))
 
 
 # (module, lora_A's input, lora_B's output, target_parameters, why): rank 4 in every config

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.adapters import SourceConfig
+from engine.lora.provider import SourceConfig
 from engine.errors import AdapterError
 from lora_cache.disk_tier import STAGING, DiskTier
 from lora_cache.local_cache import local_adapters

@@ -790,7 +790,7 @@ def test_lorax_merged_adapters_match_the_offline_merge(server, tiny_llama_path, 
     from lorax import Client
     from lorax.types import MergedAdapters
 
-    from engine.merge_spec import MergeSpec
+    from engine.lora.merge_spec import MergeSpec
 
     llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(adapters_root),
               log_stats=False)

@@ -12,7 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.adapters import default_provider
+from engine.lora.provider import default_provider
 from lora_cache.local_cache import local_adapters
 
 pytestmark = pytest.mark.slow

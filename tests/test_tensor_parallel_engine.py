@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.distributed.workers import WorkerDiedError
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata, PrefillSegment
-from engine.layers.lora_batch import AdapterRun
+from engine.lora.segments import AdapterRun
 from lora_cache.local_cache import local_adapters
 from tests.helpers import GREEDY, PROMPTS, hf_greedy, peft_adapters
 
@@ -178,8 +178,8 @@ def test_an_adapters_shards_are_cut_as_the_base_linears_are():
     checkpoint's qkv_proj stacks q, k and v of unequal sizes), A whole. Rank shards put together give the whole."""
     import torch
 
-    from engine.adapters import LoRAWeights
-    from engine.distributed.lora_shards import LoRALayout, ModuleShard, sub_parts
+    from engine.lora.provider import LoRAWeights
+    from engine.lora.shards import LoRALayout, ModuleShard, sub_parts
     from engine.distributed.parallel import TensorParallel
 
     assert sub_parts([8, 4, 4], (8, 4, 4)) == [(8,), (4,), (4,)]

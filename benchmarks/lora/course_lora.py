@@ -7,7 +7,7 @@ The course's toy model: an embedding (vocabulary 10), one linear layer carrying 
 
   loop        the course's first version: one row at a time, y[i] += x[i] @ A[idx] @ B[idx]
   gathered    the course's second version: index_select each row's A and B, then batched matmuls
-  lora-serve  engine.layers.lora.LoRALinear: rows grouped into segments of one adapter (one weight copy per
+  lora-serve  engine.lora.linear.LoRALinear: rows grouped into segments of one adapter (one weight copy per
               segment, never per row); its step batch is built by build_lora_batch inside every timed call
 
 The same model at hidden 1024 (the course's single-LoRA lesson size) shows where the base matmul takes over.
@@ -24,8 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from benchmarks.common import fmt, markdown_table
-from engine.layers.lora import LoRALinear, LoRASubModule
-from engine.layers.lora_batch import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
+from engine.lora.linear import LoRALinear, LoRASubModule
+from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
 
 COURSE_HIDDEN, WIDE_HIDDEN = 10, 1024
 VOCAB, SEQ_LEN, NUM_LORAS, RANK = 10, 8, 64, 2

@@ -68,7 +68,7 @@ def components(llm: LLM, root: Path, adapter_id: str, repeats: int) -> dict:
     cache, slot = llm.engine.adapters, llm.engine.adapter_slots.slot_of[adapter_id]
     read = [timed(cache.reader.read, adapter_id, root / adapter_id)[1] for _ in range(repeats)]
     adapter = cache.get(adapter_id)
-    copy = [timed(llm.engine.runner.load_adapter, slot, adapter)[1] for _ in range(repeats)]
+    copy = [timed(llm.engine.runner.copy_adapter, slot, adapter)[1] for _ in range(repeats)]
     return {"read_validate_ms": statistics.median(read) * 1000, "slot_copy_ms": statistics.median(copy) * 1000,
             "adapter_mib": adapter.nbytes / 2 ** 20, "repeats": repeats}
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.api.openai_protocol import MAX_CHOICES, MAX_STOP, StopString
 from deployments.api.strict import StrictModel
-from engine.merge_spec import MergeSpec
+from engine.lora.merge_spec import MergeSpec
 from engine.sampling import (
     LOGPROBS,
     MAX_TOKENS,

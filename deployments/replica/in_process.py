@@ -20,11 +20,11 @@ from deployments.replica.event_streams import LocalEvents
 from deployments.replica.replica_stats import engine_info
 from deployments.replica.tracing import RequestTracing
 from deployments.routes.engine_client import Served
-from engine.adapters import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import key_name
-from engine.merge_spec import MergeSpec
+from engine.lora.merge_spec import MergeSpec
 from engine.sampling import SamplingParams
 
 NO_LIFECYCLE = ("loading and unloading adapters at run time needs the cluster's adapter cache "
@@ -68,10 +68,10 @@ class InProcessEngine:
     async def adapter_stats(self) -> None:
         return None
 
-    async def load_adapter(self, name: str, lora_path: str):
+    async def register_adapter(self, name: str, lora_path: str):
         raise ValueError(NO_LIFECYCLE)
 
-    async def unload_adapter(self, name: str) -> None:
+    async def unregister_adapter(self, name: str) -> None:
         raise ValueError(NO_LIFECYCLE)
 
     async def merge_adapters(self, spec: MergeSpec) -> str:

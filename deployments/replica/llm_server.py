@@ -49,7 +49,7 @@ from engine.errors import (
     Refusal,
     key_name,
 )
-from engine.merge_spec import MergeSpec
+from engine.lora.merge_spec import MergeSpec
 from engine.outputs import EngineStats
 from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
@@ -184,10 +184,10 @@ class LLMServer:
         async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream, trace):
             yield event
 
-    async def load_adapter(self, name: str, lora_path: str) -> Registration:
+    async def register_adapter(self, name: str, lora_path: str) -> Registration:
         return await self._lora_cache().register(name, lora_path)
 
-    async def unload_adapter(self, name: str) -> None:
+    async def unregister_adapter(self, name: str) -> None:
         await self._lora_cache().unregister(name)
 
     async def merge_adapters(self, spec: MergeSpec) -> str:
@@ -310,11 +310,8 @@ def _engine_threads(config: EngineConfig) -> EngineConfig:
     """On CPU, unless num_threads is set: every core when this replica runs Intel's OpenMP runtime
     (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but
     one. On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
-    spin-waits, so every parallel op wakes its threads through the kernel: measured on 2 cores with paced events, a
-    separate ingress deployment and every op on OpenMP, 2 threads gave fewer tokens/s than 1 at 8 concurrent streams and
-    barely more at 32. The C++ operators run on a loop of their own (up to 2 threads), so on libgomp this concerns
-    torch's own ops alone, a case not measured. Tensor-parallel workers share the cores
-    (EngineConfig.threads_per_worker)."""
+    spin-waits, so every parallel op wakes its threads through the kernel; the core left over goes to the proxy.
+    Tensor-parallel workers share the cores (EngineConfig.threads_per_worker)."""
     if config.num_threads is not None or config.torch_device.type != "cpu" or config.tensor_parallel_size > 1:
         return config
     cores = os.cpu_count() or 2

@@ -56,7 +56,7 @@ async def load_lora_adapter(request: oai.LoadLoRAAdapterRequest, http: Request) 
     tenant_of(http).check_manage(request.lora_name)
     if request.lora_name == served.model_name:  # requests naming it would be the base model's
         raise RequestRefused(f"lora_name {request.lora_name!r} is the base model's name; choose another")
-    done = await _lifecycle(served.client.load_adapter(request.lora_name, request.lora_path))
+    done = await _lifecycle(served.client.register_adapter(request.lora_name, request.lora_path))
     return {"lora_name": done.name, "content_id": done.content_id,
             "message": f"LoRA adapter {done.name!r} loaded from {request.lora_path}"}
 
@@ -66,7 +66,7 @@ async def unload_lora_adapter(request: oai.UnloadLoRAAdapterRequest, http: Reque
     """vLLM's route: stop serving what load_lora_adapter loaded under `lora_name`."""
     served = served_of(http)
     tenant_of(http).check_manage(request.lora_name)
-    await _lifecycle(served.client.unload_adapter(request.lora_name))
+    await _lifecycle(served.client.unregister_adapter(request.lora_name))
     return {"lora_name": request.lora_name, "message": f"LoRA adapter {request.lora_name!r} unloaded"}
 
 

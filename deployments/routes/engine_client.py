@@ -19,7 +19,7 @@ from engine.errors import Refusal
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.merge_spec import MergeSpec
+    from engine.lora.merge_spec import MergeSpec
     from engine.sampling import SamplingParams
     from lora_cache.cache_stats import CacheStats
     from lora_cache.registry import Registration
@@ -57,11 +57,11 @@ class EngineClient(Protocol):
         """The adapter cache's view of every adapter (None where no cache lists them); AdapterCacheUnavailableError
         while the cache does not answer."""
 
-    async def load_adapter(self, name: str, lora_path: str) -> Registration:
+    async def register_adapter(self, name: str, lora_path: str) -> Registration:
         """Serve `name` from `lora_path` from now on; AdapterError says why not."""
 
-    async def unload_adapter(self, name: str) -> None:
-        """Stop serving what load_adapter loaded under `name`."""
+    async def unregister_adapter(self, name: str) -> None:
+        """Stop serving what register_adapter registered under `name`."""
 
     async def merge_adapters(self, spec: MergeSpec) -> str:
         """The adapter id that serves the merge of spec's adapters (LoRAX's merged_adapters)."""

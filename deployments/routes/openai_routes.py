@@ -36,7 +36,7 @@ from deployments.routes.edge import (
     tenant_of,
 )
 from deployments.routes.engine_client import Served
-from engine.adapter_ids import validate_adapter_id
+from engine.lora.ids import validate_adapter_id
 from engine.sampling import SamplingParams
 
 router = APIRouter()

@@ -22,7 +22,7 @@ from deployments.routes.edge import (
     tenant_of,
 )
 from deployments.routes.engine_client import Served
-from engine.adapter_ids import validate_adapter_id
+from engine.lora.ids import validate_adapter_id
 from engine.errors import Refusal
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import AdapterCacheUnavailableError

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine.adapters import LoRAAdapter
+from engine.lora.provider import LoRAAdapter
 from engine.config import EngineConfig
-from engine.distributed.lora_shards import adapter_shard, lora_layout, rank_view
+from engine.lora.shards import adapter_shard, lora_layout, rank_view
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
 from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
@@ -81,7 +81,7 @@ class MultiprocessExecutor:
             self.workers.check(DEATH_GRACE_S)  # a worker's death explains the failure: say so
             raise
 
-    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+    def copy_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
         """Each rank's shard of the adapter into its slot `slot`: every worker is sent its own shard only."""
         self.workers.check()
         parallel = self.parallel
@@ -89,7 +89,7 @@ class MultiprocessExecutor:
         self.channel.send(LoadAdapter(slot))
         for rank in range(1, parallel.world_size):
             self.channel.send_to(rank, shards[rank])
-        self.runner.load_adapter(slot, shards[0])
+        self.runner.copy_adapter(slot, shards[0])
 
     def alive(self) -> bool:
         return self.workers.alive()

@@ -1,6 +1,6 @@
 """The per-step broadcast from the driver (rank 0) to the tensor-parallel workers: one message a step, a
 `ForwardBatch` (engine/forward_batch.py) to run or `StopWorkers` to leave; between steps, `LoadAdapter` and then
-each worker's own shard of the adapter, sent to it alone (engine/distributed/lora_shards.py).
+each worker's own shard of the adapter, sent to it alone (engine/lora/shards.py).
 
 A message is pickled once and broadcast with torch.distributed.broadcast_object_list (its size, then its bytes:
 two gloo broadcasts a step) over a gloo group of its own, apart from the model's collectives: a step's tensors
@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.adapters import LoRAAdapter
+from engine.lora.provider import LoRAAdapter
 from engine.distributed.parallel import TensorParallel
 from engine.forward_batch import ForwardBatch
 

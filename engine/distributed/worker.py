@@ -80,6 +80,6 @@ def serve_steps(runner: ModelRunner, channel: StepChannel) -> None:
         if isinstance(message, StopWorkers):
             return
         if isinstance(message, LoadAdapter):
-            runner.load_adapter(message.slot, channel.receive_shard())
+            runner.copy_adapter(message.slot, channel.receive_shard())
             continue
         runner.run_forward(message)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.adapters import LoraShapes
+from engine.lora.provider import LoraShapes
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears

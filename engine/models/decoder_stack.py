@@ -28,8 +28,8 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import OwnKernel, PrepackedLinear
-from engine.layers.lora import LoRALinear
-from engine.layers.lora_batch import LoRAStepState
+from engine.lora.linear import LoRALinear
+from engine.lora.segments import LoRAStepState
 from engine.models.llama import FUSED_ACTIVATIONS, LlamaForCausalLM
 
 NO_TENSOR = torch.empty(0)  # the stack's stand-in for a linear without a bias, or for LoRA slots it lacks

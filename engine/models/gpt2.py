@@ -16,7 +16,7 @@ from engine.distributed.shards import check_divides
 from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.layers.lora import LoRATarget, fused_targets
+from engine.lora.linear import LoRATarget, fused_targets
 from engine.models.activations import activation
 
 

@@ -25,7 +25,7 @@ from engine.distributed.shards import check_divides
 from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.layers.lora import LoRATarget, fused_targets
+from engine.lora.linear import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
@@ -353,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
 
     def column_parts(self, path: str) -> tuple[int, ...]:
         """The full output sizes of the parts a column-parallel linear stacks, each split over the ranks on its
-        own (engine/distributed/lora_shards.py cuts LoRA B as they are cut)."""
+        own (engine/lora/shards.py cuts LoRA B as they are cut)."""
         if path == "self_attn.qkv_proj":
             n = self.tensor_parallel.world_size if self.tensor_parallel is not None else 1
             return tuple(size * n for size in self.layers[0].self_attn.split_sizes)

@@ -12,7 +12,7 @@ run as grouped matrix products over the tokens sorted by expert.
   rows in one index_add. No work is done per token, and experts no token chose are never read. Where no grouped
   kernel serves, each expert's two linears are linears of their own, run expert by expert.
 - **Adapters on the experts** (PEFT's target_parameters): each product takes its pairs' deltas
-  (engine/layers/expert_lora.py), each pair reading its token's adapter slot's weights for its expert.
+  (engine/lora/expert_linear.py), each pair reading its token's adapter slot's weights for its expert.
 - **Checkpoints in either layout**: transformers 5's fused expert tensors (`mlp.experts.gate_up_proj`,
   `mlp.experts.down_proj`) and the per-expert one its save_pretrained writes and the Hub's checkpoints hold
   (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1` / `w3` /
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.adapters import LoraShapes
+from engine.lora.provider import LoraShapes
 from engine.layers import uninitialized
-from engine.layers.expert_lora import ExpertLoRA
-from engine.layers.lora_batch import LoRAStepState
+from engine.lora.expert_linear import ExpertLoRA
+from engine.lora.segments import LoRAStepState
 from engine.models.activations import activation
 from engine.models.experts import Experts
 

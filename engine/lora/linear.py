@@ -4,13 +4,12 @@ Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] sh
 sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
 sub-module (scaling folded in), so that no zero block of a fused B is ever read. On CUDA every step (decode graphs
 and eager steps alike) groups its tokens by slot, and tiles of one slot's tokens multiply that slot's weights in
-place (Triton kernels, engine/kernels/lora.py).
+place (Triton kernels, engine/lora/triton_kernels.py).
 On CPU with the C++ operators each token reads its own slot's weights in place: one call per linear (cpu/lora.cpp),
-with A stored K-major for its dot products, and in the model's dtype (bf16 halves the bytes every token reads: with 32
-adapters in one bf16 step they were 4 MB a layer in float32). That replaced about ten small ops per linear: 64
-decodes over 8 rank-8 q,k,v,o adapters lost a large share of the base model's throughput that way, and kept
-nearly all of it with the C++ call, in bf16 and in fp32.
-Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (lora_batch.py); per group
+with A stored K-major for its dot products, and in the model's dtype, since every token reads its slot's weights and
+bf16 halves those bytes. One call per linear, not the grouped path's ten small ops, is what keeps a decode step of
+many adapters near the base model's throughput.
+Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (segments.py); per group
 the delta is batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
 (or, when one group holds every token in order, the expand matmul adds into it in place).
 Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.distributed.linears import RowParallelLinear
-from engine.layers.lora_batch import LoRAGroup, LoRAStepState
+from engine.lora.segments import LoRAGroup, LoRAStepState
 
 
 @dataclass
@@ -90,7 +89,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         if self.state.slot_order is not None:  # CUDA: every step, a decode graph's capture too
-            from engine.kernels.lora import lora_expand_, lora_shrink
+            from engine.lora.triton_kernels import lora_expand_, lora_shrink
 
             order = self.state.slot_order
             return lora_expand_(y, lora_shrink(x, self.a_slots, order), self.b_slots, order, self.max_rank)
@@ -177,7 +176,7 @@ class LoRASite:
 
 
 def _rank_site(parent: nn.Module, name: str, target: LoRATarget, n: int) -> LoRASite:
-    """On one of n ranks (engine/distributed/lora_shards.py): a row-parallel linear's delta joins its partial
+    """On one of n ranks (engine/lora/shards.py): a row-parallel linear's delta joins its partial
     product over the rank's inputs, before the all-reduce (the LoRA linear wraps the inner linear); a column-
     parallel one's is the rank's outputs. At one rank, the linear and its target as they are."""
     module = getattr(parent, name)

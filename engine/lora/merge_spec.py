@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from engine.adapter_ids import validate_adapter_id
+from engine.lora.ids import validate_adapter_id
 
 STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
 SIGN_METHODS = ("total", "frequency")

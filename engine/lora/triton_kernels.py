@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton_dot import dot
-from engine.layers.lora_batch import SlotOrder
+from engine.lora.segments import SlotOrder
 
 SHRINK_BLOCK_K = 64  # K columns a program: 3 blocks for a q/k/v rank-64 shrink, no masked lanes
 SHRINK_PROGRAMS = 512  # split `in` until a shrink grid has about this many working programs (~4 per H100 SM)

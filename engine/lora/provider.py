@@ -20,7 +20,7 @@ from engine.errors import AdapterError
 if TYPE_CHECKING:
     import torch
 
-    from engine.merge_spec import MergeSpec
+    from engine.lora.merge_spec import MergeSpec
 
 SOURCES = ("hub", "local", "s3")
 

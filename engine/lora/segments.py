@@ -94,7 +94,7 @@ class LoRAStepState:
       with the graph's own static SlotOrder, which each replay refills);
     - on CPU with the C++ operators, `token_slots`: each token's slot as a tensor (-1: base model);
     - otherwise `batch`: the grouped layout of build_lora_batch.
-    A mixture of experts' expert LoRA (engine/layers/expert_lora.py) reads `expert_slots`, each token's slot, on
+    A mixture of experts' expert LoRA (engine/lora/expert_linear.py) reads `expert_slots`, each token's slot, on
     every path."""
 
     def __init__(self):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.lora_batch import LoRAStepState
+from engine.lora.segments import LoRAStepState
 
 
 @dataclass(frozen=True)

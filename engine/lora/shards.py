@@ -11,7 +11,7 @@ its base output does:
 
 The engine loads a slot with the rank's shard (`adapter_shard`): the driver cuts each worker's shard of an
 adapter and sends it only that one (engine/distributed/executor.py), and the LoRA linears' slots hold the
-rank's shapes (engine/layers/lora.py wrap_lora_linears).
+rank's shapes (engine/lora/linear.py wrap_lora_linears).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.adapters import LoRAAdapter, LoRAWeights
+from engine.lora.provider import LoRAAdapter, LoRAWeights
 from engine.distributed.linears import RowParallelLinear
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.shards import input_columns, output_rows
