@@ -1,7 +1,7 @@
 """Per-request state: token ids, status, block table, timings.
 
 The scheduler, the block manager, the sampler and the engine each move a sequence through its life, and each does
-it through one of its methods (admit, take_blocks, computed, preempt, ...): a field read anywhere is written in
+it through one of its methods (admit, add_block, computed, preempt, ...): a field read anywhere is written in
 one place, which names what happened to the request.
 """
 

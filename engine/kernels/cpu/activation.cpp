@@ -1,9 +1,8 @@
 // SiLU or GELU and the product with the up projection in one pass over the fused gate_up output, for the MLP of
 // every Llama-family layer: the eager version splits, runs the activation into a new tensor and multiplies into
-// another (about 9 us a layer at batch 1 on 2 cores, most of it per-op cost). For GELU (Gemma's) the eager version
-// also runs on ATen's OpenMP threads beside the operators' own (work_pool.cpp), which spin or sleep apart: a random
-// Gemma 3 of SmolLM2's shape served 64 requests 32 at a time at 549-551 tok/s with GELU's eager ops and 904-967
-// with SiLU in their place (bf16, 2 cores of Zen 4); 32 rows of SmolLM2's MLP took 78 us eager against 18 fused.
+// another, and at batch 1 its per-op cost outweighs the arithmetic. For GELU (Gemma's) the eager version also runs
+// on ATen's OpenMP threads beside the operators' own (work_pool.cpp), which spin or sleep apart and cost a served
+// model much of its throughput (measurements: docs/cpu_kernels.md).
 //
 // GELU is ATen's own formula (ATen/native/cpu/Gelu.h: erf, or the tanh approximation, in float32, SLEEF's tanh),
 // vectorised and scalar as ATen splits a row; rounded to the model dtype, then the product rounded again, as the
@@ -11,9 +10,9 @@
 //
 // Rounding follows PyTorch's: silu is computed in float32 and rounded to the model dtype; the product is taken in
 // float32 and rounded again. In fp32, silu is ATen's own vectorised formula, x / (1 + exp(-x)), so the result is
-// bitwise PyTorch's. In bf16 and fp16 it takes a fast exp and reciprocal (reduced_silu): 64 rows of SmolLM2 in
-// bf16 on 2 cores of Zen 4 took 60 us with the exact formula, and 31 with these and bf16 rounding in one
-// instruction (float_types.h); over 99% of elements are still bitwise PyTorch's, the rest a unit or two away.
+// bitwise PyTorch's. In bf16 and fp16 it takes a fast exp and reciprocal (reduced_silu) and rounds to bf16 in one
+// instruction (float_types.h), faster than the exact formula; nearly every element is still bitwise PyTorch's, the
+// rest a unit or two away.
 
 #include "float_types.h"
 #include "ops.h"
@@ -73,8 +72,8 @@ template <typename scalar_t>
 
 // Two vectors a step and the rest one element at a time, as ATen's vectorised loop splits a row: its vector
 // exp (SLEEF) and the scalar std::exp can differ in the last bit, so the same elements must take the same one.
-// The step is vectorised through the product too: a scalar product made the op 60% of the time of the gate_up
-// projection before it (2,000 tokens of SmolLM2 in bf16, 2 cores of a Xeon: 1.3 -> 1.0 ms, the projection 2.1).
+// The step is vectorised through the product too: a scalar product makes the op a large fraction of the time of
+// the gate_up projection that feeds it.
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t width) {
   constexpr int64_t step = 2 * Vec::size();

@@ -2,10 +2,9 @@
 // with AMX (Xeon 4th generation on).
 //
 // Why: a decode step's linears read every weight once for a few rows of activations, so they should stream the
-// weights at the memory's rate. oneDNN's prepacked bf16 linear (its AMX kernel) did not on 2 cores of a Xeon:
-// SmolLM2's 30 layers of weights (212 MB) took 11.8 ms at 16 rows (18 GB/s) but 16.3-16.6 ms at 64 rows (13 GB/s;
-// 0.8 TFLOP/s, a fifth of the tiles' rate), and one thread alone read 6.9 GB/s at 64 rows: its tile loads waited
-// on memory. Here the weights are packed once into the order this kernel reads them, so each thread reads one
+// weights at the memory's rate. oneDNN's prepacked bf16 linear (its AMX kernel) does not: its tile loads wait on
+// memory, and its stream slows as the rows grow, far below the tiles' rate (measurements: docs/cpu_kernels.md).
+// Here the weights are packed once into the order this kernel reads them, so each thread reads one
 // contiguous stream that it prefetches a few KB ahead, and every weight tile is used for up to 32 rows while it
 // is in registers (the rows beyond 32 reuse it from L2).
 //

@@ -1,18 +1,17 @@
 // Reductions over each row of the logits, read in their own dtype (float32, or bf16/fp16 widened as they are
 // loaded, exactly): the greedy token, and the log-normalizer that turns logits into log-probabilities.
 //
-// argmax_rows: PyTorch's argmax over a 49,152-token vocabulary runs a scalar loop. Here each row takes two
-// vectorised passes: its maximum, then the first index holding it. 64 rows on 2 cores of a Zen 4 EPYC: 0.24 ms
-// against PyTorch's 1.3-1.6 in float32, 0.28 against 5.7 in bf16. A bf16 model's greedy rows are read as the LM
-// head wrote them, not widened into a float32 copy first (engine/sampler.py). Ties and NaN follow torch.argmax:
-// the first maximal index wins, and a NaN counts as larger than any number.
+// argmax_rows: PyTorch's argmax over a vocabulary runs a scalar loop. Here each row takes two vectorised passes: its
+// maximum, then the first index holding it. A bf16 model's greedy rows are read as the LM head wrote them, not
+// widened into a float32 copy first (engine/sampler.py). Ties and NaN follow torch.argmax: the first maximal index
+// wins, and a NaN counts as larger than any number.
 //
 // log_normalizers: each row's logsumexp in float32, so that a token's logprob is its logit minus it. Requests that
 // report logprobs (every TGI token carries one) would otherwise have the step widen its logits, index a float32 copy of
-// the rows and write a log_softmax of the whole vocabulary: 5.2 ms for 32 rows of SmolLM2 on 2 cores, most of it the
-// page faults of two fresh 6 MB tensors, and 9% of a closed loop of 32 greedy streams' tokens/s. Here two passes a row
-// (its maximum, then the sum of exp(x - max)) write one float a row: 0.34 ms for the same rows. The exp is ATen's fast
-// one (exp_u20, within 20 ulp: a logprob moves by at most 2.4e-6), 1.3x faster here than SLEEF's.
+// the rows and write a log_softmax of the whole vocabulary, most of whose cost is the page faults of two fresh
+// vocabulary-sized tensors. Here two passes a row (its maximum, then the sum of exp(x - max)) write one float a row.
+// The exp is ATen's fast one (exp_u20, within 20 ulp: a logprob moves by at most 2.4e-6), faster here than SLEEF's
+// (measurements: docs/cpu_kernels.md).
 
 #include "float_types.h"
 #include "ops.h"

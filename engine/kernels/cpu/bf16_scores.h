@@ -5,8 +5,8 @@
 // Each product of two bf16 values is exact in float32 and vdpbf16ps adds them in float32, as the widened path
 // does (only the order of the additions differs). Per token the dot products leave a vector of 16 partial sums;
 // the 16 tokens' vectors are then summed lane-wise into one vector of 16 scores by a transpose-and-add tree
-// (45 instructions for the 16 tokens). In the paged attention kernel this replaced widening and transposing each
-// block to float32 and 64 FMAs per query head (see paged_attention.cpp for the figures).
+// (45 instructions for the 16 tokens). In the paged attention kernel this takes the place of widening and
+// transposing each block to float32 and 64 FMAs per query head (measurements: docs/cpu_kernels.md).
 #pragma once
 
 #include <c10/util/BFloat16.h>

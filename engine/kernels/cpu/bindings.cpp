@@ -1,10 +1,10 @@
 // Python bindings of the engine's C++ CPU operators (ops.h), on CPython's C API with vectorcall entries.
 //
-// Why not pybind11: its headers and torch's Tensor casters (torch/csrc/utils/pybind.h) are most of a cold build.
-// On 2 cores of an AVX2 EPYC this file took 15.0 s with them (7.8 s parsing them), more than every kernel together
-// (12.2 s), and a first `serve run` on a machine waits for the slower unit. Here it parses Python.h and the Tensor
-// class only. Each operator's arguments are converted by its C++ parameter types (Arg<T>), so a new operator is one
-// line in the table below. A call costs what pybind11's did or less (a 1 x 64 rms_norm: 1.25 us with pybind11).
+// Why not pybind11: its headers and torch's Tensor casters (torch/csrc/utils/pybind.h) are most of a cold build:
+// with them this file alone takes longer than every kernel together, and a first `serve run` on a machine waits for
+// the slower unit (measurements: docs/cpu_kernels.md). Here it parses Python.h and the Tensor class only. Each
+// operator's arguments are converted by its C++ parameter types (Arg<T>), so a new operator is one line in the
+// table below. A call costs what a pybind11 call costs or less.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,7 @@
 #include "ops.h"
 
 // torch's Python tensor, as torch/csrc/autograd/python_variable.h declares it and libtorch_python exports it. That
-// header brings pybind11 and autograd's headers (8 s of parsing), so the three names are declared here. The build's
+// header brings pybind11 and autograd's headers, slow to parse, so the three names are declared here. The build's
 // name carries torch's version (cpu_ops.py), so another torch rebuilds against its own.
 struct THPVariable {
   PyObject_HEAD
@@ -95,7 +95,7 @@ struct Arg<std::vector<at::Tensor>> {
 template <>
 struct Arg<int64_t> {
   static int64_t from(PyObject* value, size_t index) {
-    if (!PyIndex_Check(value))  // int, bool or numpy's integers; never a float, as pybind11 refused one too
+    if (!PyIndex_Check(value))  // int, bool or numpy's integers; never a float, which pybind11 refuses too
       throw ArgumentError("argument " + std::to_string(index) + " must be an int, not " + type_name(value));
     int64_t result = PyLong_AsLongLong(value);
     if (result == -1 && PyErr_Occurred()) {
@@ -133,14 +133,11 @@ class WithoutGil {
 
 // Runs the operator without the GIL, as torch's own operators run: the replica's event loop (HTTP, Ray's calls)
 // then runs beside a step's linears and attention instead of waiting for each to end, and the operators' own
-// threads (work_pool.cpp) tolerate the core it takes. No operator touches a Python object. SmolLM2 bf16 on an AVX2
-// EPYC, an AsyncEngine beside 3 threads of its process that take the GIL every 3 ms (benchmarks/serve/
-// contention_worker.py), 3 alternating rounds, medians: TPOT at 1 stream 18.7 ms against 20.0 holding the GIL,
-// 302 tok/s at 32 streams against 289.
+// threads (work_pool.cpp) tolerate the core it takes. No operator touches a Python object. Beside threads that take
+// the GIL, a replica decodes faster this way.
 // The exception: an operator whose work is a few microseconds (a step's row gathers) keeps the GIL. Releasing it
-// let the replica's event loop take it, and the step thread then waited to take it back for longer than the
-// operator ran (py-spy on a replica at 32 streams: the embedding's gather was a fifth of the step thread's GIL
-// waits).
+// lets the replica's event loop take it, and the step thread then waits to take it back for longer than the
+// operator runs.
 enum class Gil { kRelease, kKeep };
 
 template <Gil gil, typename R, typename... Params>
@@ -166,7 +163,7 @@ PyObject* run(R (*op)(Params...), PyObject* const* args, std::index_sequence<I..
   }
 }
 
-// One operator's call from Python: positional arguments only, as before; C++ errors become Python's (a failed
+// One operator's call from Python: positional arguments only; C++ errors become Python's (a failed
 // TORCH_CHECK a RuntimeError with its message, as torch's own operators raise it).
 template <Gil gil, typename R, typename... Params>
 PyObject* call(const char* name, R (*op)(Params...), PyObject* const* args, Py_ssize_t count) {

@@ -1,12 +1,11 @@
 // A Llama-family decoder's layers in one call: the step thread runs every operator of every layer from C++, without
 // the GIL and with no Python between operators.
 //
-// Why: a decode step of SmolLM2 runs about 300 operators (9 a layer over 30 layers, plus views). Called from
-// Python, each returns to the interpreter, takes the GIL back, and goes through a module's __call__ before the next
-// starts; in that time the operators' other thread (work_pool.cpp) has nothing to do. Offline the step thread spent
-// 12% of its time outside the operators' loops; in a serving replica 25%, because there the GIL is also taken by
-// the replica's event loops and Ray's threads (5% of the step thread's time went to waiting for it), and a
-// wake-up of the serving stack that preempts the step thread in that time stalls both cores. Here the same
+// Why: a decode step runs about 9 operators a layer, plus views. Called from Python, each returns to the
+// interpreter, takes the GIL back, and goes through a module's __call__ before the next starts; in that time the
+// operators' other thread (work_pool.cpp) has nothing to do. In a serving replica that time is longer, because there
+// the GIL is also taken by the replica's event loops and Ray's threads, and a wake-up of the serving stack that
+// preempts the step thread in that time stalls both cores (measurements: docs/cpu_kernels.md). Here the same
 // operators run in the same order on the same tensors, so the results are the same bits as the modules' path
 // (tests/test_decoder_stack.py checks it).
 //

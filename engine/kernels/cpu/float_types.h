@@ -45,8 +45,8 @@ template <typename scalar_t>
 inline float round_to(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
 
 // 2 * Vec::size() float32 values a, b rounded to the reduced type scalar_t, to nearest even. For bf16 on a CPU
-// with AVX-512 BF16 that is one instruction (vcvtne2ps2bf16) instead of ATen's dozen integer ones, which made
-// half of the time of silu_and_mul in bf16. The instruction reads float32 denormals (below 1.2e-38) as 0, where
+// with AVX-512 BF16 that is one instruction (vcvtne2ps2bf16) instead of ATen's dozen integer ones, which are a
+// large share of silu_and_mul's time in bf16. The instruction reads float32 denormals (below 1.2e-38) as 0, where
 // ATen rounds them to bf16 denormals; everything else is bitwise the same.
 template <typename scalar_t>
 inline at::vec::Vectorized<scalar_t> narrow_pair(const Vec& a, const Vec& b) {

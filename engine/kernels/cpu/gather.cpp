@@ -3,9 +3,8 @@
 //
 // Why: torch's embedding and indexing run on OpenMP's threads once a copy passes 32,768 values (57 or more rows of
 // SmolLM2's 576), and an OpenMP thread spins for milliseconds after its loop. In a step whose other work runs on
-// the operators' pool (work_pool.cpp), that spinning took a core from the pool: on 2 cores of a Zen 4 EPYC, bf16,
-// 64 rows, SmolLM2's 30 layers of linears took 35 ms alone and 41-50 ms right after torch's embedding of 64
-// tokens, and the LM head 8.6 ms alone and 11.6-20 ms after torch's indexing of its 64 rows.
+// the operators' pool (work_pool.cpp), that spinning takes a core from the pool, and the linears and the LM head
+// that follow are slower (measurements: docs/cpu_kernels.md).
 
 #include "ops.h"
 #include "work_pool.h"

@@ -1,6 +1,6 @@
 // Writes a step's new keys and values into one layer's paged cache in one call. The eager version is two
-// index_copy_ calls a layer on a transposed view of the new tokens, about 30 us each for a 64-sequence decode
-// step on 2 cores (4% of a bf16 step); here each (token, KV head) row is one memcpy of head_dim values. A float32
+// index_copy_ calls a layer on a transposed view of the new tokens, a visible share of a decode step
+// (measurements: docs/cpu_kernels.md); here each (token, KV head) row is one memcpy of head_dim values. A float32
 // model over a bf16 cache (bf16 weights computed in float32 on a CPU without bf16 matrix math) rounds each row to
 // bf16 as it writes it, to nearest even as torch's conversion does.
 

@@ -1,12 +1,11 @@
 // Multi-LoRA on CPU in one call per linear: every token reads its own adapter slot's A and B in place, as the
-// Triton kernels do on CUDA (engine/kernels/lora.py), with the same contract: y[t, off_i:off_i + out_i] +=
+// Triton kernels do on CUDA (engine/lora/triton_kernels.py), with the same contract: y[t, off_i:off_i + out_i] +=
 // (x[t] @ A[slot][:, i * rank:(i + 1) * rank]) @ B_i[slot], summed in float32 with y's value and rounded once to
 // y's dtype; tokens of slot -1 (the base model) untouched.
 //
 // Why: the grouped PyTorch path gathers each segment's weights, pads and batches the tokens, and runs about ten
-// small ops a linear (index_select, two bmm per sub-module, cat, index_add), each tens of microseconds on a CPU
-// while the math is a few. 64 decodes of 8 rank-8 q,k,v,o adapters on SmolLM2 in bf16 kept 74% of the base
-// model's throughput on 2 cores of a Xeon that way.
+// small ops a linear (index_select, two bmm per sub-module, cat, index_add), each costing more on a CPU than its
+// math, and a batch of adapted decodes loses much of the base model's throughput that way.
 //
 // The math is float32; the slots' weights are float32 or the model's dtype (LoRALinear keeps them in bf16 for a bf16
 // model when this kernel runs: half the bytes each token reads). A token's x row is widened once; the shrink is a
@@ -16,8 +15,8 @@
 // taken in groups of up to 4 of one slot: the slot's A stays in L1 from token to token, each row of B is widened
 // once for the group, and each vector of the group's y rows stays in a register across the rank lanes. With bf16
 // activations and weights and AVX-512 BF16, the shrink takes vdpbf16ps on x and A as stored, 16 columns a call
-// (bf16_scores.h). 64 tokens over 8 rank-8 slots, bf16, 2 cores of a Xeon: the q,k,v linear 44-48 -> 32 us a call
-// (vdpbf16ps, y in registers), then 27 us (groups); gate/up 77-82 -> 56 -> 46 us.
+// (bf16_scores.h). The dot products, y in registers and the groups each make a call faster
+// (measurements: docs/cpu_kernels.md).
 
 #include "bf16_scores.h"
 #include "float_types.h"

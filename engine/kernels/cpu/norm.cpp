@@ -1,5 +1,5 @@
 // RMSNorm in one pass per row, for the batch-1 step where each of the eager version's ~8 small ops costs more
-// than its arithmetic (about 31 us a call there, for a 576-wide row). add_rms_norm first adds a sublayer's output
+// than its arithmetic (measurements: docs/cpu_kernels.md). add_rms_norm first adds a sublayer's output
 // into the residual stream, in place, in the same pass: the decoder's two residual additions a layer are then no
 // ops of their own.
 //
@@ -53,9 +53,8 @@ void run(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::
   const scalar_t* dp = delta == nullptr ? nullptr : delta->data_ptr<scalar_t>();
   const weight_t* wp = w.data_ptr<weight_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  // chunks of 16 rows: within a step the pool's threads are awake from the operator before, and a 576-wide bf16
-  // row takes about 0.3 us (its roundings are ATen's vector conversions); 64 x 576 on 2 cores of a Zen 4 EPYC took
-  // 18.6 us in chunks of 64 rows (one thread), 11.9 in chunks of 16; one chunk of 16 rows or fewer runs inline
+  // chunks of 16 rows: within a step the pool's threads are awake from the operator before, so splitting pays even
+  // for a few dozen rows; one chunk of 16 rows or fewer runs inline
   lora_serve::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (dp != nullptr) add_row(xp + r * d, dp + r * d, d);

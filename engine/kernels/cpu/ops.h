@@ -1,8 +1,8 @@
 // The engine's C++ CPU operators, one extension module (bindings.cpp); built by engine/kernels/cpu_ops.py.
 #pragma once
 
-// Only the Tensor class: ATen/ATen.h (every operator's header) costs several seconds of each file's build, and
-// even ATen/ops/empty.h doubles a file's parsing (1.2 s more than this one), so outputs come from Tensor::new_empty.
+// Only the Tensor class: ATen/ATen.h (every operator's header) slows each file's build, and even ATen/ops/empty.h
+// adds much to a file's parsing, so outputs come from Tensor::new_empty.
 #include <ATen/core/Tensor.h>
 
 #include <optional>

@@ -12,25 +12,21 @@
 // of size context is materialised. No block is ever copied. With AVX-512 BF16, bf16 keys are scored as they are stored
 // (bf16_scores.h); otherwise a block of keys is widened to float32 and transposed once for the tile. Values are
 // widened to float32 a block at a time, and each value row is loaded once for the query heads that share it.
-// Products and sums are float32 in every dtype. Each block's successor is prefetched while it is scored. One
-// layer, bf16, 2 cores, 64 decodes at 300 tokens: 1.24 ms with widened keys, one head at a time and no prefetch;
-// 1.08 with the prefetch; 0.91 scoring in bf16; 0.83 with the heads' values together (16 x 2,048: 1.66 -> 1.28).
+// Products and sums are float32 in every dtype. Each block's successor is prefetched while it is scored. Each of
+// these choices (the prefetch, scoring in bf16, the heads' values together) makes a decode faster
+// (measurements: docs/cpu_kernels.md).
 //
-// A decode token is a tile of one query, so decodes and short chunks share the call: before it, a step of 64
-// fresh prompts of 5-40 tokens ran about 10 small ops per sequence and layer (200 of its 260 ms on 2 cores).
-// Chunks of 64 tokens or more go to SDPA's flash kernel (engine/layers/attention.py): this kernel's float32 FMAs
-// reach only a fraction of its bf16 rate there.
+// A decode token is a tile of one query, so decodes and short chunks share the call, where attending each
+// sequence on its own takes several small ops per sequence and layer. Chunks of 64 tokens or more go to SDPA's
+// flash kernel (engine/layers/attention.py): this kernel's float32 FMAs reach only a fraction of its bf16 rate there.
 //
 // In float32, a decode's keys are scored where they are stored (score_rows) and the values read in place, and the
-// accumulation runs in passes over the head dim that keep every accumulator in a register. One layer, 16 float32
-// decodes at 2,000 tokens, 2 cores of an AVX2-only EPYC: 7.2 ms with each block copied and transposed for its
-// single query and a 64-dim head's accumulators spilled, 4.1 ms this way (each sequence's blocks in order;
-// scattered, the reads are latency-bound: 8.1 -> 6.3 ms).
+// accumulation runs in passes over the head dim that keep every accumulator in a register: copying and transposing
+// each block for its single query, and spilling a head's accumulators, cost more.
 //
 // A bf16 model that computes in float32 (a CPU without bf16 matrix math) keeps its cache in bf16: float32 queries
 // then read the bf16 keys and values in place, widened as they are loaded (load_float), on the float32 decode path.
-// Half the bytes of a float32 cache: one layer, 16 decodes at 2,000 tokens, AVX2 EPYC, 2 cores, 2.6-3.8 ms against
-// 4.5-5.7 over a float32 cache (3 rounds).
+// A long-context decode then reads half the bytes of a float32 cache.
 
 #include "bf16_scores.h"
 #include "float_types.h"
@@ -59,8 +55,8 @@ struct Shape {
   float softcap;  // Gemma 2's attention logit soft-capping: scores become softcap * tanh(score / softcap); 0: none
   int64_t window;  // a sliding window (Gemma 2's and 3's local layers): the query at p sees keys p - window + 1 .. p;
                    // 0: every earlier key
-  // floats per head in Scratch::probs: the call's longest two-pass decode, in whole blocks. Rows of kTwoPassTokens,
-  // zeroed with every chunk's scratch, took 64 short decodes 0.093 ms a call against 0.080 (bf16, Zen 4, warm)
+  // floats per head in Scratch::probs: the call's longest two-pass decode, in whole blocks, not kTwoPassTokens:
+  // every chunk's scratch is zeroed, and rows of kTwoPassTokens make a call of short decodes slower
   int64_t probs_stride;
 };
 
@@ -129,8 +125,8 @@ inline void score_block(Scratch& w, const Shape& s, int64_t g, int64_t rows, flo
 
 // Scores of one query's heads of the group (the first group rows of w.query) against a block's keys as they are
 // stored (float32, or bf16/fp16 widened as they are loaded): a dot product per key and head, block_size apart in
-// `scores` (-inf past `rows`). For a float32 decode this replaces copying and transposing each block for a single
-// query.
+// `scores` (-inf past `rows`). A float32 decode scores this way rather than copying and transposing each block for
+// a single query.
 template <typename cache_t>
 inline void score_rows(const Scratch& w, const Shape& s, const cache_t* keys, int64_t rows, float* scores,
                        int64_t head_stride) {
@@ -196,7 +192,7 @@ inline void accumulate_any(float* acc, float rescale, const float* p, const valu
 
 // Vectors of the head dim that one pass of accumulate_group keeps per row: up to 4 rows' accumulators must fit in the
 // registers beside the pass's V vectors: 32 of them with AVX-512, 16 with AVX2 (where a whole 64-dim head, 8 vectors
-// a row, spilled).
+// a row, would spill).
 constexpr int kPassVectors = Vec::size() >= 16 ? 4 : 2;
 
 // The n rows' accumulate_rows in passes of CHUNKS vectors over the head dim (d a multiple of CHUNKS vectors).
@@ -291,11 +287,9 @@ inline float softmax_in_place(float* p, int64_t n) {
 // One decode (a tile of one query) in two passes over its context: every block's scores for the group's heads into
 // w.probs (each head's row s.probs_stride long), one softmax per head over the whole context, then the weighted
 // values of every block, read where they are stored. Folding block by block instead rescales every accumulator and
-// takes a max, an exp and two horizontal sums per head and block, and (in bf16) widened each block of values to
-// float32 first. One layer, bf16, 2 cores of a Zen 4 EPYC: 64 decodes of 26-56 tokens 0.103 -> 0.080 ms with warm
-// caches, 0.233 -> 0.186 ms a call in 64 greedy requests of 32 tokens (rows of 4,096); 16 decodes of 2,000
-// tokens 2.10 -> 1.26-1.41. The passes stay in this one function: with the second in a function of its own, GCC
-// inlined differently and the 64 short decodes took 0.115 ms (against 0.089, rows of 4,096).
+// takes a max, an exp and two horizontal sums per head and block, and (in bf16) widens each block of values to
+// float32 first, which is slower for short and long decodes alike. The passes stay in this one function:
+// with the second in a function of its own, GCC inlines differently and short decodes are slower.
 template <typename q_t, typename cache_t>
 void decode_in_two_passes(const q_t* q, const cache_t* k_head, const cache_t* v_head, const int64_t* table,
                           int64_t context, q_t* out, const Shape& s, Scratch& w) {
@@ -424,10 +418,8 @@ std::vector<Tile> make_tiles(const at::Tensor& starts, const at::Tensor& lens, c
 }
 
 // Blocks of the next work item asked for while one runs. attend prefetches each block's successor, so only an
-// item's first block waited on memory, and a short decode has 2-4 blocks. With the first one prefetched, in 64
-// greedy requests of 32 tokens (bf16, 2 cores of a Zen 4 EPYC) a layer's call took 0.164-0.181 ms against
-// 0.186-0.196 without (7 alternating pairs of processes, faster in each); the next item's first 2 or 4 blocks,
-// no faster.
+// item's first block would wait on memory, and a short decode has only a few blocks. Prefetching the first one
+// makes a call of short decodes faster; prefetching more is no faster.
 constexpr int64_t kAheadBlocks = 1;
 
 template <typename q_t, typename cache_t>
@@ -440,8 +432,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const cache_t* kp = k_cache.data_ptr<cache_t>();
   const cache_t* vp = v_cache.data_ptr<cache_t>();
   q_t* op = out.data_ptr<q_t>();
-  // only a tiny call stays on the calling thread, where waking the pool costs more than it saves; 64 decodes of
-  // 40 tokens (bf16, 2 cores) took 290 us on one thread, 132 on two
+  // only a tiny call stays on the calling thread, where waking the pool costs more than it saves; a step of short
+  // decodes already runs faster on the pool's threads
   const int64_t grain = work * kv_heads < 1024 ? items : 1;
   lora_serve::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     Scratch w(s);

@@ -2,9 +2,10 @@
 // the chunk's queries are the last T of the sequence's positions, its keys and values are read from the paged cache
 // (this step's already written), so a chunk after cached tokens is one call like a fresh prompt.
 //
-// Why: on a CPU with AVX-512 BF16 but no AMX (AMD EPYC Zen 4), PyTorch's flash kernel for CPU took 39-40 ms for one
-// layer of a 2,000-token SmolLM2 prompt (about 0.12 TFLOP/s of the 0.41 a bf16 matmul reaches on the same 2
-// cores), 54% of the prompt's prefill. Where AMX exists its kernel uses it (9 ms), and the engine keeps it there.
+// Why: on a CPU with AVX-512 BF16 but no AMX (AMD EPYC Zen 4), PyTorch's flash kernel for CPU runs far below the rate
+// a bf16 matmul reaches on the same cores, and a long prompt's attention is then a large share of its prefill
+// (measurements: docs/cpu_kernels.md). Where AMX exists PyTorch's kernel uses it, and prompt_attention runs the AMX
+// kernel (prompt_attention_amx.cpp), which is faster still.
 //
 // Layout: the work items and the online softmax are those of the AMX kernel (prompt_tile.h): 16 queries of one
 // query head in the vector lanes, scores and output transposed, so the softmax runs down the columns with no
@@ -17,14 +18,11 @@
 // from both ends of the prompt, since causal tiles near the end cost the most.
 //
 // The running max is exact (lazy 0), and a moved max rescales O^T as it is loaded for the next product. The AMX
-// kernel's lazy max (2^8) saved 3-5% here but doubled the largest error on peaked softmaxes against float32 (the top
-// probability is then not exactly 1 in bf16); with the exact max the errors are PyTorch's flash kernel's.
+// kernel's lazy max (2^8) gains little here and makes the largest error on peaked softmaxes against float32 larger
+// (the top probability is then not exactly 1 in bf16); with the exact max the errors are PyTorch's flash kernel's.
 //
-// One layer of a 2,000-token SmolLM2 prompt (9 query heads, 3 KV heads, head dim 64), 2 cores of an AMD EPYC:
-// 6.6-6.9 ms, about 0.7 TFLOP/s (the products alone run at 0.9, the dot-product units' peak being about 1);
-// 1,000 tokens after 1,000 cached 4.9-5.2 ms. A row-wise layout (a row per query, softmax by horizontal sums,
-// ATen's exp), measured as the alternative, takes 9.1 and 6.8 ms. On a Xeon with AMX it is 3-3.5x slower than
-// the AMX kernel, which keeps that CPU's work.
+// A row-wise layout (a row per query, softmax by horizontal sums, ATen's exp) is slower than this one. On a CPU with
+// AMX this kernel is slower than the AMX kernel, which takes that CPU's work.
 
 #include "ops.h"
 #include "work_pool.h"

@@ -1,9 +1,9 @@
 // Causal prompt attention in bf16 on AMX tiles (TDPBF16PS), for CPUs with AMX (Xeon 4th generation on): the
 // contract of prompt_attention.cpp, which calls it.
 //
-// Why: PyTorch's flash kernel for CPU runs its products on AMX there, but a chunk after cached tokens took it two
+// Why: PyTorch's flash kernel for CPU runs its products on AMX there, but a chunk after cached tokens takes it two
 // calls, a gather of the cached blocks and a merge of the two halves by their log-sum-exps, and its softmax works
-// row by row. A 2,000-token SmolLM2 prompt spent 56% of its prefill in attention on 2 cores of a Xeon.
+// row by row; a long prompt's attention is then a large share of its prefill (measurements: docs/cpu_kernels.md).
 //
 // Layout: the scores are computed transposed, S^T = K Q^T, 32 keys (two 16-row tiles) by 16 queries (one token
 // each, of one query head), so that every per-query quantity of the online softmax (the running max and sum, the
@@ -15,12 +15,10 @@
 // 128), and goes through memory only to be rescaled, which the lazy running max makes rare. Probabilities are
 // rounded to bf16 for the second product, as PyTorch's kernel rounds them.
 //
-// One layer of SmolLM2 (9 query heads, 3 KV heads, head dim 64), 2 cores of a Xeon, against SDPA's flash kernel
-// as the engine called it: a fresh 2,000-token prompt 4.1-5.0 ms against 7.7-8.8; 1,000 tokens after 1,000
-// cached 3.0-3.6 against 7.9-10.0; 512 tokens 0.40-0.45 against 0.8-0.9. The exponentials, ATen's exp_u20 at
-// first, were a third of the time; without any, about 4 ms remain at 2,000 tokens, mostly the steps' chain of tile
-// latencies (score, store, softmax, store, product) that one work item cannot overlap. The work item, its softmax
-// and the packing of V^T are shared with the AVX-512 kernel (prompt_tile.h).
+// The exponentials are a polynomial 2^x of the kernel's own (prompt_tile.cpp): with ATen's exp_u20 they are a large
+// share of the time. The rest is mostly the steps' chain of tile latencies (score, store, softmax, store, product),
+// which one work item cannot overlap. The work item, its softmax and the packing of V^T are shared with the AVX-512
+// kernel (prompt_tile.h).
 
 #include "prompt_attention.h"
 

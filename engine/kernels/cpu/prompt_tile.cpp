@@ -12,8 +12,8 @@ namespace lora_serve::prompt_tile_detail {
 using namespace lora_serve::prompt_tile;
 
 // 2^x, x clamped at -127: a degree-4 polynomial for 2^fraction (relative error 2.6e-6, as small as ATen's
-// exp_u20) scaled by 2^floor(x), which vscalefps takes from x itself; the fraction is one vreduceps. 7
-// instructions against exp_u20's 15, and the exponentials were a third of the AMX kernel's time. A clamped 2^-127
+// exp_u20) scaled by 2^floor(x), which vscalefps takes from x itself; the fraction is one vreduceps. It takes far fewer
+// instructions than exp_u20, and the exponentials are a large share of the AMX kernel's time. A clamped 2^-127
 // is a denormal, flushed to 0 (FlushDenormals): masked keys weigh nothing.
 inline __m512 exp2(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));

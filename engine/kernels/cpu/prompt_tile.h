@@ -22,8 +22,7 @@ constexpr int64_t KS = 32;  // keys per step
 constexpr int64_t TQ = 16;  // queries per work item: the lanes of a vector
 
 // Denormals flushed to zero (and read as zero) while a thread runs the kernel, its previous mode restored after:
-// the clamped 2^-127 of a masked key is a denormal, and arithmetic on denormals takes a microcode assist that
-// made 512-token prompts a third slower.
+// the clamped 2^-127 of a masked key is a denormal, and arithmetic on denormals takes a slow microcode assist.
 struct FlushDenormals {
   const unsigned saved = _mm_getcsr();
   FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ

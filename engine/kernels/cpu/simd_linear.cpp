@@ -1,13 +1,11 @@
 // Linears with vector FMAs for CPUs without AMX: y [M, N] = x [M, K] W^T (+ bias). With AVX-512 (AMD Zen 4 on)
 // in bf16 with VDPBF16PS dot products or in float32; with AVX2 and FMA alone (AMD Zen 3, older Intel) in float32.
 //
-// Why: oneDNN's prepacked linears left the vector units idle on 2 cores of an AMD EPYC. In bf16 its kernel used
-// 48-63% of the dot-product units at 32-64 rows (SmolLM2's 30 layers of weights: 14.0 ms at 32 rows, 21.4 at 64;
-// the units do 500 GFLOP/s a core), and in float32 it streamed a decode step's weights at 35 GB/s, where one
-// stream per core reads 48. On an AVX2-only EPYC (Zen 3) its float32 decode linears streamed 11.7 GB/s, where a
-// sum over memory on the same 2 cores reads 27. A decode step is a few rows over every weight, so the kernel is
-// built around the weight stream: each weight vector loaded is used for 6 rows from registers, and a column
-// block's weights, read from memory once for the first 6 rows, serve the others from L2.
+// Why: oneDNN's prepacked linears leave the vector units idle at a decode step's row counts: in bf16 its kernel keeps
+// only part of the dot-product units busy, and in float32, with AVX-512 or AVX2, it streams the weights well below
+// the rate the memory gives (measurements: docs/cpu_kernels.md). A decode step is a few rows over every weight, so
+// the kernel is built around the weight stream: each weight vector loaded is used for 6 rows from registers, and a
+// column block's weights, read from memory once for the first 6 rows, serve the others from L2.
 //
 // A bf16 model on a CPU with AVX2 alone keeps its weights in bf16: its float32 rows multiply weights widened to
 // float32 in registers (exactly: a bf16 is the top half of a float32), so a decode step reads half the bytes of
@@ -39,9 +37,8 @@ namespace lora_serve::simd_linear_detail {
 constexpr int64_t kVectors = Vec::size() >= 16 ? 4 : 2;
 constexpr int64_t kCols = Vec::size() * kVectors;  // output columns per packed block
 // The registers' own type, for every value of a row block's loop: with Vec (ATen's Vectorized<float>, a class)
-// for its 24 sums, GCC kept all but one in memory, a load and a store around each dot product. On 2 cores of an
-// AMD EPYC Zen 4 (one 512-bit store a cycle, 256 bits wide), SmolLM2's 30 layers of bf16 weights took 33.8 ms
-// at 32 rows that way and 18.5 in registers (oneDNN: 22.8); 69.5 and 33.4 at 64 rows (oneDNN: 37.7).
+// for its 24 sums, GCC keeps all but one in memory, a load and a store around each dot product, and the kernel runs
+// at the stores' pace, behind oneDNN; as RawVec they stay in registers.
 #if defined(CPU_CAPABILITY_AVX512)
 using RawVec = __m512;
 inline RawVec raw_zero() { return _mm512_setzero_ps(); }
@@ -106,10 +103,9 @@ struct BFloat16 {
 // AVX2: float32 rows, bf16 weights. The pack (simd_pack_linear_weight) puts the block's two vectors of a depth in
 // one: each 32-bit word holds a column of vector 0 in its low half and the same column of vector 1 in its high
 // half, so one load and two integer operations give both as float32 (the low half shifted up, the high half
-// masked), exactly. Widening each vector from its own 8 bf16 values (a zero-extending load, then a shift) took
-// SmolLM2's 30 layers and head 1.2-1.3x as long as float32 at 8-16 rows. This one, on 2 cores of an AVX2 EPYC:
-// 12.2 ms against float32's 23.5 at 1 row, 19.6 against 26.9 at 8, 30.4 against 37.1 at 16, then within 4% of
-// float32 from 32 to 1,024 rows, where the FMAs set the pace.
+// masked), exactly. Widening each vector from its own 8 bf16 values (a zero-extending load, then a shift) makes a few
+// rows slower than float32; this way a few rows, where the weight stream sets the pace, run faster than float32, and
+// many rows, where the FMAs set it, about as fast.
 struct Float32WithBFloat16Weights : Float32 {
   using weight_t = uint16_t;
   static void load_depth(const uint16_t* w, RawVec (&b)[kVectors]) {
@@ -184,16 +180,14 @@ void rows(const Problem<F>& p, int64_t block, int64_t row0, int count, const typ
 // Each thread takes chunks of column blocks from the front of a contiguous range (work_pool.cpp): one weight stream
 // a thread. A block's first pass over the rows reads it from memory, at the memory's pace; later passes read it
 // from L2. So the second pass also fetches the next block into L2 (the thread's own next, unless another thread
-// took it), and that block's first pass then runs at the FMAs' pace. On 2 cores of an AVX2 EPYC (Zen 3), float32,
-// SmolLM2's decode steps took 8.6% less time at 8 sequences, 4-17% at 16 and 3-10% at 32 (2-3 interleaved
-// comparisons; at one register block of rows or fewer a step is the weight stream alone, and nothing changes).
-// Spreading the next block's fetch over every later pass instead was no faster.
+// took it), and that block's first pass then runs at the FMAs' pace. At one register block of rows or fewer a step
+// is the weight stream alone, and the fetch changes nothing. Spreading the next block's fetch over every later pass
+// is no faster.
 //
 // Where the column blocks do not divide evenly among the threads (SmolLM2's 576 outputs are 9 blocks: 5 for one
 // thread of 2, 4 for the other, which then waits a ninth of the call), each block's rows are cut into parts, one
 // item each, so the items divide evenly; a thread's consecutive items are parts of one block, which it reads from
-// memory once. 2 cores of a Zen 4 EPYC, bf16, the o and down projections (576 x 576, 576 x 1536): 0.10 -> 0.09
-// and 0.32 -> 0.25 ms at 64 rows, 2.59 -> 2.35 and 6.92 -> 6.27 ms at 1,618.
+// memory once.
 template <typename F>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32, at::Tensor& y) {
   using value_t = typename F::value_t;
@@ -221,8 +215,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias32
 // A mixture's experts in one call: x's rows sorted by expert, expert e's rows [offsets[e], offsets[e + 1]) against
 // its own weight packed[e]. Each item is one column block of one expert that has rows, so a thread streams a
 // contiguous run of the experts' weights (work_pool.cpp), and an expert no row chose is never read. A loop over
-// the experts in Python, a linear each, cost about 8 calls an expert: at 16 sequences of a 32-expert model, top 4,
-// that was most of a layer's time.
+// the experts in Python, a linear each, costs several calls an expert, most of a layer's time.
 template <typename F>
 void run_grouped(const at::Tensor& x, const at::Tensor& packed, const int64_t* offsets, at::Tensor& y) {
   using value_t = typename F::value_t;

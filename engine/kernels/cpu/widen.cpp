@@ -2,9 +2,9 @@
 // on the operators' own threads.
 //
 // Why: torch's copy_ runs on OpenMP's threads, which sleep while the rest of a decode step runs on the operators'
-// pool (work_pool.cpp). Waking one onto a core that the caller or a pool thread holds stalled the copy for a time
-// slice now and then: single-stream bf16 decode of SmolLM2 on 2 cores of a Zen 4 EPYC, 49,152 logits a step, took
-// 0.12 ms a copy at the median and about 7 ms in one step of eight (0.9 ms a step on average, 6% of the step).
+// pool (work_pool.cpp). Waking one onto a core that the caller or a pool thread holds stalls the copy for a time
+// slice now and then, which costs single-stream decode a noticeable share of its step
+// (measurements: docs/cpu_kernels.md).
 
 #include "float_types.h"
 #include "ops.h"
@@ -14,7 +14,7 @@
 
 namespace lora_serve::widen_detail {
 
-constexpr int64_t kChunk = 8192;  // values a work item widens (16-32 KB in, 32 KB out): a few us
+constexpr int64_t kChunk = 8192;  // values a work item widens (16-32 KB in, 32 KB out)
 
 }  // namespace lora_serve::widen_detail
 

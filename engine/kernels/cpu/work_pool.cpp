@@ -2,8 +2,8 @@
 //
 // Why: an OpenMP loop ends at a barrier that every thread of the team must reach. On a 2-core machine shared with a
 // serving stack (Ray's processes wake thousands of times a second), a wake-up that preempts one of the engine's two
-// threads stalls the other at that barrier for the whole time slice, whatever work is left: the engine lost about
-// 2-4 cores of throughput for each core taken (benchmarks/serve/run_contention), where one thread alone loses one.
+// threads stalls the other at that barrier for the whole time slice, whatever work is left: the engine loses more
+// throughput than the core taken (benchmarks/serve/run_contention), where one thread alone loses just that core.
 // Here the loop is done when its chunks are: each thread takes chunks from the front of a range of its own, and a
 // thread that has run out takes them from the back of another's. The caller waits only for chunks that a thread
 // holds, so a thread preempted before it took any (or between chunks) costs nothing but its core, and the caller
@@ -13,19 +13,15 @@
 // The pool's threads spin for a millisecond after their last loop, so that a step's next operator finds them
 // awake, then sleep on a condition variable; after a few tens of microseconds of spinning they yield the core at
 // each turn, so that OpenMP's threads (torch's own ops: a long prompt's attention in float32) run first. Spinning
-// 200 ms without yielding, as Intel OpenMP does for its block time, made 2 prompts of 2,000 tokens prefill in
-// 13.4-14.3 s against 9.5-11.7 on OpenMP's loops; this way 11.1-12.2 against 10.7-11.7 (float32, AVX2 EPYC, GNU
-// OpenMP for torch, builds alternating). A process forked with the pool running has no pool threads in the child;
-// its loops then run on the caller alone, as they would anyway.
+// for as long as Intel OpenMP's block time without yielding slows a long prefill well past OpenMP's loops; spinning
+// briefly, then yielding, keeps it close to them. A process forked with the pool running has no pool threads in the
+// child; its loops then run on the caller alone, as they would anyway.
 //
-// Only up to kOwnLoopThreads threads: with more, the loop is ATen's (OpenMP's). On the 16-core Xeon of a GPU host
-// (AMX, bf16, random SmolLM2-shaped weights, one process per build) this loop took twice OpenMP's time: decode
-// steps of 1 and 32 sequences 13.4 and 31.2 ms against 6.7 and 15.9, 2 prompts of 2,000 tokens 1.03 s against
-// 0.47. Two pools of 16 threads then share 16 cores: GNU OpenMP's threads spin after each of torch's own ops
-// while this pool's need the cores, and the reverse. Counting each thread's chunks once a loop, on a cache line of
-// its own (that build counted every chunk beside the words the idle threads poll), left it so: on an H200 host's
-// 16-core Xeon, threads pinned, ATen's loop took 0.43-0.52x this loop's time at 16 threads, 0.54-0.74x at 8, and at 4
-// prefilled 2 prompts of 2,000 tokens in 1.12 s against 1.91; at 2 the two were within the rounds' spread.
+// Only up to kOwnLoopThreads threads: with more, the loop is ATen's (OpenMP's), which is faster there. With many
+// threads two pools share the cores: GNU OpenMP's threads spin after each of torch's own ops while this pool's need
+// the cores, and the reverse. Each thread counts its chunks once a loop, on a cache line of its own, away from the
+// words the idle threads poll; even so ATen's loop is faster from 4 threads up, while at 2 the two are even
+// (measurements: docs/cpu_kernels.md).
 
 #include "work_pool.h"
 
@@ -52,7 +48,7 @@ constexpr int64_t kChunksPerThread = 16;
 constexpr auto kSpin = std::chrono::milliseconds(1);  // then sleep
 constexpr int kMaxThreads = 256;
 constexpr int kPauses = 4096;  // a few tens of microseconds of pauses, then spinning yields the core
-constexpr int kOwnLoopThreads = 2;  // better than OpenMP's loop on 2 busy cores; 4-16 threads measured slower
+constexpr int kOwnLoopThreads = 2;  // better than OpenMP's loop on 2 busy cores; slower with more threads
 
 // Chunks [begin, end) of one thread, with the loop's generation: one 64-bit word, so a take is one compare-and-swap
 // and a take of a finished loop's generation fails.
