@@ -35,13 +35,15 @@ def _stack_calls(llm: LLM, monkeypatch) -> list[int]:
     stack = llm.engine.runner.model.decoder_stack
     assert stack is not None, "the stack must be built where the C++ operators are"
     calls: list[int] = []
-    run = stack.run
+    run = type(stack).run
 
-    def observed(h, tables, meta):
+    def observed(self, h, tables, meta):
         calls.append(h.shape[0])
-        return run(h, tables, meta)
+        return run(self, h, tables, meta)
 
-    monkeypatch.setattr(stack, "run", observed)
+    # on the class: an instance attribute closing over the instance's own method would be a reference cycle, and
+    # the engine's caches would outlive the test until the collector's next full pass
+    monkeypatch.setattr(type(stack), "run", observed)
     return calls
 
 
