@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import ray
@@ -20,6 +21,7 @@ from deployments.routing.direct_ingress import direct_ingress_env, haproxy_enabl
 from deployments.routing.ingress_router import AdapterRouter
 from deployments.routing.policy import RoutingPolicy
 from deployments.routing.request_router import router_config
+from engine import host_heap
 from engine.config import EngineConfig
 
 
@@ -150,9 +152,11 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
 
 def _engine_actor_options(bundle: dict[str, float]) -> dict:
     """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU), its process started on Intel's OpenMP
-    runtime (deployments/replica/openmp.py), and Serve's direct-ingress settings when the controller has them
+    runtime (deployments/replica/openmp.py) and, on CPU, with malloc keeping the memory its steps free
+    (engine/host_heap.py), and Serve's direct-ingress settings when the controller has them
     (deployments/routing/direct_ingress.py). A serve config's ray_actor_options for LLMServer replace these: keep
     the runtime_env there."""
-    env_vars = {**replica_env_vars(), **direct_ingress_env()}
+    heap = {} if "GPU" in bundle else host_heap.process_env(os.environ.get("GLIBC_TUNABLES"))
+    env_vars = {**replica_env_vars(), **heap, **direct_ingress_env()}
     resources = {"num_cpus": bundle["CPU"], **({"num_gpus": bundle["GPU"]} if "GPU" in bundle else {})}
     return {**resources, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}
