@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.lora.provider import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.errors import OVERLOADED_RETRY_AFTER_S, EngineDeadError, EngineOverloadedError
 from engine.llm_engine import LLMEngine, Prompt, TrackedRequest
+from engine.lora.provider import AdapterProviderFactory
 from engine.memory import MemoryReport
 from engine.outputs import AdapterStats, EngineStats, RequestOutput
 from engine.sampling import SamplingParams

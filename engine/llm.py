@@ -8,10 +8,10 @@ from typing import Self
 
 from tqdm.auto import tqdm
 
-from engine.lora.provider import AdapterProviderFactory
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.lora.merge_spec import MergeSpec
+from engine.lora.provider import AdapterProviderFactory
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 

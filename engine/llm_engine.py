@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from engine.lora.slots import AdapterSlots
-from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
 from engine.block_manager import BlockManager, prompt_digests
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -32,6 +30,8 @@ from engine.errors import TokenBudget, TokenBudgetError
 from engine.executor import start_executor
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.layers.rotary import long_rope_switch, runs_long
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
+from engine.lora.slots import AdapterSlots
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
 from engine.model_runner import StepResult

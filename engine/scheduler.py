@@ -45,9 +45,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.lora.slots import AdapterSlots
 from engine.block_manager import BlockManager
 from engine.layers.rotary import runs_long
+from engine.lora.slots import AdapterSlots
 from engine.sequence import Sequence
 from engine.step_cost import StepCost, StepShape
 

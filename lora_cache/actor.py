@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from engine.lora.ids import validate_adapter_id
-from engine.lora.provider import LoraShapes, SourceConfig
 from engine.errors import AdapterError, AdapterNotFoundError, key_name
+from engine.lora.ids import validate_adapter_id
 from engine.lora.merge_spec import MergeSpec, is_merge_key
+from engine.lora.provider import LoraShapes, SourceConfig
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes

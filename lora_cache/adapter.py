@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.lora.provider import ExpertLoRAWeights, LoRAAdapter, LoraShapes, LoRAWeights, check_rank
 from engine.errors import AdapterError, AdapterNotFoundError
+from engine.lora.provider import ExpertLoRAWeights, LoRAAdapter, LoraShapes, LoRAWeights, check_rank
 from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 
-from engine.lora.ids import validate_adapter_id
-from engine.lora.provider import LoRAAdapter, LoraShapes, SourceConfig
 from engine.errors import AdapterNotFoundError
+from engine.lora.ids import validate_adapter_id
 from engine.lora.merge_spec import MergeSpec, is_merge_key
+from engine.lora.provider import LoRAAdapter, LoraShapes, SourceConfig
 from lora_cache.lru import LRUByBytes
 from lora_cache.make_source import make_source
 from lora_cache.provider import HeldAdapters

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from engine.lora.provider import ExpertLoRAWeights, LoRAAdapter, LoRAWeights
 from engine.errors import AdapterError
 from engine.lora.merge_spec import MergeSpec
+from engine.lora.provider import ExpertLoRAWeights, LoRAAdapter, LoRAWeights
 
 
 def merge_adapters(key: str, adapters: list[LoRAAdapter], spec: MergeSpec, module_order: list[str]) -> LoRAAdapter:

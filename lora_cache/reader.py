@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.lora.provider import LoRAAdapter, LoraShapes
 from engine.lora.merge_spec import MergeSpec
+from engine.lora.provider import LoRAAdapter, LoraShapes
 from lora_cache.adapter import read_adapter
 from lora_cache.merge import merge_adapters
 

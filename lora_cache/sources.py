@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from engine.lora.ids import validate_adapter_id
 from engine.errors import AdapterError, AdapterNotFoundError
+from engine.lora.ids import validate_adapter_id
 from lora_cache.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
 
 _COMMIT = re.compile(r"[A-Za-z0-9._-]+")  # a ref file's content, before it becomes a path part

@@ -14,9 +14,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from engine.errors import AdapterError
 from engine.lora.ids import validate_adapter_id
 from engine.lora.provider import SourceConfig
-from engine.errors import AdapterError
 from engine.models import lora_shapes
 from lora_cache.adapter import read_adapter
 from lora_cache.make_source import make_source

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.lora.provider import SourceConfig
 from engine.errors import AdapterError
+from engine.lora.provider import SourceConfig
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.local_cache import local_adapters

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():  # set before triton is first imported: its ow
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine.lora.triton_kernels import lora_expand_, lora_shrink
 from engine.lora.linear import LoRALinear, LoRASubModule
 from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, slot_order
+from engine.lora.triton_kernels import lora_expand_, lora_shrink
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [])

@@ -8,8 +8,8 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.layers.linear import PrepackedLinear
-from engine.lora.linear import LoRALinear
 from engine.layers.quantized import dequantized_weight
+from engine.lora.linear import LoRALinear
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.lora.provider import SourceConfig
 from engine.errors import AdapterError
+from engine.lora.provider import SourceConfig
 from lora_cache.disk_tier import STAGING, DiskTier
 from lora_cache.local_cache import local_adapters
 from lora_cache.make_source import make_source

@@ -178,9 +178,9 @@ def test_an_adapters_shards_are_cut_as_the_base_linears_are():
     checkpoint's qkv_proj stacks q, k and v of unequal sizes), A whole. Rank shards put together give the whole."""
     import torch
 
+    from engine.distributed.parallel import TensorParallel
     from engine.lora.provider import LoRAWeights
     from engine.lora.shards import LoRALayout, ModuleShard, sub_parts
-    from engine.distributed.parallel import TensorParallel
 
     assert sub_parts([8, 4, 4], (8, 4, 4)) == [(8,), (4,), (4,)]
     assert sub_parts([16], (8, 4, 4)) == [(8, 4, 4)]

@@ -20,11 +20,11 @@ from deployments.replica.event_streams import LocalEvents
 from deployments.replica.replica_stats import engine_info
 from deployments.replica.tracing import RequestTracing
 from deployments.routes.engine_client import Served
-from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import key_name
 from engine.lora.merge_spec import MergeSpec
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
 from engine.sampling import SamplingParams
 
 NO_LIFECYCLE = ("loading and unloading adapters at run time needs the cluster's adapter cache "

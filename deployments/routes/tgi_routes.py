@@ -22,8 +22,8 @@ from deployments.routes.edge import (
     tenant_of,
 )
 from deployments.routes.engine_client import Served
-from engine.lora.ids import validate_adapter_id
 from engine.errors import Refusal
+from engine.lora.ids import validate_adapter_id
 from engine.sampling import SamplingParams
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 

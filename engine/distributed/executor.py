@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.provider import LoRAAdapter
 from engine.config import EngineConfig
-from engine.lora.shards import adapter_shard, lora_layout, rank_view
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
 from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
 from engine.distributed.worker import WorkerSpec, build_runner, on_rank_device
 from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, LocalLauncher, WorkerGroup, WorkerLauncher
+from engine.lora.provider import LoRAAdapter
+from engine.lora.shards import adapter_shard, lora_layout, rank_view
 from engine.model_runner import StepResult
 from engine.models import check_tensor_parallel
 from engine.scheduler import ScheduledSeq

@@ -17,9 +17,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.lora.provider import LoRAAdapter
 from engine.distributed.parallel import TensorParallel
 from engine.forward_batch import ForwardBatch
+from engine.lora.provider import LoRAAdapter
 
 IDLE_TIMEOUT = timedelta(days=365)  # a worker waits for the next step as long as the engine is idle
 

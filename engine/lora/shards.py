@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.lora.provider import LoRAAdapter, LoRAWeights
 from engine.distributed.linears import RowParallelLinear
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.shards import input_columns, output_rows
+from engine.lora.provider import LoRAAdapter, LoRAWeights
 
 
 @dataclass(frozen=True)

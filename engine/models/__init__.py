@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.lora.provider import LoraShapes
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
+from engine.lora.provider import LoraShapes
 from engine.models.experts import prepare_experts
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm

@@ -25,8 +25,8 @@ from engine.distributed.shards import check_divides
 from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.lora.linear import LoRATarget, fused_targets
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.lora.linear import LoRATarget, fused_targets
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of
 from engine.models.moe import SparseMoeBlock, expert_checkpoint_param, expert_rows

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.lora.provider import LoraShapes
 from engine.layers import uninitialized
 from engine.lora.expert_linear import ExpertLoRA
+from engine.lora.provider import LoraShapes
 from engine.lora.segments import LoRAStepState
 from engine.models.activations import activation
 from engine.models.experts import Experts
