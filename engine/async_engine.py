@@ -24,7 +24,7 @@ from engine.outputs import AdapterStats, EngineStats, RequestOutput
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.distributed.workers import WorkerLauncher
+    from engine.executor.workers import WorkerLauncher
 
 # A base-model prompt up to this many characters, with no grammar to compile, is prepared on the event loop: its
 # tokenization is quick, while a worker thread's turn cost far more of TTFT under load, waiting for the GIL

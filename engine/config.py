@@ -183,7 +183,7 @@ class EngineConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """What tensor parallelism does not run yet, refused by name (what needs the model or the device is refused
-        when the engine starts: engine/distributed/executor.py)."""
+        when the engine starts: engine/executor/multiprocess.py)."""
         size = self.tensor_parallel_size
         if self.kv_cache_memory_fraction is not None and size > 1:
             raise ValueError(f"kv_cache_memory_fraction under tensor parallelism is not supported yet (each of the "

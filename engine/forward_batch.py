@@ -3,7 +3,7 @@ scheduler's sequences: the flat batch's ids and positions, the attention metadat
 hidden rows become logits (the sampled rows, and the prompt rows scored for prompt logprobs).
 
 It is what the model runner prepares and runs, and, under tensor parallelism, what the driver sends every worker
-once per step (engine/distributed/step_channel.py): each rank runs the same forward on its shard and computes the
+once per step (engine/executor/step_channel.py): each rank runs the same forward on its shard and computes the
 same logits in the same order, so that their collectives meet. It holds tensors, ints and small dataclasses
 only (the attention metadata's `kv_write` is the runner's own and is set by each rank), so it pickles as it is.
 """

@@ -46,7 +46,7 @@ from engine.tokens_in_flight import Readback
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.distributed.workers import WorkerLauncher
+    from engine.executor.workers import WorkerLauncher
 
 Prompt = str | list[int]
 
@@ -79,7 +79,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None,
                  workers: WorkerLauncher | None = None):
         """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/lora/provider.py);
-        workers: where tensor-parallel ranks 1..N-1 run (engine/distributed/workers.py), None: local processes."""
+        workers: where tensor-parallel ranks 1..N-1 run (engine/executor/workers.py), None: local processes."""
         self.config = config
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.threads_per_worker)

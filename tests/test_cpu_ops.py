@@ -57,7 +57,7 @@ def test_rotary_rounds_as_the_pytorch_path(dtype, tokens, heads, dim, turned):
     """Bitwise equal to apply_rotary in every dtype, on a strided view of a fused projection as the model passes
     it (37 tokens run on both threads); a partial rotary (Phi-4-mini's 96 of 128) turns the first dimensions and
     copies the rest; an odd or too wide rotary is refused."""
-    from engine.layers.rotary import apply_rotary
+    from engine.kernels.torch_rotary import apply_rotary
 
     ops = cpu_ops.load()
     assert ops is not None, "the C++ CPU operators did not build"

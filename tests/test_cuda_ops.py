@@ -18,8 +18,8 @@ if not torch.cuda.is_available():  # set before triton is first imported (see te
 pytest.importorskip("triton")
 
 from engine.kernels import cuda_ops
+from engine.kernels.torch_rotary import apply_rotary
 from engine.layers.attention import _write
-from engine.layers.rotary import apply_rotary
 from engine.models.llama import RMSNorm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

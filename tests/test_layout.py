@@ -122,6 +122,28 @@ def test_every_lora_module_of_the_engine_is_in_its_lora_package():
     assert outside == []
 
 
+# The engine's parts, lowest first: a module imports only parts at or below its own. The foundation (errors, the
+# config and the torch-free adapter types it names, host-to-device transfer) sits below them all; the engine's own
+# modules (the runner, scheduler, executors, the engine itself) above them all.
+ENGINE_PARTS = {"kernels": 0, "distributed": 1, "layers": 2, "lora": 2, "models": 3}
+ENGINE_TOP = 4
+ENGINE_FOUNDATION = {"engine", "engine.errors", "engine.config", "engine.transfer", "engine.lora.ids",
+                     "engine.lora.provider", "engine.lora.merge_spec"}
+
+
+def engine_part(module: str) -> int:
+    if module in ENGINE_FOUNDATION:
+        return -1
+    return ENGINE_PARTS.get(module.split(".")[1], ENGINE_TOP)
+
+
+def test_no_import_inside_the_engine_points_up():
+    graph = import_graph()
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("engine.")
+                    for t in ts if t.startswith("engine") and engine_part(t) > engine_part(m))
+    assert upward == []
+
+
 def test_the_engine_imports_no_ray_and_no_http():
     modules = "engine, engine.llm_engine, engine.llm, engine.async_engine, lora_cache.local_cache"
     assert loaded_packages(modules, ("ray", "fastapi", "starlette", "aiohttp")) == []

@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.distributed.workers import WorkerDiedError
+from engine.executor.workers import WorkerDiedError
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import AttentionMetadata, PrefillSegment
 from engine.lora.segments import AdapterRun

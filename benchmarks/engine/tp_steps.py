@@ -4,7 +4,7 @@
   all-reduces a layer, the embedding's all-reduce, the logits' all-gather) and StepChannel.send (the step's
   broadcast to the workers) are wrapped at class level with perf_counter accumulation. Only this process, rank 0,
   is patched: ranks 1..N-1 are processes of their own, forked from a server that imported the engine unpatched
-  (engine/distributed/workers.py). No engine code changes; at N = 1 nothing is sharded and the wrappers are never
+  (engine/executor/workers.py). No engine code changes; at N = 1 nothing is sharded and the wrappers are never
   called.
 - `measure_case`: `batch` requests added at once, then engine.step() one call at a time: the first step prefills
   every prompt (within max_num_batched_tokens: one step), each later one decodes one token of each sequence.
@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 
 from engine import SamplingParams
 from engine.distributed.parallel import TensorParallel
-from engine.distributed.step_channel import StepChannel
+from engine.executor.step_channel import StepChannel
 
 TIMED = {"all_reduce": (TensorParallel, "all_reduce"), "all_gather": (TensorParallel, "all_gather"),
          "broadcast": (StepChannel, "send")}

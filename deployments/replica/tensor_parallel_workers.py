@@ -1,5 +1,5 @@
 """A replica's tensor-parallel workers as Ray actors in its placement group: the engine's WorkerLauncher and
-WorkerGroup (engine/distributed/workers.py), implemented over Ray.
+WorkerGroup (engine/executor/workers.py), implemented over Ray.
 
 Serve starts a replica in bundle 0 of its placement group (placement_group_bundles, one bundle per worker:
 deployments/app.py sets them from tensor_parallel_size, a serve config may set its own). Rank r's actor takes
@@ -20,8 +20,8 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.distributed.worker import WorkerSpec, worker_main
-from engine.distributed.workers import STOP_TIMEOUT_S, WorkerDiedError
+from engine.executor.worker import WorkerSpec, worker_main
+from engine.executor.workers import STOP_TIMEOUT_S, WorkerDiedError
 
 SCHEDULER_RESOURCES = ("CPU", "GPU", "memory")  # a bundle's resources the actor asks for by their own options
 

@@ -11,16 +11,14 @@ one and the LM head one all-gather of the logits.
 - `process_group.py`: joining a tensor-parallel group over torch.distributed (NCCL on CUDA, gloo on CPU).
 - `shards.py`: which slice of a full tensor a rank keeps, and the refusal of sizes that do not split evenly.
 - `linears.py`: column- and row-parallel linears built from a loaded model's linears.
-- `vocab.py`: the vocabulary-parallel embedding and LM head.
-- `executor.py`: the multiprocess executor: rank 0 (the driver) in the engine's process, ranks 1..N-1 in worker
-  processes (`worker.py` is their loop), each step's `ForwardBatch` broadcast to them once (`step_channel.py`).
-- `workers.py`: the protocols a launcher of the workers implements (`WorkerLauncher`, `WorkerGroup`), and the
-  offline one, local processes from a fork server; Serve's starts Ray actors in the replica's placement group.
+
+The vocabulary-parallel embedding and LM head are layers (engine/layers/vocab_parallel.py). The executor that runs
+a step over N workers, their loop and their launchers are engine/executor/: this package is the layers' building
+blocks, and imports nothing above them.
 
 The model classes say how their own layers split (`check_tensor_parallel` and `shard` in engine/models/llama.py
 and gpt2.py); `engine.models.check_tensor_parallel(hf_config, N)` refuses sizes that do not split, naming both
 numbers, and `engine.models.load_model(..., parallel=...)` loads the full checkpoint and keeps this rank's shards
 before the linears are prepacked. A sharded model runs the modules' path layer by layer: the C++ decoder stack
-(engine/models/decoder_stack.py) and CUDA graphs are not built for it. The layers' modules (parallel, process_group,
-shards, linears, vocab) import nothing of engine.models; the executor and its workers build ModelRunners over them.
+(engine/models/decoder_stack.py) and CUDA graphs are not built for it.
 """

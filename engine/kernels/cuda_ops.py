@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.layers.rotary import apply_rotary
+from engine.kernels.torch_rotary import apply_rotary
 
 COLUMN_BLOCK = 1024  # SiLU-times-up: columns a program takes (an 8B MLP's 14,336 are 14 programs a token)
 

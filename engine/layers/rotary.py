@@ -80,14 +80,3 @@ class RotaryEmbedding(nn.Module):
             return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return (self.fused_ops.gather_rows(self.cos, positions).unsqueeze(1),
                 self.fused_ops.gather_rows(self.sin, positions).unsqueeze(1))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; a cos/sin narrower than the heads turns their first dimensions and passes the
-    rest through, as transformers does for a partial rotary embedding."""
-    turned = cos.shape[-1]
-    if turned < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -10,7 +10,7 @@ its base output does:
   expanding once, without a second collective a linear.
 
 The engine loads a slot with the rank's shard (`adapter_shard`): the driver cuts each worker's shard of an
-adapter and sends it only that one (engine/distributed/executor.py), and the LoRA linears' slots hold the
+adapter and sends it only that one (engine/executor/multiprocess.py), and the LoRA linears' slots hold the
 rank's shapes (engine/lora/linear.py wrap_lora_linears).
 """
 

@@ -13,9 +13,9 @@ from torch import nn
 from engine.distributed.linears import RowParallelLinear, column_parallel
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.shards import check_divides
-from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
+from engine.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from engine.lora.linear import LoRATarget, fused_targets
 from engine.models.activations import activation
 

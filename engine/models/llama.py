@@ -22,10 +22,11 @@ from torch import nn
 from engine.distributed.linears import RowParallelLinear, column_parallel
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.shards import check_divides
-from engine.distributed.vocab import VocabParallelEmbedding, VocabParallelHead
+from engine.kernels.torch_rotary import apply_rotary
 from engine.layers import uninitialized
 from engine.layers.attention import AttentionMetadata, KVCache, paged_attention
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from engine.lora.linear import LoRATarget, fused_targets
 from engine.models.activations import activation
 from engine.models.llama_variants import LlamaVariant, variant_of

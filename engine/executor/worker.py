@@ -20,7 +20,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import join, leave
-from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
+from engine.executor.step_channel import CopyAdapter, StepChannel, StopWorkers
 from engine.model_runner import ModelRunner
 
 
@@ -79,7 +79,7 @@ def serve_steps(runner: ModelRunner, channel: StepChannel) -> None:
         message = channel.receive()
         if isinstance(message, StopWorkers):
             return
-        if isinstance(message, LoadAdapter):
+        if isinstance(message, CopyAdapter):
             runner.copy_adapter(message.slot, channel.receive_shard())
             continue
         runner.run_forward(message)

@@ -5,7 +5,7 @@ of its own (the launcher says which) and runs eager (no CUDA graphs: ModelRunner
 travels through the host (ForwardBatch.portable), and each worker carries it to its own GPU.
 
 The scheduler, block manager, sampler and detokenizer stay in the engine, which sees this executor as it sees the
-in-process one (engine/executor.py). Per step the driver prepares the step's `ForwardBatch` once, broadcasts it
+in-process one (engine/executor/__init__.py). Per step the driver prepares the step's `ForwardBatch` once, broadcasts it
 (step_channel.py), runs its own shard's forward and samples from the logits, which every rank holds whole after
 the LM head's all-gather. Nothing else a step does touches the workers' caches: the block manager's prefix caching
 shares blocks by table (no copies), preemption recomputes (no swaps), so the batch is all they need.
@@ -27,9 +27,9 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import free_address, join, leave
-from engine.distributed.step_channel import LoadAdapter, StepChannel, StopWorkers
-from engine.distributed.worker import WorkerSpec, build_runner, on_rank_device
-from engine.distributed.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, LocalLauncher, WorkerGroup, WorkerLauncher
+from engine.executor.step_channel import CopyAdapter, StepChannel, StopWorkers
+from engine.executor.worker import WorkerSpec, build_runner, on_rank_device
+from engine.executor.workers import DEATH_GRACE_S, STOP_TIMEOUT_S, LocalLauncher, WorkerGroup, WorkerLauncher
 from engine.lora.provider import LoRAAdapter
 from engine.lora.shards import adapter_shard, lora_layout, rank_view
 from engine.model_runner import StepResult
@@ -86,7 +86,7 @@ class MultiprocessExecutor:
         self.workers.check()
         parallel = self.parallel
         shards = [adapter_shard(adapter, self.layout, rank_view(parallel, r)) for r in range(parallel.world_size)]
-        self.channel.send(LoadAdapter(slot))
+        self.channel.send(CopyAdapter(slot))
         for rank in range(1, parallel.world_size):
             self.channel.send_to(rank, shards[rank])
         self.runner.copy_adapter(slot, shards[0])

@@ -23,13 +23,13 @@ from typing import Protocol
 import torch
 import torch.multiprocessing as mp
 
-from engine.distributed.worker import WorkerSpec, worker_main
+from engine.executor.worker import WorkerSpec, worker_main
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop exits within this, or is killed
 DEATH_GRACE_S = 5.0  # after a failed collective, how long the driver waits to see which worker died
 # Imported once by the fork server, so that each worker it forks starts with torch and the engine loaded, rather
 # than importing them afresh as an interpreter of its own would (about 3 s a worker on 2 cores).
-FORKSERVER_PRELOAD = ("torch", "engine.distributed.worker")
+FORKSERVER_PRELOAD = ("torch", "engine.executor.worker")
 
 
 class WorkerDiedError(RuntimeError):

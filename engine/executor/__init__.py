@@ -5,10 +5,10 @@ computed them.
 
 - `InProcessExecutor`: one worker, the engine's own ModelRunner (tensor_parallel_size 1): the runner's call as it
   is, no copy, no process.
-- `engine.distributed.executor.MultiprocessExecutor`: tensor_parallel_size N > 1: rank 0's runner in this process
-  (the driver), ranks 1..N-1 in worker processes, each step's inputs broadcast to them once. Where the workers run
-  is the caller's `WorkerLauncher` (engine/distributed/workers.py): local processes by default, Ray actors in a
-  Serve replica's placement group.
+- `multiprocess.MultiprocessExecutor`: tensor_parallel_size N > 1: rank 0's runner in this process (the driver),
+  ranks 1..N-1 in worker processes (`worker.py` is their loop), each step's `ForwardBatch` broadcast to them once
+  (`step_channel.py`). Where the workers run is the caller's `WorkerLauncher` (`workers.py`, with the offline one:
+  local processes from a fork server); Serve's starts Ray actors in the replica's placement group.
 
 Either exposes its rank-0 `runner`, whose KV layout, operators and memory report the engine reads (under tensor
 parallelism they are one worker's: its KV heads and its share of the weights).
@@ -26,7 +26,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
-    from engine.distributed.workers import WorkerLauncher
+    from engine.executor.workers import WorkerLauncher
 
 
 class Executor(Protocol):
@@ -68,7 +68,7 @@ def start_executor(config: EngineConfig, path: Path, hf_config, max_model_len: i
     workers: a WorkerLauncher for ranks 1..N-1 (None: local processes)."""
     if config.tensor_parallel_size == 1:
         return InProcessExecutor(ModelRunner(config, path, hf_config, max_model_len))
-    from engine.distributed.executor import MultiprocessExecutor, refuse_unsupported
+    from engine.executor.multiprocess import MultiprocessExecutor, refuse_unsupported
 
     refuse_unsupported(config, hf_config)
     return MultiprocessExecutor(config, path, hf_config, max_model_len, workers)

@@ -1,5 +1,5 @@
 """The per-step broadcast from the driver (rank 0) to the tensor-parallel workers: one message a step, a
-`ForwardBatch` (engine/forward_batch.py) to run or `StopWorkers` to leave; between steps, `LoadAdapter` and then
+`ForwardBatch` (engine/forward_batch.py) to run or `StopWorkers` to leave; between steps, `CopyAdapter` and then
 each worker's own shard of the adapter, sent to it alone (engine/lora/shards.py).
 
 A message is pickled once and broadcast with torch.distributed.broadcast_object_list (its size, then its bytes:
@@ -30,12 +30,12 @@ class StopWorkers:
 
 
 @dataclass(frozen=True)
-class LoadAdapter:
+class CopyAdapter:
     """Load device slot `slot` with the adapter shard that follows, sent to each worker on its own (send_to)."""
     slot: int
 
 
-StepMessage = ForwardBatch | LoadAdapter | StopWorkers
+StepMessage = ForwardBatch | CopyAdapter | StopWorkers
 
 
 class StepChannel:
@@ -60,7 +60,7 @@ class StepChannel:
         dist.send_object_list([shard], dst=rank, group=self.group)
 
     def receive_shard(self) -> LoRAAdapter:
-        """A worker: its own shard, sent after the LoadAdapter message."""
+        """A worker: its own shard, sent after the CopyAdapter message."""
         box: list[LoRAAdapter | None] = [None]
         dist.recv_object_list(box, src=0, group=self.group)
         return box[0]
