@@ -66,3 +66,12 @@ class Plan:
     @property
     def max_batch(self) -> int:
         return max(self.uniform_requests, self.mixed_requests, *self.batch_sizes)
+
+
+def long_prompt(tokenizer, opening: str, length: int, seed: int) -> list[int]:
+    """A prompt of exactly `length` token ids: `opening` (which makes it unique), then the workload's prompts in turn
+    from `seed` on, cut to length."""
+    text = opening + " " + " ".join(PROMPTS[(seed + j) % len(PROMPTS)] for j in range(length // 8))
+    ids = tokenizer(text).input_ids
+    assert len(ids) >= length, f"long prompt has only {len(ids)} tokens"
+    return ids[:length]

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from benchmarks.peers.peer_timing import Batch, Timing, VLLMWorker, run_lora_serve
-from benchmarks.workloads import PROMPTS
+from benchmarks.workloads import PROMPTS, long_prompt
 
 DTYPES = ("float32", "bfloat16")
 WORKLOADS = ("a", "s", "b", "d", "lora", "e")
@@ -96,7 +96,7 @@ def jobs(long_dtype: str, selection: Selection = Selection()) -> list[PeerJob]:
 def batch_for(job: PeerJob, sizes: Sizes, nonce: str, tokenizer) -> Batch:
     """The job's requests, every prompt opened by `nonce` (unseen by either engine's prefix cache)."""
     if job.workload == "e":
-        prompts = [_long_prompt(tokenizer, f"{nonce}, document {i}.", sizes.long_prompt, i)
+        prompts = [long_prompt(tokenizer, f"{nonce}, document {i}.", sizes.long_prompt, i)
                    for i in range(sizes.long_requests)]
         return Batch(prompts, [sizes.long_tokens] * len(prompts), [None] * len(prompts))
     count = 1 if job.workload == "d" else sizes.requests
@@ -108,12 +108,6 @@ def batch_for(job: PeerJob, sizes: Sizes, nonce: str, tokenizer) -> Batch:
         return Batch(prompts, lengths, adapters, SAMPLED_TEMPERATURE, SAMPLED_TOP_P)
     return Batch(prompts, lengths, adapters)
 
-
-def _long_prompt(tokenizer, opening: str, length: int, seed: int) -> list[int]:
-    text = opening + " " + " ".join(PROMPTS[(seed + j) % len(PROMPTS)] for j in range(length // 8))
-    ids = tokenizer(text).input_ids
-    assert len(ids) >= length, f"long prompt has only {len(ids)} tokens"
-    return ids[:length]
 
 
 class Engines:

@@ -68,8 +68,7 @@ from benchmarks.common import (benchmark_args, environment, markdown_table, repo
 from benchmarks.serve.http_servers import (ROOT, Server, cores_by_role, enables_direct_ingress, sample,  # noqa: E402
                                            start_lora_serve, start_vllm, steal_seconds, with_dtype)
 from benchmarks.serve.offline_engines import LORA_SERVE, VLLM, LoraServeOffline, VllmOffline  # noqa: E402
-from benchmarks.peers.peer_compare import _long_prompt as long_prompt  # noqa: E402
-from benchmarks.workloads import PROMPTS  # noqa: E402
+from benchmarks.workloads import PROMPTS, long_prompt  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
