@@ -135,14 +135,14 @@ def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama
     llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False,
               preload_adapters=["warm"], pinned_adapters=["pinned"])
     engine = llm.engine
-    assert sorted(engine.lora.slots.resident()) == ["pinned", "warm"]  # before any request
+    assert sorted(engine.adapter_slots.resident()) == ["pinned", "warm"]  # before any request
     params = SamplingParams(max_tokens=4, temperature=0)
     llm.generate([PROMPTS[0]], params, use_tqdm=False, adapters=["warm"])
     stats = engine.adapter_stats()
     assert stats["warm"].source_loads == 1 and stats["warm"].slot_loads == 1  # nothing loaded on request
     for adapter in ("other1", "other2", "other1"):  # two adapters take turns in the one free slot
         llm.generate([PROMPTS[1]], params, use_tqdm=False, adapters=[adapter])
-    assert "pinned" in engine.lora.slots.resident() and engine.adapter_stats()["pinned"].slot_loads == 1
+    assert "pinned" in engine.adapter_slots.resident() and engine.adapter_stats()["pinned"].slot_loads == 1
     with pytest.raises(ValueError, match="leave none of the 2 device slots"):
         LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root),
             pinned_adapters=["warm", "pinned"])
