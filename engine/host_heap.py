@@ -10,10 +10,8 @@ from the one main heap. The last matters: a thread's own arena grows in heaps of
 soon as they are empty, so raised thresholds alone (mallopt, once a process runs) left an engine stepping on a
 server's thread faulting as much as before. The memory kept is what a step's peak already used.
 
-Opt-in: the variable `process_env()` gives goes on the command that starts a process (an offline script, or
-`serve run`, whose Ray processes inherit it; docs/usage.md). Engine replicas do not get it by default until the
-whole test suite has passed with it in them.
-Elsewhere than glibc there is nothing to set.
+CPU engine replicas start with the variable `process_env()` gives (deployments/app.py: their runtime_env); an
+offline script gets it on the command that starts it (docs/usage.md). Elsewhere than glibc there is nothing to set.
 """
 
 from __future__ import annotations
