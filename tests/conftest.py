@@ -85,10 +85,13 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _collect_cycles_after_each_module():
-    """A module's engines freed at its end. An engine in a reference cycle (a test's patch closing over an engine's
-    own method) is freed only by the collector's full pass, which few allocations trigger while each engine holds
-    hundreds of MB: without this the suite's process grew by gigabytes."""
+    """A module's engines and HF references freed at its end. An engine in a reference cycle (a test's patch
+    closing over an engine's own method) is freed only by the collector's full pass, which few allocations trigger
+    while each engine holds hundreds of MB: without this the suite's process grew by gigabytes."""
     yield
+    from tests.helpers import forget_hf_models
+
+    forget_hf_models()
     gc.collect()
     _trim_heap()
 

@@ -66,6 +66,11 @@ def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def forget_hf_models() -> None:
+    """Drop the HF references loaded so far (a module's end: the next module loads what it needs again)."""
+    _hf_model.cache_clear()
+
+
 def hf_greedy(path, prompts, max_new_tokens, **generate_kwargs) -> list[list[int]]:
     """Reference: transformers generate, one prompt at a time, fp32 greedy."""
     return hf_generate(path, prompts, max_new_tokens, do_sample=False, **generate_kwargs)
