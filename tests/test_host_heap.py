@@ -1,6 +1,6 @@
 """The malloc tunables that keep the memory a CPU step frees (engine/host_heap.py): glibc reads them as meant, a
-user's own come last and win, and CPU replicas, not GPU ones, start with them. What they are worth is in the serving benchmarks: the kernel's page reclaim makes a
-step's page faults too uneven to assert on."""
+user's own come last and win, and CPU replicas, not GPU ones, start with them. What they are worth is in the serving
+benchmarks: the kernel's page reclaim makes a step's page faults too uneven to assert on."""
 
 import os
 import shutil

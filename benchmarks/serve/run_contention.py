@@ -5,11 +5,11 @@ threads that take the GIL cost it at one stream, in its own process or in anothe
     PYTHONPATH=. python -m benchmarks contention --quick
 
 Each cell (benchmarks/serve/contention_worker.py) runs SmolLM2 bf16 in an AsyncEngine, 96 closed-loop requests of 64
-tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime, while a busy loop in another
-process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving stack's proxy, ingress
-and Ray processes do; and, with 2 engine threads, the same loop as a thread of the engine's own process, where its
-spins also hold the GIL that the step thread needs between ops, as a replica's event loops do (what running the
-engine in a process of its own, apart from the replica's event loops, could win).
+tokens at 32 concurrent, no Ray and no HTTP, with the engine replica's OpenMP runtime and malloc tunables, while a
+busy loop in another process (benchmarks/serve/busy_loop.py) takes 0 to 30% of a core in short bursts, as a serving
+stack's proxy, ingress and Ray processes do; and, with 2 engine threads, the same loop as a thread of the engine's
+own process, where its spins also hold the GIL that the step thread needs between ops, as a replica's event loops
+do (what running the engine in a process of its own, apart from the replica's event loops, could win).
 On 2 cores with 2 engine threads, a burst preempts one of them in the middle of a parallel op. On OpenMP's loops
 the other one waits for it at the op's end, so the engine loses several times the CPU the other process takes; on
 the C++ operators' own loop (engine/kernels/cpu/work_pool.cpp) it takes the preempted thread's chunks, and the
@@ -41,6 +41,7 @@ from benchmarks.common import (benchmark_args, environment, fmt, markdown_table,
                                save_results)
 from benchmarks.serve.http_servers import ROOT  # noqa: E402
 from deployments.replica.openmp import replica_env_vars  # noqa: E402
+from engine import host_heap  # noqa: E402
 
 DUTIES = (0.0, 0.1, 0.2, 0.3)
 THREADS = (2, 1)
@@ -54,7 +55,8 @@ WAKERS_IN = ("none", "engine", "other")
 
 
 def cell(*options: str) -> dict:
-    env = {**os.environ, **replica_env_vars(), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **replica_env_vars(), **host_heap.process_env(os.environ.get("GLIBC_TUNABLES")),
+           "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "benchmarks.serve.contention_worker", *options]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
