@@ -107,8 +107,15 @@ def test_tiny_qwen2_over_two_workers_equals_one(tiny_qwen2_path):
 
 
 def test_tiny_gpt2_over_two_workers_equals_one(tiny_gpt2_path):
-    """GPT-2's fused c_attn split by heads, learned positions whole on every rank."""
-    _check_against_unsharded(tiny_gpt2_path).close()
+    """GPT-2's fused c_attn split by heads, learned positions whole on every rank. Then a worker whose step fails
+    (here a message it cannot run) ends its process at once, and the driver's next step names it."""
+    llm = _check_against_unsharded(tiny_gpt2_path)
+    llm.engine.executor.channel.send("not a step")
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code 1"):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert time.monotonic() - started < 10
+    llm.close()
 
 
 def test_what_does_not_split_or_run_yet_is_refused_by_name(tiny_llama_path):

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -150,19 +151,27 @@ def _workers() -> list[psutil.Process]:
             if any("TensorParallelWorker" in part for part in p.info["cmdline"] or [])]
 
 
-def _long_request(url: str, stream: bool) -> tuple[int, str]:
+def _long_request(url: str, stream: bool, begun: threading.Semaphore) -> tuple[int, str]:
+    """Its status and body; `begun` is released once a stream's first event has come."""
     body = {"model": "pirate", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": stream}
     r = requests.post(f"{url}/v1/completions", json=body, timeout=120, stream=stream)
-    return r.status_code, "".join(r.iter_content(decode_unicode=True)) if stream else r.text
+    if not stream:
+        return r.status_code, r.text
+    chunks = r.iter_content(chunk_size=None, decode_unicode=True)
+    first = next(chunks, "")
+    begun.release()
+    return r.status_code, first + "".join(chunks)
 
 
 def test_a_dead_worker_ends_requests_with_503_and_serve_replaces_the_replica(served):
     before = _workers()
     assert len(before) == WORKERS - 1
     streams = (False, True, False, True)
+    begun = threading.Semaphore(0)
     with ThreadPoolExecutor(len(streams)) as pool:
-        requests_ = [pool.submit(_long_request, served, stream) for stream in streams]
-        time.sleep(3)  # decoding
+        requests_ = [pool.submit(_long_request, served, stream, begun) for stream in streams]
+        for _ in range(sum(streams)):  # every request is then in the engine, decoding
+            assert begun.acquire(timeout=60), "a stream did not begin"
         killed = time.monotonic()
         before[0].send_signal(signal.SIGKILL)
         answers = [future.result(timeout=60) for future in requests_]

@@ -5,12 +5,16 @@ ModelRunner over its rank's shard (engine/distributed/: its heads, its
 MLP columns, its vocabulary slice) and a KV cache of its own KV heads with as many blocks as the driver's, then
 loops: it receives the step's `ForwardBatch` from the driver (step_channel.py), runs the same forward and computes
 the same logits, whose collectives meet the driver's, and drops them; the driver samples. `StopWorkers` ends the
-loop. An error in a worker ends its process (its traceback on stderr), which breaks the driver's next collective.
+loop. An error in a worker ends its process at once (its traceback on stderr, its group not torn down), which
+breaks the driver's collective now rather than at the group's deadline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,8 +74,18 @@ def worker_main(spec: WorkerSpec) -> None:
         path = Path(spec.model_path)
         runner = build_runner(config, path, AutoConfig.from_pretrained(path), spec.max_model_len, parallel)
         serve_steps(runner, channel)
-    finally:
-        leave(parallel)
+    except BaseException:  # noqa: BLE001 - whatever failed, the process ends now
+        end_process_now()
+    leave(parallel)
+
+
+def end_process_now() -> None:
+    """A failed worker leaves its process at once, its traceback on stderr. Tearing its group down instead could
+    wait on a collective that the other ranks never finish, and a Ray actor's process outlives its failed call:
+    either way its sockets would stay open and the driver would wait out the group's deadline, not fail now."""
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def serve_steps(runner: ModelRunner, channel: StepChannel) -> None:
