@@ -75,8 +75,8 @@ class EngineConfig:
     # CPU with the C++ operators: a step's decoder layers in one C++ call where the step allows it, the GIL released
     # throughout (engine/models/decoder_stack.py); False keeps the modules' path, its reference in tests
     decoder_stack: bool = True
-    # CPU (Linux): the weights and the KV cache on 2 MiB transparent huge pages (engine/huge_pages.py); False keeps
-    # them on the allocator's ordinary pages
+    # CPU with the C++ operators (Linux): the weights and the KV cache on 2 MiB transparent huge pages
+    # (engine/huge_pages.py); False keeps them on the allocator's ordinary pages
     huge_pages: bool = True
     # CUDA: fused Triton element-wise operators (engine/kernels/cuda_ops.py: the residual addition with RMSNorm,
     # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)

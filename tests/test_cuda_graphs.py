@@ -56,5 +56,5 @@ def test_fused_ops_equal_eager_ops(tiny_llama_path):
     bf16 is checked against transformers' bf16 teacher-forced in test_hf_equivalence, with the operators on.)"""
     _, plain = _run(tiny_llama_path, dtype="float32", cuda_fused_ops=False)
     llm, fused = _run(tiny_llama_path, dtype="float32")
-    assert llm.engine.runner.cuda_ops is not None
+    assert llm.engine.runner.backend.fused_ops is not None
     _compare(plain, fused, 1e-4)

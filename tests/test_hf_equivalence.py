@@ -334,7 +334,7 @@ def test_bf16_long_prompts_in_chunks_as_close_to_hf_float32_as_hf_bf16(tmp_path,
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True),
                            use_tqdm=False)
     on_cpu = llm.engine.runner.device.type == "cpu"
-    assert llm.engine.runner.prompt_kernel == (on_cpu and cpu_attention.prompt_kernel_usable(torch.bfloat16, 64, 16))
+    assert llm.engine.runner.backend.prompt_kernel == (on_cpu and cpu_attention.prompt_kernel_usable(torch.bfloat16, 64, 16))
     device = llm.engine.config.torch_device
     got = [torch.tensor(out.logprobs, device=device) for out in outputs]
     truth = _teacher_forced_logprobs(tmp_path, outputs, torch.float32, device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,24 @@ def test_every_lora_module_of_the_engine_is_in_its_lora_package():
     assert outside == []
 
 
+# Modules outside engine/backends/ that still test which device they run on; a step backend is where such a choice
+# belongs, so this list only shrinks.
+DEVICE_TESTS_LEFT = {"engine.config", "engine.distributed.process_group", "engine.executor.workers",
+                     "engine.huge_pages",
+                     "engine.kernels.paged_prefill", "engine.layers.attention", "engine.layers.linear",
+                     "engine.llm_engine", "engine.lora.expert_linear", "engine.lora.linear",
+                     "engine.models.decoder_stack", "engine.models.experts", "engine.sampler",
+                     "engine.sampling_filters", "engine.tokens_in_flight", "engine.transfer"}
+DEVICE_TEST = re.compile(r"""\.type ?[!=]= ?["'](cpu|cuda)["']|\bis_cuda\b|\bcpu_ops is (not )?None""")
+
+
+def test_only_the_step_backends_ask_which_device_they_are_on():
+    asking = {module for module, path in first_party_modules().items() if module.startswith("engine.")
+              and not module.startswith("engine.backends") and DEVICE_TEST.search(path.read_text())}
+    assert asking <= DEVICE_TESTS_LEFT, f"a device test outside engine/backends/: {sorted(asking - DEVICE_TESTS_LEFT)}"
+    assert asking == DEVICE_TESTS_LEFT, f"no longer tests the device, drop from the list: {DEVICE_TESTS_LEFT - asking}"
+
+
 # The engine's parts, lowest first: a module imports only parts at or below its own. The foundation (errors, the
 # config and the torch-free adapter types it names, host-to-device transfer) sits below them all; the engine's own
 # modules (the runner, scheduler, executors, the engine itself) above them all.
@@ -170,7 +189,7 @@ def test_the_engine_package_loads_its_names_on_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["engine.llm", "engine.sampling"]
     missing = subprocess.run([sys.executable, "-c", "import engine; engine.NoSuchName"], capture_output=True,
-                             text=True, timeout=120)
+                             check=False, text=True, timeout=120)
     assert missing.returncode == 1 and "module 'engine' has no attribute 'NoSuchName'" in missing.stderr
 
 

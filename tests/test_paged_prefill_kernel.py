@@ -175,12 +175,12 @@ def test_flex_block_mask_lists_every_page_a_query_block_sees(block):
 def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer, monkeypatch, kernel):
     """cuda_prefill="triton" or "flex" against the default "sdpa" (gather + SDPA per chunk), on the runner's own
     segments: fresh prompts (no table: blocks from their slots), chunks of a chunked prefill, and prompts after a
-    cached prefix, none of them block-aligned. On CUDA the option chooses the kernel; on CPU, where the runner takes
+    cached prefix, none of them block-aligned. On CUDA the option chooses the kernel; on CPU, where the backend takes
     none, the kernel is forced (Triton's in the interpreter, FlexAttention eager), with the C++ kernels off so that
     every chunk takes it. Greedy tokens as the SDPA path's, in float32."""
-    from engine import LLM, SamplingParams, model_runner
+    from engine import LLM, SamplingParams
+    from engine.backends import torch_reference
     from engine.layers.attention import cuda_prefill_kernel
-    from engine.model_runner import ModelRunner
     from tests.helpers import PROMPTS
 
     base = tokenizer(" ".join(PROMPTS))["input_ids"][:40]
@@ -197,13 +197,13 @@ def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer,
         return tokens
 
     want = run()
-    if DEVICE == "cpu":  # the runner takes no CUDA kernel on CPU: forced here
+    if DEVICE == "cpu":  # the CPU backends take no CUDA kernel: forced here
         attend = (cuda_prefill_kernel(kernel) if kernel == "triton"
                   else functools.partial(flex_prefill_attention, compiled=False))
-        monkeypatch.setattr(ModelRunner, "_prefill_kernel", lambda self, config: attend)
-    segments = []  # the runner builds the kernel's batch only where a kernel takes the step's chunks
-    build = model_runner.paged_prefill
-    monkeypatch.setattr(model_runner, "paged_prefill",
+        monkeypatch.setattr(torch_reference.TorchBackend, "_prefill_kernel", lambda self, config: attend)
+    segments = []  # the backend builds the kernel's batch only where a kernel takes the step's chunks
+    build = torch_reference.paged_prefill
+    monkeypatch.setattr(torch_reference, "paged_prefill",
                         lambda prefills, *args: segments.extend(prefills) or build(prefills, *args))
     assert run(cuda_prefill=kernel) == want
     assert any(seg.block_table is None for seg in segments) and any(seg.block_table is not None for seg in segments)

@@ -39,7 +39,7 @@ def _tensor(values) -> torch.Tensor:
 
 
 def _metadata(chunks, tables, starts, slots, caches, ops) -> AttentionMetadata:
-    """A step's attention metadata, as ModelRunner._attention_metadata builds it (decodes first, then fresh prompts):
+    """A step's attention metadata, as the step backend builds it (decodes first, then fresh prompts):
     with the C++ operators every chunk (all short here) attends in the in-place kernel; without, decodes attend over
     their gathered blocks and prompts through SDPA."""
     lens = [len(new) for new, _ in chunks]

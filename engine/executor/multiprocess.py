@@ -1,7 +1,7 @@
 """The multiprocess tensor-parallel executor: rank 0 is the driver, in the engine's process, and ranks 1..N-1
 are worker processes (worker.py) that a `WorkerLauncher` starts (workers.py: local processes offline, Ray actors in
 the replica's placement group under Serve), over one group: gloo on CPU, NCCL on CUDA, where each rank has a GPU
-of its own (the launcher says which) and runs eager (no CUDA graphs: ModelRunner._decode_graphs). A step's batch
+of its own (the launcher says which) and runs eager (no CUDA graphs: engine/backends/cuda.py). A step's batch
 travels through the host (ForwardBatch.portable), and each worker carries it to its own GPU.
 
 The scheduler, block manager, sampler and detokenizer stay in the engine, which sees this executor as it sees the

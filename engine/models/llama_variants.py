@@ -24,7 +24,7 @@ One decoder serves them all (engine/models/llama.py); what differs is data, not 
   - sliding-window layers (`layer_types`), every other one attending to its last `sliding_window` positions;
   - the logits soft-capped the same way by `final_logit_softcapping`.
   The capped scores and the windows are computed by the C++ CPU attention kernel alone, so such a model attends
-  there alone (engine/model_runner.py refuses it elsewhere).
+  there alone (the other step backends refuse it: engine/backends/).
 - Gemma 3 (text, `gemma3_text`): Gemma 2's layers without the soft-capping, with Qwen3's per-head query and key
   norms (scaling by 1 + weight, as Gemma's norms do), and the sliding layers' rotary embedding from a base of their
   own (`rope_parameters` per layer type; five sliding layers to one global in Gemma 3).

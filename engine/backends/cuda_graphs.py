@@ -56,13 +56,14 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
-        longs = dict(dtype=torch.long, device=device)
+        longs = {"dtype": torch.long, "device": device}
         self.input_ids = torch.zeros(max_batch, **longs)
         self.positions = torch.zeros(max_batch, **longs)
         self.slot_mapping = torch.full((max_batch,), self.scratch_slot, **longs)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, **longs)
         self.context_lens = torch.ones(max_batch, **longs)
-        # the tokens grouped by adapter slot (engine/lora/triton_kernels.py): rows sorted by slot, each slot's start, count
+        # the tokens grouped by adapter slot (engine/lora/triton_kernels.py): rows sorted by slot, each slot's start
+        # and count
         self.max_loras = max_loras
         self.order_tokens = torch.zeros(max_batch, **longs)
         self.order_slots = torch.zeros(2 * max_loras, **longs)  # starts, then counts (all 0: no adapter token)
