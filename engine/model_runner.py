@@ -21,8 +21,9 @@ from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.forward_batch import ForwardBatch, ScoredRows
 from engine.kv_layout import kv_layout
+from engine.lora.backends import LoRAStepState, TokenSlots
 from engine.lora.linear import wrap_lora_linears
-from engine.lora.segments import AdapterRun, LoRAStepState, padding_allowance, token_slots
+from engine.lora.segments import AdapterRun, padding_allowance, token_slots
 from engine.memory import MemoryReport, weight_bytes
 from engine.models import load_model, lora_shapes, use_fused_ops
 from engine.models.moe import wrap_expert_loras
@@ -79,19 +80,15 @@ class ModelRunner:
         self.graphs = backend.decode_graphs(self.model, self.kv_caches, self.lora_state, config, max_model_len,
                                             self.layout.num_blocks)
 
-    @property
-    def cpu_ops(self):
-        """The C++ operators where the backend runs on them (the sampler's too), else None."""
-        return self.backend.cpu_ops
-
     def _wrap_lora_linears(self, config: EngineConfig, hf_config) -> list:
         """The model's LoRA-capable linears wrapped with max_loras slots each (and a mixture's experts given slots
         of their own, under "mlp.experts"), and the padding their row cost allows a step's adapter segments
         (lora_padding)."""
+        lora = self.backend.lora
         layers = wrap_lora_linears(self.model, self.lora_state, config.max_loras, config.max_lora_rank, self.dtype,
-                                   self.device, cpu_ops=self.cpu_ops)
+                                   lora)
         experts = wrap_expert_loras(self.model, lora_shapes(hf_config, config.expert_lora), self.lora_state,
-                                    config.max_loras, config.max_lora_rank, self.dtype, self.device, self.cpu_ops)
+                                    config.max_loras, config.max_lora_rank, self.dtype, lora)
         self.expert_lora = any(lora is not None for lora in experts)
         for layer, lora in zip(layers, experts):
             if lora is not None:
@@ -166,8 +163,7 @@ class ModelRunner:
         try:
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         finally:
-            state = self.lora_state
-            state.batch = state.token_slots = state.slot_order = state.expert_slots = None
+            self.lora_state.clear()
 
     def _sampled(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows whose logits are sampled (rows ascending): all of them in a step of decodes alone."""
@@ -177,9 +173,9 @@ class ModelRunner:
         """What the LoRA linears read this step (LoRAStepState): nothing when no token has an adapter."""
         if not self.lora_layers or all(run.slot < 0 for run in runs):
             return
-        self.backend.set_lora_state(self.lora_state, runs, self.max_loras, self.lora_padding)
+        step = self.lora_state.step = self.backend.lora.step(runs, self.max_loras, self.lora_padding)
         if self.expert_lora:  # each pair of token and expert reads its token's slot, on every backend
-            known = self.lora_state.token_slots
+            known = step.slots if isinstance(step, TokenSlots) else None
             self.lora_state.expert_slots = known if known is not None else token_slots(runs, self.device)
 
     def _score_prompt(self, hidden: torch.Tensor, chunk: PromptChunkScoring, rows: ScoredRows) -> PromptScores:
@@ -189,7 +185,7 @@ class ModelRunner:
         for rows_part in rows.slices():
             part = chunk.targets[rows_part.start - chunk.row:rows_part.stop - chunk.row]
             logits = self.model.compute_logits(hidden[rows_part])
-            scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.cpu_ops)
+            scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.backend.cpu_ops)
             logprobs += scores.logprobs
             tops += scores.top
             ranks += token_ranks(logits, part)

@@ -128,7 +128,7 @@ def test_every_lora_module_of_the_engine_is_in_its_lora_package():
 DEVICE_TESTS_LEFT = {"engine.config", "engine.distributed.process_group", "engine.executor.workers",
                      "engine.huge_pages",
                      "engine.kernels.paged_prefill", "engine.layers.attention", "engine.layers.linear",
-                     "engine.llm_engine", "engine.lora.expert_linear", "engine.lora.linear",
+                     "engine.llm_engine",
                      "engine.models.decoder_stack", "engine.models.experts", "engine.sampler",
                      "engine.sampling_filters", "engine.tokens_in_flight", "engine.transfer"}
 DEVICE_TEST = re.compile(r"""\.type ?[!=]= ?["'](cpu|cuda)["']|\bis_cuda\b|\bcpu_ops is (not )?None""")

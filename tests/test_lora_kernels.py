@@ -20,8 +20,9 @@ if not torch.cuda.is_available():  # set before triton is first imported: its ow
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+from engine.lora.backends import LoRAStepState, TorchLoRA, TritonLoRA
 from engine.lora.linear import LoRALinear, LoRASubModule
-from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, slot_order
+from engine.lora.segments import AdapterRun, build_lora_batch, slot_order
 from engine.lora.triton_kernels import lora_expand_, lora_shrink
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +52,7 @@ def _lora_linear(in_features: int, rank: int, outs: list[int], dtype: torch.dtyp
     """A LoRALinear whose packed slot buffer (A, every B, the rank padding too) holds random values."""
     subs = [LoRASubModule(f"sub{i}", out) for i, out in enumerate(outs)]
     base = torch.nn.Linear(in_features, sum(outs), bias=False, device=DEVICE, dtype=dtype)
-    layer = LoRALinear(base, in_features, subs, LoRAStepState(), MAX_LORAS, rank, dtype, DEVICE)
+    layer = LoRALinear(base, in_features, subs, LoRAStepState(), MAX_LORAS, rank, dtype, TritonLoRA(DEVICE))
     gen = torch.Generator().manual_seed(seed)
     layer.packed.copy_(torch.randn(layer.packed.shape, generator=gen))
     return layer
@@ -168,10 +169,11 @@ def test_kernel_path_matches_grouped_path():
                                for i, out in enumerate(outs) if i != slot})  # some slots lack a sub-module
     slots = SLOTS
     x = torch.randn(len(slots), 64, generator=gen).to(DEVICE)
-    layer.state.batch = build_lora_batch([AdapterRun(slot, 1) for slot in slots], DEVICE)
+    layer.backend = TorchLoRA(DEVICE, float32_slots=False, a_k_major=False)
+    layer.state.step = build_lora_batch([AdapterRun(slot, 1) for slot in slots], DEVICE)
     grouped = layer(x)
-    layer.state.batch = None
-    layer.state.slot_order = slot_order(slots, MAX_LORAS, DEVICE)
+    layer.backend = TritonLoRA(DEVICE)
+    layer.state.step = slot_order(slots, MAX_LORAS, DEVICE)
     tiled = layer(x)
     assert _relative_error(tiled, grouped.double()) < 1e-4
 

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_ops
+from engine.lora.backends import CppLoRA, LoRAStepState, TorchLoRA
 from engine.lora.linear import LoRALinear, LoRASubModule
-from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, token_slots
+from engine.lora.segments import AdapterRun, build_lora_batch, token_slots
 
 CPU = torch.device("cpu")
 IN, OUTS, MAX_RANK, SLOTS = 24, (16, 8, 8), 8, 6
@@ -48,8 +49,8 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
     base = nn.Linear(IN, sum(outs)).to(dtype)
     state = LoRAStepState()
     subs = [LoRASubModule(f"m{i}", out) for i, out in enumerate(outs)]
-    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, CPU,
-                       cpu_ops=cpu_ops.load() if path == "C++" else None)
+    backend = CppLoRA(CPU, cpu_ops.load()) if path == "C++" else TorchLoRA(CPU, float32_slots=True, a_k_major=True)
+    layer = LoRALinear(base, IN, subs, state, SLOTS, MAX_RANK, dtype, backend)
     adapters = {slot: _adapter(slot, gen, outs) for slot in RANKS}
     for slot, weights in adapters.items():
         layer.load_slot(slot, weights)
@@ -57,10 +58,11 @@ def _layer(dtype=torch.float32, outs=OUTS, path="grouped"):
 
 
 def _set_step(layer, runs, **kwargs) -> None:
-    """The step's LoRA layout as the runner sets it: the grouped batch, and on the C++ path each token's slot."""
-    layer.state.batch = build_lora_batch(_runs(runs), CPU, **kwargs)
-    if layer.cpu_ops is not None:
-        layer.state.token_slots = token_slots(_runs(runs), CPU)
+    """The step's LoRA layout as the runner sets it: the grouped batch, or on the C++ path each token's slot."""
+    if isinstance(layer.backend, CppLoRA):
+        layer.state.step = layer.backend.step(_runs(runs), SLOTS, padding=0)
+    else:
+        layer.state.step = build_lora_batch(_runs(runs), CPU, **kwargs)
 
 
 def _reference(layer, adapters, x, runs):
@@ -174,7 +176,7 @@ def test_several_groups_equal_the_reference(runs, path):
     layer, state, adapters = _layer(path=path)
     x = torch.randn(sum(c for _, c in runs), IN, generator=torch.Generator().manual_seed(4))
     _set_step(layer, runs)
-    assert len(state.batch.groups) > 1
+    assert len(build_lora_batch(_runs(runs), CPU).groups) > 1
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), _reference(layer, adapters, x, runs), **FP32)
 

@@ -113,7 +113,7 @@ class PrefillInputs:
 
 def _prefill_inputs(case: PrefillCase, heads: int, kv_heads: int, dim: int, device: str) -> PrefillInputs:
     """Each segment's blocks scattered over the cache, its chunk's keys and values written at their slots (as
-    paged_attention() does before attending), the segments as the runner gives them (fresh prompts without a
+    paged_attention() does before attending), the segments as the CUDA backend gives them (fresh prompts without a
     table, block rows computed once per step)."""
     context = case.cached + case.chunk
     per_seq = -(-context // BLOCK)

@@ -24,8 +24,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from benchmarks.common import fmt, markdown_table
+from engine.lora.backends import LoRAStepState, TorchLoRA
 from engine.lora.linear import LoRALinear, LoRASubModule
-from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch, padding_allowance
+from engine.lora.segments import AdapterRun, build_lora_batch, padding_allowance
 
 COURSE_HIDDEN, WIDE_HIDDEN = 10, 1024
 VOCAB, SEQ_LEN, NUM_LORAS, RANK = 10, 8, 64, 2
@@ -52,7 +53,8 @@ class ToyMultiLoraModel(nn.Module):
         self.loras_b = torch.randn(NUM_LORAS, RANK, hidden)
         self.lora_state = LoRAStepState()
         self.lora_linear = LoRALinear(self.linear, hidden, [LoRASubModule("linear", hidden)], self.lora_state,
-                                      NUM_LORAS, RANK, torch.float32, CPU)
+                                      NUM_LORAS, RANK, torch.float32, TorchLoRA(CPU, float32_slots=True,
+                                                                                a_k_major=True))
         for slot in range(NUM_LORAS):  # lora-serve's (PEFT's) convention: A [r, in], B [out, r]
             weights = SimpleNamespace(lora_a=self.loras_a[slot].t(), lora_b=self.loras_b[slot].t(), scaling=1.0)
             self.lora_linear.load_slot(slot, {"linear": weights})
@@ -81,7 +83,7 @@ def gathered_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices
 
 def build_step_batch(model: ToyMultiLoraModel, lora_indices: torch.Tensor) -> None:
     runs = [AdapterRun(i, SEQ_LEN) for i in lora_indices.tolist()]
-    model.lora_state.batch = build_lora_batch(runs, CPU, padding_allowance(model.lora_linear.row_flops))
+    model.lora_state.step = build_lora_batch(runs, CPU, padding_allowance(model.lora_linear.row_flops))
 
 
 def lora_serve_linear_lora(model: ToyMultiLoraModel, x: torch.Tensor, lora_indices: torch.Tensor) -> torch.Tensor:

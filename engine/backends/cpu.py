@@ -21,7 +21,7 @@ from engine.backends.torch_reference import InPlaceChunk, TorchBackend
 from engine.config import EngineConfig
 from engine.kernels import cpu_attention
 from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, KVCache, PrefillSegment
-from engine.lora.segments import AdapterRun, LoRAStepState, token_slots
+from engine.lora.backends import CppLoRA, LoRAStepState
 from engine.models.decoder_stack import build_decoder_stack
 from engine.transfer import to_device
 
@@ -30,10 +30,13 @@ class CpuKernelsBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, config: EngineConfig, cpu_ops):
+        self.cpu_ops = self.fused_ops = cpu_ops  # before the base's init, which asks for the LoRA backend
         super().__init__(config)
-        self.cpu_ops = self.fused_ops = cpu_ops
         self.huge_pages = config.huge_pages and huge_pages.supported()
         self.head_dim = 0
+
+    def _lora_backend(self) -> CppLoRA:
+        return CppLoRA(self.device, self.cpu_ops)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return huge_pages.zeros(shape, dtype) if self.huge_pages else super()._zeros(shape, dtype)
@@ -82,10 +85,6 @@ class CpuKernelsBackend(TorchBackend):
         tables = [c.block_table + [0] * (widest - len(c.block_table)) for c in chunks]
         return InPlaceQueries(self.tensor(tables), self.tensor([c.context_len for c in chunks]),
                               self.tensor([c.row for c in chunks]), self.tensor([c.length for c in chunks]))
-
-    def set_lora_state(self, state: LoRAStepState, runs: list[AdapterRun], max_loras: int, padding: int) -> None:
-        """The C++ LoRA call reads each token's slot."""
-        state.token_slots = token_slots(runs, self.device)
 
     def gather_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """By the C++ operators (cpu/gather.cpp): torch's indexing wakes OpenMP's threads."""

@@ -18,7 +18,7 @@ from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.torch_reference import TorchBackend
 from engine.config import EngineConfig
 from engine.layers.attention import KVCache, PrefillKernel, cuda_prefill_kernel
-from engine.lora.segments import AdapterRun, LoRAStepState, per_token_slots, slot_order
+from engine.lora.backends import LoRAStepState, TritonLoRA
 
 
 class CudaBackend(TorchBackend):
@@ -35,15 +35,14 @@ class CudaBackend(TorchBackend):
             self.fused_ops = cuda_ops
         self.graphs_allowed = not (sharded or config.enforce_eager or config.quantization != "none")
 
+    def _lora_backend(self) -> TritonLoRA:
+        return TritonLoRA(self.device)
+
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
         return cuda_prefill_kernel(config.cuda_prefill)
 
     def free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
-
-    def set_lora_state(self, state: LoRAStepState, runs: list[AdapterRun], max_loras: int, padding: int) -> None:
-        """The Triton kernels take the tokens grouped by slot."""
-        state.slot_order = slot_order(per_token_slots(runs), max_loras, self.device)
 
     def decode_graphs(self, model: nn.Module, kv_caches: list[KVCache], lora_state: LoRAStepState,
                       config: EngineConfig, max_model_len: int, num_blocks: int) -> DecodeGraphs | None:

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, KVCache
-from engine.lora.segments import LoRAStepState, SlotOrder, slot_order_values
+from engine.lora.backends import LoRAStepState
+from engine.lora.segments import SlotOrder, slot_order_values
 from engine.tokens_in_flight import PendingInputs
 
 
@@ -78,12 +79,12 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slot_mapping[:size], size, self.block_tables[:size], None, [],
                                  self.context_lens[:size], kv_write=self.kv_write)
-        self.lora_state.slot_order = SlotOrder(self.order_tokens[:size], self.order_slots[:self.max_loras],
+        self.lora_state.step = SlotOrder(self.order_tokens[:size], self.order_slots[:self.max_loras],
                                                self.order_slots[self.max_loras:])
         try:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         finally:
-            self.lora_state.slot_order = None
+            self.lora_state.step = None
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -25,7 +25,7 @@ from engine.layers.attention import (
     block_rows,
     paged_prefill,
 )
-from engine.lora.segments import AdapterRun, LoRAStepState, build_lora_batch
+from engine.lora.backends import LoRAStepState, TorchLoRA
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -66,6 +66,12 @@ class TorchBackend:
         self.block_size = config.block_size
         self.prefill_kernel: PrefillKernel | None = self._prefill_kernel(config)
         self.cache_shape: tuple[int, int] = (0, 0)  # the cache's (KV heads, blocks), once allocated
+        self.lora = self._lora_backend()
+
+    def _lora_backend(self) -> TorchLoRA:
+        """How adapters' tokens take their deltas: as segments of one adapter each; on CPU from float32 slots."""
+        on_cpu = self.device.type == "cpu"
+        return TorchLoRA(self.device, float32_slots=on_cpu, a_k_major=on_cpu)
 
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
         """The kernel that takes every prompt chunk of a step in one call; None: gather + SDPA per chunk."""
@@ -143,10 +149,6 @@ class TorchBackend:
     def _block_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
         """The cache rows attention gathers these blocks from, computed once per step for all layers."""
         return block_rows(block_tables, *self.cache_shape)
-
-    def set_lora_state(self, state: LoRAStepState, runs: list[AdapterRun], max_loras: int, padding: int) -> None:
-        """What the LoRA linears read this step: the tokens as segments of one adapter each."""
-        state.batch = build_lora_batch(runs, self.device, padding)
 
     def gather_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return hidden[to_device(rows, self.device)]

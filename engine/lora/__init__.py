@@ -11,8 +11,9 @@ One verb per move:
   its own shard (shards.py).
 - **step**: every LoRA-capable linear is wrapped (linear.py; experts' in expert_linear.py) and holds all slots'
   weights, stacked. A step's tokens name their slots; the wrappers add each token's delta from its own slot's
-  weights, grouped into runs of one slot where the backend wants them (segments.py; on CUDA the Triton kernels in
-  triton_kernels.py). Base-only tokens skip the LoRA path.
+  weights through the LoRA backend that the step backend chose (backends.py): segments of one slot in PyTorch
+  (segments.py), each token's slot in one C++ call, or tokens grouped by slot for the Triton kernels
+  (triton_kernels.py). Base-only tokens skip the LoRA path.
 - **merge**: merge_spec.py is LoRAX's merged_adapters spec and its cache key; lora_cache merges.
 
 The server *registers* an adapter at run time (deployments/); that is a name for the provider to read, not a copy.

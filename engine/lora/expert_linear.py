@@ -6,7 +6,8 @@ layer hold every expert's weights, slot s's expert e as slot s * experts + e of 
 reads slot (its token's slot) * experts + (its expert): the same per-row contract as a LoRA linear's tokens, and
 on CPU the same C++ call (cpu/lora.cpp, lora_add_), each pair reading its own expert's weights in place, the slot
 table's A stored K-major for it and in the model's dtype. Without the C++ operators (and on CUDA, where these models
-run eager) each (slot, expert) present in the step adds its rows' delta in float32 in a loop: the reference path.
+run eager) each (slot, expert) present in the step adds its rows' delta in a loop: the reference path. Which of the
+two, and how the table is stored, is the LoRA backend's (backends.py).
 Pairs of base tokens, and of adapters with no expert weights, are skipped.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.lora.segments import LoRAStepState
+from engine.lora.backends import LoRAStepState, TorchLoRA
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,14 @@ class ExpertSlots:
 
 class ExpertLoRA(nn.Module):
     def __init__(self, shapes: dict[str, tuple[int, int]], num_experts: int, state: LoRAStepState, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device, cpu_ops=None):
+                 max_rank: int, dtype: torch.dtype, backend: TorchLoRA):
         """shapes: each targetable expert parameter's (in_features, out_features) per expert (its PEFT key)."""
         super().__init__()
-        self.num_experts, self.max_rank, self.state, self.cpu_ops = num_experts, max_rank, state, cpu_ops
-        if device.type == "cpu" and cpu_ops is None:  # as LoRALinear: CPU bf16 batched matmuls are slow
-            dtype = torch.float32
+        self.num_experts, self.max_rank, self.state, self.backend = num_experts, max_rank, state, backend
         row = sum(max_rank * (i + o) for i, o in shapes.values())
-        self.register_buffer("packed", torch.zeros(max_loras * num_experts, row, dtype=dtype, device=device))
+        device = backend.device
+        self.register_buffer("packed", torch.zeros(max_loras * num_experts, row, dtype=backend.slot_dtype(dtype),
+                                                   device=device))
         self.register_buffer("has_weights", torch.zeros(max_loras, dtype=torch.bool, device=device))
         # offsets, not views: the slot table may be re-seated (engine/huge_pages.py), and views taken from it at
         # each use follow it
@@ -56,11 +57,11 @@ class ExpertLoRA(nn.Module):
         self.row_flops = 2 * row
 
     def _views(self, param: ExpertParam) -> ExpertSlots:
-        """The parameter's A and B inside each slot row (A K-major on CPU, as the C++ kernel reads it)."""
+        """The parameter's A and B inside each slot row (A K-major where the backend's kernel reads it so)."""
         r, slots = self.max_rank, self.packed.shape[0]
         middle = param.start + param.in_features * r
         a = self.packed[:, param.start:middle]
-        if self.packed.device.type == "cpu":
+        if self.backend.a_k_major:
             a = a.view(slots, r, param.in_features).transpose(1, 2)
         else:
             a = a.view(slots, param.in_features, r)
@@ -96,10 +97,4 @@ class ExpertLoRA(nn.Module):
         if key not in self.params:
             return
         views = self._views(self.params[key])
-        if self.cpu_ops is not None:
-            self.cpu_ops.lora_add_(y, x, views.a, [views.b], slots, self.max_rank)
-            return
-        for row in torch.unique(slots[slots >= 0]).tolist():
-            pairs = (slots == row).nonzero().squeeze(1)
-            delta = (x[pairs].to(views.a.dtype) @ views.a[row]) @ views.b[row]
-            y.index_add_(0, pairs, delta.to(y.dtype))
+        self.backend.expert_add_(y, x, views.a, views.b, slots, self.max_rank)

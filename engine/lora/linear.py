@@ -1,18 +1,10 @@
 """Batched multi-LoRA linears: one step mixes base-only tokens and tokens of many adapters.
 
-Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its
-sub-modules (q/k/v or gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per
-sub-module (scaling folded in), so that no zero block of a fused B is ever read. On CUDA every step (decode graphs
-and eager steps alike) groups its tokens by slot, and tiles of one slot's tokens multiply that slot's weights in
-place (Triton kernels, engine/lora/triton_kernels.py).
-On CPU with the C++ operators each token reads its own slot's weights in place: one call per linear (cpu/lora.cpp),
-with A stored K-major for its dot products, and in the model's dtype, since every token reads its slot's weights and
-bf16 halves those bytes. One call per linear, not the grouped path's ten small ops, is what keeps a decode step of
-many adapters near the base model's throughput.
-Otherwise (CPU without the operators) the step's tokens arrive grouped by adapter slot (segments.py); per group
-the delta is batched matmuls over the segments' weights, and one index_add puts all deltas into the base output
-(or, when one group holds every token in order, the expand matmul adds into it in place).
-Base-only tokens never enter the LoRA path, and a step without adapter tokens skips it entirely.
+Each wrapped linear keeps stacked, rank-padded slot weights: A [in, subs * R] shared by its sub-modules (q/k/v or
+gate/up of a fused linear: one shrink matmul), and one B [R, out_sub] per sub-module (scaling folded in), so that no
+zero block of a fused B is ever read. How a step's tokens take their deltas from them, and how the slots are
+stored for it, is the LoRA backend's (backends.py), the same object for every linear. Base-only tokens never
+enter the LoRA path, and a step without adapter tokens skips it entirely.
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.distributed.linears import RowParallelLinear
-from engine.lora.segments import LoRAGroup, LoRAStepState
+from engine.lora.backends import LoRAStepState, TorchLoRA
 
 
 @dataclass
@@ -50,24 +42,23 @@ def fused_targets(shapes: dict[str, tuple[int, int]],
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, subs: list[LoRASubModule], state: LoRAStepState,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, cpu_ops=None):
-        """cpu_ops: the C++ CPU operators, when loaded: they compute the delta (cpu/lora.cpp), reading the slots'
-        weights in the model's dtype; otherwise the weights are kept in float32 on CPU."""
+                 max_loras: int, max_rank: int, dtype: torch.dtype, backend: TorchLoRA):
+        """backend: how the step's tokens take their deltas, and how the slots are stored for it."""
         super().__init__()
         self.base = base
         self.subs = subs
         self.state = state
+        self.backend = backend
         self.in_features = in_features
         self.max_rank = max_rank
         self.row_flops = 2 * max_rank * len(subs) * in_features + 2 * max_rank * sum(s.out_size for s in subs)
-        if device.type == "cpu" and cpu_ops is None:  # CPU bf16 batched matmuls of these shapes are slow, not fp32
-            dtype = torch.float32
+        dtype = backend.slot_dtype(dtype)
         # One row per slot packs A and every B (one storage per linear); a_slots and b_slots are strided views
         # of it, [slots, in, subs * R] and [slots, R, out] per sub-module, that a group gathers directly.
         a_size = in_features * max_rank * len(subs)
         row = a_size + max_rank * sum(s.out_size for s in subs)
-        self.register_buffer("packed", torch.zeros(max_loras, row, dtype=dtype, device=device))
-        if device.type == "cpu":  # A K-major: the C++ kernel takes a dot product per column (cpu/lora.cpp)
+        self.register_buffer("packed", torch.zeros(max_loras, row, dtype=dtype, device=backend.device))
+        if backend.a_k_major:  # the C++ kernel takes a dot product per column (cpu/lora.cpp)
             self.a_slots = self.packed[:, :a_size].view(max_loras, -1, in_features).transpose(1, 2)
         else:
             self.a_slots = self.packed[:, :a_size].view(max_loras, in_features, -1)
@@ -79,7 +70,6 @@ class LoRALinear(nn.Module):
             start = end
         self.expand_dtype = dtype if len(subs) == 1 else None
         self.slots_with_weights: set[int] = set()  # a linear no resident adapter targets skips the LoRA path
-        self.cpu_ops = cpu_ops
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -88,57 +78,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
-        if self.state.slot_order is not None:  # CUDA: every step, a decode graph's capture too
-            from engine.lora.triton_kernels import lora_expand_, lora_shrink
+        step = self.state.step
+        return y if step is None else self.backend.add(self, x, y, step)
 
-            order = self.state.slot_order
-            return lora_expand_(y, lora_shrink(x, self.a_slots, order), self.b_slots, order, self.max_rank)
-        if self.state.token_slots is not None:  # CPU with the C++ operators: one call per linear
-            if self.slots_with_weights:  # a linear that no resident adapter targets adds nothing
-                self.cpu_ops.lora_add_(y, x, self.a_slots, self.b_slots, self.state.token_slots, self.max_rank)
-            return y
-        batch = self.state.batch
-        if batch is None or not self.slots_with_weights:
-            return y
-        if batch.in_order_group is not None and x.dtype == y.dtype == self.expand_dtype:  # expand in place
-            group = batch.in_order_group
-            a, (b,) = self._weights(group.slots)
-            out = y.view(group.segments, group.longest, -1)
-            return out.baddbmm_(self._shrink(x, group, a), b).view(y.shape)
-        deltas = [self._group_delta(x, group) for group in batch.groups]
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
-        if batch.valid_positions is not None:
-            delta = delta.index_select(0, batch.valid_positions)
-        if batch.token_rows is None:
-            return y.add_(delta)
-        return y.index_add_(0, batch.token_rows, delta.to(y.dtype))
-
-    def _weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def weights(self, slots: torch.Tensor | slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A [n, in, subs * R] and one B [n, R, out] per sub-module of the given slots: gathered copies, or
         views when the slots are a contiguous slice. (index_select: advanced indexing was slower here.)"""
         if isinstance(slots, slice):
             return self.a_slots[slots], [b[slots] for b in self.b_slots]
         return self.a_slots.index_select(0, slots), [b.index_select(0, slots) for b in self.b_slots]
 
-    def _shrink(self, x: torch.Tensor, group: LoRAGroup, a: torch.Tensor) -> torch.Tensor:
-        grouped = x if group.gather_index is None else x.index_select(0, group.gather_index)
-        return torch.bmm(grouped.view(group.segments, group.longest, -1).to(a.dtype), a)
-
-    def _group_delta(self, x: torch.Tensor, group: LoRAGroup) -> torch.Tensor:
-        a, bs = self._weights(group.slots)
-        shrunk = self._shrink(x, group, a)
-        if len(bs) == 1:
-            return torch.bmm(shrunk, bs[0]).flatten(0, 1)
-        r = self.max_rank
-        return torch.cat([torch.bmm(shrunk[..., i * r:(i + 1) * r], b) for i, b in enumerate(bs)],
-                         dim=-1).flatten(0, 1)
-
     @torch.no_grad()
     def load_slot(self, slot: int, weights: dict) -> None:
         """weights: module key -> object with lora_a [r, in], lora_b [out, r], scaling; absent keys stay zero."""
         self.packed[slot].zero_()
         self.slots_with_weights.discard(slot)
-        a, bs = self._weights(slice(slot, slot + 1))
+        a, bs = self.weights(slice(slot, slot + 1))
         for i, (sub, b) in enumerate(zip(self.subs, bs)):
             w = weights.get(sub.key)
             if w is None:
@@ -150,7 +105,7 @@ class LoRALinear(nn.Module):
 
 
 def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int, dtype: torch.dtype,
-                      device: torch.device, cpu_ops=None) -> list[dict[str, LoRALinear]]:
+                      backend: TorchLoRA) -> list[dict[str, LoRALinear]]:
     """Replace each of the model's LoRA-capable linears; returns, per layer, linear path -> LoRALinear."""
     per_layer: list[dict[str, LoRALinear]] = []
     n = model.tensor_parallel.world_size if getattr(model, "tensor_parallel", None) is not None else 1
@@ -160,7 +115,7 @@ def wrap_lora_linears(model: nn.Module, state: LoRAStepState, max_loras: int, ma
             parent_path, _, name = path.rpartition(".")
             site = _rank_site(layer.get_submodule(parent_path), name, target, n)
             lora = LoRALinear(getattr(site.parent, site.name), site.target.in_features, site.target.subs, state,
-                              max_loras, max_rank, dtype, device, cpu_ops)
+                              max_loras, max_rank, dtype, backend)
             setattr(site.parent, site.name, lora)
             wrapped[path] = lora
         per_layer.append(wrapped)

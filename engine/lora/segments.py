@@ -88,22 +88,6 @@ def slot_order(slots: list[int], num_slots: int, device: torch.device) -> SlotOr
     return SlotOrder(tokens, starts, counts)
 
 
-class LoRAStepState:
-    """What every LoRALinear of a step reads, set by the runner before the forward pass, one of three:
-    - on CUDA, `slot_order`: the tokens grouped by slot, for the Triton kernels (a decode CUDA graph is captured
-      with the graph's own static SlotOrder, which each replay refills);
-    - on CPU with the C++ operators, `token_slots`: each token's slot as a tensor (-1: base model);
-    - otherwise `batch`: the grouped layout of build_lora_batch.
-    A mixture of experts' expert LoRA (engine/lora/expert_linear.py) reads `expert_slots`, each token's slot, on
-    every path."""
-
-    def __init__(self):
-        self.batch: LoRABatch | None = None
-        self.token_slots: torch.Tensor | None = None
-        self.slot_order: SlotOrder | None = None
-        self.expert_slots: torch.Tensor | None = None
-
-
 def padding_allowance(row_flops: int) -> int:
     """Padded rows a group may take on rather than start a new group, for LoRA math of row_flops per row
     (averaged over the model's LoRA linears: each of them pays for both)."""

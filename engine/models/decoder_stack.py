@@ -28,8 +28,8 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import OwnKernel, PrepackedLinear
+from engine.lora.backends import LoRAStepState, TokenSlots
 from engine.lora.linear import LoRALinear
-from engine.lora.segments import LoRAStepState
 from engine.models.llama import FUSED_ACTIVATIONS, LlamaForCausalLM
 
 NO_TENSOR = torch.empty(0)  # the stack's stand-in for a linear without a bias, or for LoRA slots it lacks
@@ -66,16 +66,17 @@ class DecoderStack:
 
     def takes(self, meta: AttentionMetadata, h: torch.Tensor) -> bool:
         """Whether this step's layers can run in the stack, with the results of the modules' path."""
-        state = self.lora_state
+        step = self.lora_state.step
         return (meta.in_place is not None and not meta.prefills and meta.kv_write is not None
-                and self.kernel.takes(h) and state.batch is None and state.slot_order is None)
+                and self.kernel.takes(h) and (step is None or isinstance(step, TokenSlots)))
 
     def run(self, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata) -> torch.Tensor:
         """The final norm of the residual stream h after every layer (h is updated in place); tables: each rotary
         table's cos and sin at this step's positions."""
         q = meta.in_place
-        token_slots = self.lora_state.token_slots
+        step = self.lora_state.step
+        token_slots = None if step is None else step.slots
         loras = [] if token_slots is None else [t for lora in self.loras for t in _lora_slots(lora)]
         cos, sin = [tables[key][0] for key in self.rope_keys], [tables[key][1] for key in self.rope_keys]
         return self.ops.decoder_stack(h, self.weights, self.caches, cos, sin, meta.slot_mapping, q.block_tables,

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from engine.layers import uninitialized
+from engine.lora.backends import LoRAStepState, TorchLoRA
 from engine.lora.expert_linear import ExpertLoRA
 from engine.lora.provider import LoraShapes
-from engine.lora.segments import LoRAStepState
 from engine.models.activations import activation
 from engine.models.experts import Experts
 
@@ -175,7 +175,7 @@ class SparseMoeBlock(nn.Module):
 
 
 def wrap_expert_loras(model: nn.Module, shapes: LoraShapes, state: LoRAStepState, max_loras: int, max_rank: int,
-                      dtype: torch.dtype, device: torch.device, cpu_ops=None) -> list[ExpertLoRA | None]:
+                      dtype: torch.dtype, backend: TorchLoRA) -> list[ExpertLoRA | None]:
     """Adapter slots on every layer's experts (None for a dense layer), in layer order; none for a dense model."""
     if not shapes.experts:
         return []
@@ -184,7 +184,7 @@ def wrap_expert_loras(model: nn.Module, shapes: LoraShapes, state: LoRAStepState
         block = next((m for m in layer.modules() if isinstance(m, SparseMoeBlock)), None)
         if block is not None:
             block.lora = ExpertLoRA(dict(shapes.experts), shapes.num_experts, state, max_loras, max_rank, dtype,
-                                    device, cpu_ops)
+                                    backend)
         loras.append(None if block is None else block.lora)
     return loras
 
