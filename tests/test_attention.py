@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_ops
-from engine.layers.attention import AttentionMetadata, PrefillSegment, paged_attention
+from engine.layers.attention import GatheredAttention, PagedAttention, PrefillSegment, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 
@@ -23,7 +23,7 @@ def _reference(q, keys, values):
 
 
 CPU_OPS = cpu_ops.load()
-# the K/V write: index_copy_, or the C++ operators' one call (what the runner hands AttentionMetadata.kv_write)
+# the K/V write: index_copy_, or the C++ operators' one call (what the backend hands AttentionMetadata.kv_write)
 WRITES = [None, pytest.param(getattr(CPU_OPS, "write_kv_cache", None),
                              marks=pytest.mark.skipif(CPU_OPS is None, reason="no C++ operators"))]
 
@@ -72,8 +72,14 @@ def test_paged_attention_matches_reference(dtype, cache_dtype, num_decode, kv_wr
     decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]])
     visible = torch.arange(max_blocks * BLOCK)[None, :] < torch.tensor(contexts)[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))[:, None, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), num_decode, decode_tables, mask, segments, kv_write=kv_write)
+    meta = GatheredAttention(torch.tensor(slots), num_decode, segments, kv_write, decode_block_tables=decode_tables,
+                             decode_mask=mask)
     out = paged_attention(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), (k_cache, v_cache), meta)
     expected = torch.cat([_reference(q, k, v) for q, k, v in zip(q_rows, full_k, full_v)]).flatten(1)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    if dtype == cache_dtype == torch.float32 and kv_write is None:  # CUDA's path, its Triton kernel interpreted
+        paged = PagedAttention(torch.tensor(slots), num_decode, segments, decode_block_tables=decode_tables,
+                               decode_context_lens=torch.tensor(contexts))
+        out = paged_attention(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), (k_cache, v_cache), paged)
+        torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)

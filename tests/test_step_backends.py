@@ -10,6 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.backends import CpuKernelsBackend, TorchBackend
 from engine.kernels import cpu_ops
+from engine.layers.attention import GatheredAttention, InPlaceAttention
 from engine.lora.backends import CppLoRA, TorchLoRA
 from engine.step_inputs import StepInputs
 from tests.helpers import PROMPTS
@@ -40,9 +41,9 @@ def test_each_backend_builds_its_own_step_metadata_and_the_tokens_agree(tiny_lla
     assert reference.engine.runner.backend.lora.slot_dtype(torch.bfloat16) == torch.float32
     kernel_steps, reference_steps = _steps(kernels), _steps(reference)
     decode = [step.forward.attention for step in kernel_steps if step.forward.attention.num_decode]
-    assert decode and all(meta.in_place is not None and meta.decode_mask is None for meta in decode)
+    assert decode and all(type(meta) is InPlaceAttention and meta.in_place is not None for meta in decode)
     decode = [step.forward.attention for step in reference_steps if step.forward.attention.num_decode]
-    assert decode and all(meta.in_place is None and meta.decode_mask is not None for meta in decode)
+    assert decode and all(type(meta) is GatheredAttention and meta.decode_mask is not None for meta in decode)
     params = SamplingParams(max_tokens=6, temperature=0)
     assert ([out.token_ids for out in kernels.generate(PROMPTS, params, use_tqdm=False)]
             == [out.token_ids for out in reference.generate(PROMPTS, params, use_tqdm=False)])

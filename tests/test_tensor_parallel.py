@@ -21,7 +21,14 @@ import torch.multiprocessing as mp
 
 from engine.distributed.parallel import TensorParallel
 from engine.kernels import cpu_ops
-from engine.layers.attention import AttentionMetadata, InPlaceQueries, PrefillSegment, block_rows
+from engine.layers.attention import (
+    AttentionMetadata,
+    GatheredAttention,
+    InPlaceAttention,
+    InPlaceQueries,
+    PrefillSegment,
+    block_rows,
+)
 from engine.models import check_tensor_parallel, load_model, use_fused_ops
 from tests.helpers import PROMPTS, free_port
 
@@ -46,17 +53,17 @@ def _metadata(chunks, tables, starts, slots, caches, ops) -> AttentionMetadata:
     ends = [start + n for (_, start), n in zip(chunks, lens)]
     if ops is not None:
         queries = InPlaceQueries(_tensor(tables), _tensor(ends), _tensor(starts), _tensor(lens))
-        return AttentionMetadata(slots, 0, None, None, [], in_place=queries, kv_write=ops.write_kv_cache)
+        return InPlaceAttention(slots, 0, [], ops.write_kv_cache, in_place=queries)
     decodes = sum(start > 0 for _, start in chunks)
     prefills = [PrefillSegment(row, n, n, None) for row, n in zip(starts[decodes:], lens[decodes:])]
     if not decodes:
-        return AttentionMetadata(slots, 0, None, None, prefills)
+        return GatheredAttention(slots, 0, prefills)
     block_tables, context_lens = _tensor(tables[:decodes]), _tensor(ends[:decodes])
     visible = torch.arange(block_tables.shape[1] * BLOCK)[None, :] < context_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
     k_cache = caches[0][0]
-    return AttentionMetadata(slots, decodes, block_tables, mask, prefills, context_lens,
-                             block_rows(block_tables, k_cache.shape[0], k_cache.shape[1]))
+    return GatheredAttention(slots, decodes, prefills, decode_block_tables=block_tables, decode_mask=mask,
+                             decode_rows=block_rows(block_tables, k_cache.shape[0], k_cache.shape[1]))
 
 
 def _step(model, caches, chunks, tables, ops) -> torch.Tensor:

@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.executor.workers import WorkerDiedError
 from engine.forward_batch import ForwardBatch
-from engine.layers.attention import AttentionMetadata, PrefillSegment
+from engine.layers.attention import PagedAttention, PrefillSegment
 from engine.lora.segments import AdapterRun
 from lora_cache.local_cache import local_adapters
 from tests.helpers import GREEDY, PROMPTS, hf_greedy, peft_adapters
@@ -143,8 +143,9 @@ def test_a_steps_batch_travels_with_every_tensor_on_the_host_and_lands_on_the_ra
     """ForwardBatch.portable/on carry each tensor of the step, nested ones included, from device to device (here
     to the meta device, as a worker carries it to its own GPU), and drop the runner's own cache writer."""
     segment = PrefillSegment(start=1, length=3, context_len=5, block_table=torch.tensor([2, 3]))
-    attention = AttentionMetadata(torch.arange(4), 1, torch.zeros(1, 2, dtype=torch.long), None, [segment],
-                                  decode_context_lens=torch.tensor([3]), kv_write=print)
+    attention = PagedAttention(torch.arange(4), 1, [segment], print,
+                               decode_block_tables=torch.zeros(1, 2, dtype=torch.long),
+                               decode_context_lens=torch.tensor([3]))
     batch = ForwardBatch(torch.arange(4), torch.arange(4), attention, [AdapterRun(-1, 4)], [0, 3], [])
     sent = batch.portable()
     assert sent.attention.kv_write is None and sent.input_ids is batch.input_ids  # on the host already: no copy
@@ -153,7 +154,7 @@ def test_a_steps_batch_travels_with_every_tensor_on_the_host_and_lands_on_the_ra
                landed.attention.decode_context_lens, landed.attention.prefills[0].block_table]
     assert all(t.device.type == "meta" for t in tensors)
     assert landed.adapter_runs == batch.adapter_runs and landed.sample_rows == [0, 3]
-    assert landed.attention.prefills[0].context_len == 5 and landed.attention.decode_mask is None
+    assert landed.attention.prefills[0].context_len == 5 and type(landed.attention) is PagedAttention
 
 
 @pytest.mark.parametrize("base_fixture, specs", [("tiny_llama_path", "LLAMA_ADAPTERS"),

@@ -29,7 +29,15 @@ import torch.nn.functional as F
 
 from benchmarks.common import benchmark_args, save_results
 from benchmarks.gpu.gpu_timing import device_name, median_seconds
-from engine.layers.attention import PrefillSegment, _gather_blocks, _prefill, _write, block_rows, paged_prefill
+from engine.layers.attention import (
+    PrefillSegment,
+    _gather_blocks,
+    _prefill,
+    _write,
+    block_rows,
+    masked_after_cached,
+    paged_prefill,
+)
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 SECTIONS = ("decode", "prefill")
@@ -139,7 +147,8 @@ def _gather_sdpa_prefill(x: PrefillInputs, out: torch.Tensor) -> torch.Tensor:
     """The "sdpa" route: one chunk at a time, attention.py's _prefill."""
     for seg in x.segments:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(x.q[rows], x.k[rows], x.v[rows], x.k_cache, x.v_cache, seg)
+        out[rows] = _prefill(x.q[rows], x.k[rows], x.v[rows], x.k_cache, x.v_cache, seg,
+                             after_cached=masked_after_cached)
     return out
 
 

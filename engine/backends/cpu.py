@@ -17,10 +17,17 @@ import torch
 from torch import nn
 
 from engine import huge_pages
-from engine.backends.torch_reference import InPlaceChunk, TorchBackend
+from engine.backends.torch_reference import InPlaceChunk, TorchBackend, padded
 from engine.config import EngineConfig
 from engine.kernels import cpu_attention
-from engine.layers.attention import IN_PLACE_CHUNK, AttentionMetadata, InPlaceQueries, KVCache, PrefillSegment
+from engine.layers.attention import (
+    IN_PLACE_CHUNK,
+    AttentionMetadata,
+    InPlaceAttention,
+    InPlaceQueries,
+    KVCache,
+    PrefillSegment,
+)
 from engine.lora.backends import CppLoRA, LoRAStepState
 from engine.models.decoder_stack import build_decoder_stack
 from engine.transfer import to_device
@@ -53,9 +60,8 @@ class CpuKernelsBackend(TorchBackend):
         """The kernels this model's heads and the cache's blocks allow: decodes in place where the attention
         kernel tiles them, and long chunks in the prompt kernel where it is faster than SDPA."""
         self.head_dim = model.kv_shape[2]
-        self.paged_decode = cpu_attention.usable(self.block_size, self.head_dim)
         self.prompt_kernel = cpu_attention.prompt_kernel_usable(self.dtype, self.head_dim, self.block_size)
-        if not self.paged_decode:
+        if not cpu_attention.usable(self.block_size, self.head_dim):
             super().bind_model(model)
             return
         self.in_place_limit = IN_PLACE_CHUNK if model.kernel_only_attention is None else sys.maxsize
@@ -73,16 +79,14 @@ class CpuKernelsBackend(TorchBackend):
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
         if not self.in_place_limit:
             return super().attention_metadata(slots, decode_tables, decode_lens, prefills, in_place)
-        return AttentionMetadata(slots, len(decode_lens), None, None, prefills, in_place=self._queries(in_place),
-                                 kv_write=self.kv_write, cpu_prompt_kernel=self.prompt_kernel)
+        return InPlaceAttention(slots, len(decode_lens), prefills, self.kv_write, self.prompt_kernel,
+                                in_place=self._queries(in_place))
 
     def _queries(self, chunks: list[InPlaceChunk]) -> InPlaceQueries | None:
-        """One padded block table for the kernel's chunks (padding entries are never read: the lengths bound it);
-        None when every chunk of the step is long."""
+        """One padded block table for the kernel's chunks; None when every chunk of the step is long."""
         if not chunks:
             return None
-        widest = max(len(c.block_table) for c in chunks)
-        tables = [c.block_table + [0] * (widest - len(c.block_table)) for c in chunks]
+        tables = padded([c.block_table for c in chunks])
         return InPlaceQueries(self.tensor(tables), self.tensor([c.context_len for c in chunks]),
                               self.tensor([c.row for c in chunks]), self.tensor([c.length for c in chunks]))
 

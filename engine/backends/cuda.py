@@ -15,16 +15,23 @@ import torch
 from torch import nn
 
 from engine.backends.cuda_graphs import DecodeGraphs
-from engine.backends.torch_reference import TorchBackend
+from engine.backends.torch_reference import InPlaceChunk, TorchBackend, padded
 from engine.config import EngineConfig
-from engine.layers.attention import KVCache, PrefillKernel, cuda_prefill_kernel
+from engine.layers.attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    PrefillKernel,
+    PrefillSegment,
+    cuda_prefill_kernel,
+    paged_prefill,
+)
 from engine.lora.backends import LoRAStepState, TritonLoRA
 
 
 class CudaBackend(TorchBackend):
     name = "cuda"
     scratch_blocks = 1
-    paged_decode = True
 
     def __init__(self, config: EngineConfig, sharded: bool):
         """sharded: a tensor-parallel rank, which runs eager (a capture would run the collectives on one rank)."""
@@ -40,6 +47,17 @@ class CudaBackend(TorchBackend):
 
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
         return cuda_prefill_kernel(config.cuda_prefill)
+
+    def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
+                           prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
+        """The decodes read their blocks in place, by block tables and context lengths."""
+        kernel = self.prefill_kernel
+        batch = paged_prefill(prefills, slots, self.block_size) if kernel is not None and prefills else None
+        meta = PagedAttention(slots, len(decode_lens), prefills, self.kv_write, False, kernel, batch)
+        if decode_tables:
+            meta.decode_block_tables = self.tensor(padded(decode_tables))
+            meta.decode_context_lens = self.tensor(decode_lens)
+        return meta
 
     def free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]

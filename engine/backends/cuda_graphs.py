@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata, KVCache
+from engine.layers.attention import KVCache, PagedAttention
 from engine.lora.backends import LoRAStepState
 from engine.lora.segments import SlotOrder, slot_order_values
 from engine.tokens_in_flight import PendingInputs
@@ -77,8 +77,9 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(self.slot_mapping[:size], size, self.block_tables[:size], None, [],
-                                 self.context_lens[:size], kv_write=self.kv_write)
+        meta = PagedAttention(self.slot_mapping[:size], size, [], self.kv_write,
+                              decode_block_tables=self.block_tables[:size],
+                              decode_context_lens=self.context_lens[:size])
         self.lora_state.step = SlotOrder(self.order_tokens[:size], self.order_slots[:self.max_loras],
                                                self.order_slots[self.max_loras:])
         try:

@@ -19,6 +19,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.layers.attention import (
     AttentionMetadata,
+    GatheredAttention,
     KVCache,
     PrefillKernel,
     PrefillSegment,
@@ -30,16 +31,6 @@ from engine.transfer import to_device
 
 if TYPE_CHECKING:
     from engine.backends.cuda_graphs import DecodeGraphs
-
-
-@dataclass
-class DecodeTables:
-    """The decode tokens' block tables [n, widest] and context lengths [n]; for the gathered path also the additive
-    mask and the cache rows their blocks are gathered from."""
-    block_tables: torch.Tensor | None
-    mask: torch.Tensor | None
-    context_lens: torch.Tensor | None
-    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -56,7 +47,6 @@ class TorchBackend:
     cpu_ops = None  # the C++ operators, where the backend runs on them (cpu.py)
     fused_ops = None  # the fused element-wise operators the model's modules call, where the backend has them
     scratch_blocks = 0  # KV blocks beyond the block manager's, that the backend writes padding rows to
-    paged_decode = False  # decode attention reads the cache in place, by block tables and context lengths
     prompt_kernel = False  # long prompt chunks attend in the C++ prompt kernel
     in_place_limit = 0  # >0: decodes, and prompt chunks shorter than this, read the cache in place in one kernel
 
@@ -126,25 +116,18 @@ class TorchBackend:
 
     def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
-        """The step's attention metadata, built once for every layer."""
-        tables = self._decode_tables(decode_tables, decode_lens)
+        """The step's attention metadata, built once for every layer: the decodes over their gathered blocks."""
         kernel = self.prefill_kernel
         batch = paged_prefill(prefills, slots, self.block_size) if kernel is not None and prefills else None
-        return AttentionMetadata(slots, len(decode_lens), tables.block_tables, tables.mask, prefills,
-                                 tables.context_lens, tables.rows, kv_write=self.kv_write,
-                                 cpu_prompt_kernel=self.prompt_kernel, prefill_kernel=kernel, paged_prefill=batch)
-
-    def _decode_tables(self, block_tables: list[list[int]], context_lens: list[int]) -> DecodeTables:
-        if not block_tables:
-            return DecodeTables(None, None, None)
-        widest = max(len(table) for table in block_tables)
-        tables = self.tensor([table + [0] * (widest - len(table)) for table in block_tables])
-        lens = self.tensor(context_lens)
-        if self.paged_decode:  # the paged kernel reads the lengths; it needs no mask
-            return DecodeTables(tables, None, lens)
-        visible = torch.arange(widest * self.block_size, device=self.device)[None, :] < lens[:, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return DecodeTables(tables, mask[:, None, None, :], lens, self._block_rows(tables))
+        meta = GatheredAttention(slots, len(decode_lens), prefills, self.kv_write, self.prompt_kernel, kernel, batch)
+        if decode_tables:
+            tables, device = self.tensor(padded(decode_tables)), self.device
+            visible = torch.arange(tables.shape[1] * self.block_size, device=device)[None, :] < \
+                self.tensor(decode_lens)[:, None]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=device).masked_fill_(~visible, float("-inf"))
+            meta.decode_block_tables, meta.decode_rows = tables, self._block_rows(tables)
+            meta.decode_mask = mask[:, None, None, :]
+        return meta
 
     def _block_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
         """The cache rows attention gathers these blocks from, computed once per step for all layers."""
@@ -166,3 +149,8 @@ class TorchBackend:
         """CUDA graphs for decode steps, where the backend captures them; None: every step runs eager."""
         return None
 
+
+def padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables padded with block 0 to the widest (padding entries are never read: the lengths bound them)."""
+    widest = max(len(table) for table in tables)
+    return [table + [0] * (widest - len(table)) for table in tables]

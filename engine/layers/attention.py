@@ -1,13 +1,15 @@
 """Attention over the paged KV cache for one flat batch of prefill and decode tokens.
 
 The cache of one layer is a pair of tensors [kv_heads, num_blocks, block_size, head_dim]. New keys
-and values are written at their slots. On CPU with the C++ kernel (engine/kernels/cpu_attention.py),
+and values are written at their slots. The step's metadata, built once by its step backend (engine/backends/),
+is the path: `InPlaceAttention`, `GatheredAttention` or `PagedAttention`, each attending as follows. On CPU with
+the C++ kernel (engine/kernels/cpu_attention.py),
 every decode token and every prompt chunk shorter than IN_PLACE_CHUNK attend in one call that reads
 their blocks in place; longer chunks attend one sequence at a time, through the C++ prompt kernel in bf16 on a
 CPU with AVX-512 BF16 and no AMX, else through SDPA's flash kernel (_prefill).
 On CUDA, decode tokens (one new token per sequence, placed first in the flat batch) attend in one call to a
 Triton kernel that reads their blocks in place, and the step's prompt chunks, fresh or after cached tokens, take
-the path the runner chose once from EngineConfig.cuda_prefill (cuda_prefill_kernel): gather + SDPA per chunk (the
+the path the backend chose once from EngineConfig.cuda_prefill (cuda_prefill_kernel): gather + SDPA per chunk (the
 default), or one call of a Triton prefill kernel that reads their blocks in place too
 (engine/kernels/paged_prefill.py), or of its FlexAttention variant. On CPU without the kernel, decodes take SDPA or
 grouped matmuls over gathered copies of the blocks.
@@ -58,25 +60,113 @@ class InPlaceQueries:
 
 @dataclass
 class AttentionMetadata:
+    """A step's attention as its step backend built it (engine/backends/), once for every layer: the subclass is the
+    path its decodes take, and these fields are what every path shares: the new tokens' cache slots, the decodes
+    (the first num_decode tokens, one each) and the prompt chunks that attend one by one."""
     slot_mapping: torch.Tensor  # [tokens]: cache slot of each new token
-    num_decode: int  # the first num_decode tokens are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], additive (CPU path)
+    num_decode: int
     prefills: list[PrefillSegment]
-    decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included (CUDA kernel)
-    decode_rows: torch.Tensor | None = None  # block_rows() of decode_block_tables (CPU path), once per step
-    in_place: InPlaceQueries | None = None  # CPU kernel: the decodes and short chunks; `prefills` the rest
     # the step's keys and values go into the cache in one call of the fused operators (C++ on CPU, Triton on CUDA:
-    # write_kv_cache(k, v, k_cache, v_cache, slot_mapping)), not two index_copy_; None: index_copy_. Chosen once by
-    # the runner for every model, as the attention path is
+    # write_kv_cache(k, v, k_cache, v_cache, slot_mapping)), not two index_copy_; None: index_copy_
     kv_write: Callable[..., None] | None = None
     # long prompt chunks attend in the C++ prompt kernel (cpu_attention.prompt_kernel_usable), not SDPA's
-    cpu_prompt_kernel: bool = False
-    # CUDA: the in-place kernel that takes every prompt chunk of the step in one call (cuda_prefill_kernel), None
-    # for gather + SDPA per chunk; and `prefills` as it reads them (paged_prefill()), built once per step: by the
-    # runner, else by the step's first layer for all the others
+    prompt_kernel: bool = False
+    # the in-place kernel that takes every prompt chunk of the step in one call (cuda_prefill_kernel), None for
+    # gather + SDPA per chunk; and `prefills` as it reads them (paged_prefill()), built once per step: by the
+    # backend, else by the step's first layer for all the others
     prefill_kernel: PrefillKernel | None = None
     paged_prefill: PagedPrefill | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, softcap: float | None, window: int | None) -> torch.Tensor:
+        """[T, heads, D] for q [T, heads, D], this step's k and v already in the cache."""
+        raise NotImplementedError
+
+    def _prompt_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """The prompt chunks' rows of out: all in the step's prefill kernel, or chunk by chunk."""
+        if self.prefills and self.prefill_kernel is not None:
+            if self.paged_prefill is None:  # the backend did not build it: the step's first layer does
+                self.paged_prefill = paged_prefill(self.prefills, self.slot_mapping, k_cache.shape[2])
+            self.prefill_kernel(q, k_cache, v_cache, self.paged_prefill, out)
+            return
+        for seg in self.prefills:
+            rows = slice(seg.start, seg.start + seg.length)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, self.prompt_kernel,
+                                 self._after_cached)
+
+    @staticmethod
+    def _after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int) -> torch.Tensor:
+        return _after_cached(queries, keys, values, cached)
+
+
+def _refuse_capped(softcap: float | None, window: int | None) -> None:
+    if softcap is not None or window is not None:
+        raise RuntimeError("soft-capped or windowed attention takes only the C++ kernel's path: every token in "
+                           "InPlaceAttention.in_place")
+
+
+@dataclass(kw_only=True)
+class InPlaceAttention(AttentionMetadata):
+    """CPU with the C++ kernel: the decodes and the short chunks in one call that reads the cache in place
+    (`in_place`; None when every chunk of the step is long), the long chunks one by one."""
+    in_place: InPlaceQueries | None = None
+
+    def attend(self, q, k, v, k_cache, v_cache, softcap, window) -> torch.Tensor:
+        if self.prefills:
+            _refuse_capped(softcap, window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        batch = self.in_place
+        if batch is not None:
+            cpu_attention.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                          batch.query_starts, batch.query_lens, out, softcap, window)
+        self._prompt_chunks(q, k, v, k_cache, v_cache, out)
+        return out
+
+
+@dataclass(kw_only=True)
+class GatheredAttention(AttentionMetadata):
+    """The PyTorch reference: each decode's blocks gathered (their cache rows computed once a step) and attended
+    under an additive mask."""
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size], additive
+    decode_rows: torch.Tensor | None = None  # block_rows() of decode_block_tables
+
+    def attend(self, q, k, v, k_cache, v_cache, softcap, window) -> torch.Tensor:
+        _refuse_capped(softcap, window)
+        if self.num_decode == q.shape[0]:  # decode-only step: no scatter into a shared output
+            return _gathered_decode(q, k_cache, v_cache, self)
+        out = torch.empty_like(q)
+        if self.num_decode:
+            out[:self.num_decode] = _gathered_decode(q[:self.num_decode], k_cache, v_cache, self)
+        self._prompt_chunks(q, k, v, k_cache, v_cache, out)
+        return out
+
+
+@dataclass(kw_only=True)
+class PagedAttention(AttentionMetadata):
+    """CUDA: the decodes in one call of the Triton kernel that reads their blocks in place, by block tables and
+    context lengths held on the device; a chunk after cached tokens, where no prefill kernel takes it, attends by
+    SDPA under a causal mask."""
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [num_decode], the new token included
+
+    def attend(self, q, k, v, k_cache, v_cache, softcap, window) -> torch.Tensor:
+        _refuse_capped(softcap, window)
+        from engine.kernels.paged_attention import paged_decode_attention  # triton may be absent off CUDA
+
+        if self.num_decode == q.shape[0]:
+            return paged_decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_context_lens)
+        out = torch.empty_like(q)
+        if self.num_decode:
+            out[:self.num_decode] = paged_decode_attention(q[:self.num_decode], k_cache, v_cache,
+                                                           self.decode_block_tables, self.decode_context_lens)
+        self._prompt_chunks(q, k, v, k_cache, v_cache, out)
+        return out
+
+    @staticmethod
+    def _after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int) -> torch.Tensor:
+        return masked_after_cached(queries, keys, values, cached)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -87,31 +177,15 @@ IN_PLACE_CHUNK = 64  # with the C++ kernel, chunks shorter than this read the ca
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]. softcap (Gemma 2's scores, capped by
-    tanh) and window (a sliding window, Gemma 2's and 3's): only the C++ kernel computes them, so the runner then
-    puts every token in `meta.in_place`."""
+    tanh) and window (a sliding window, Gemma 2's and 3's): only the C++ kernel computes them, so the CPU backend
+    then puts every token in its in-place call, and the other paths refuse them."""
     k_cache, v_cache = cache
     if meta.kv_write is not None:
         meta.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         _write(k_cache, k, meta.slot_mapping)
         _write(v_cache, v, meta.slot_mapping)
-    if (softcap is not None or window is not None) and (meta.in_place is None or meta.prefills):
-        raise RuntimeError("soft-capped or windowed attention takes only the C++ kernel's path: every token in "
-                           "meta.in_place")
-    if meta.in_place is not None:
-        return _in_place(q, k, v, k_cache, v_cache, meta, softcap, window).flatten(1)
-    if meta.num_decode == q.shape[0]:  # decode-only step: no scatter into a shared output
-        return _decode(q, k_cache, v_cache, meta).flatten(1)
-    out = torch.empty_like(q)
-    if meta.num_decode:
-        out[:meta.num_decode] = _decode(q[:meta.num_decode], k_cache, v_cache, meta)
-    if meta.prefills and meta.prefill_kernel is not None:
-        _paged_prefill(q, k_cache, v_cache, meta, out)
-        return out.flatten(1)
-    for seg in meta.prefills:
-        rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)
-    return out.flatten(1)
+    return meta.attend(q, k, v, k_cache, v_cache, softcap, window).flatten(1)
 
 
 def paged_prefill(prefills: list[PrefillSegment], slot_mapping: torch.Tensor, block_size: int) -> PagedPrefill:
@@ -140,38 +214,14 @@ def cuda_prefill_kernel(name: str) -> PrefillKernel | None:
     return {"triton": kernels.paged_prefill_attention, "flex": kernels.flex_prefill_attention}[name]
 
 
-def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   out: torch.Tensor) -> None:
-    """Every prompt chunk of the step in one call of the chosen kernel, into its rows of out."""
-    if meta.paged_prefill is None:  # the runner did not build it: the step's first layer does, for the others
-        meta.paged_prefill = paged_prefill(meta.prefills, meta.slot_mapping, k_cache.shape[2])
-    meta.prefill_kernel(q, k_cache, v_cache, meta.paged_prefill, out)
-
-
-def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, softcap: float | None, window: int | None) -> torch.Tensor:
-    """The kernel's tokens in one call, then the long chunks in tiles, into one [T, heads, D] output."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    batch = meta.in_place
-    cpu_attention.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts,
-                                  batch.query_lens, out, softcap, window)
-    for seg in meta.prefills:
-        rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta.cpu_prompt_kernel)
-    return out
-
-
 def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """new [T, kv_heads, D] into the cache's slots (slot = block * block_size + offset)."""
     kv_heads, head_dim = cache.shape[0], cache.shape[-1]
     cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    if meta.decode_mask is None:  # CUDA: the Triton kernel reads the blocks in place (imported there only)
-        from engine.kernels.paged_attention import paged_decode_attention
-
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens)
+def _gathered_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: GatheredAttention) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.decode_rows).to(q.dtype)  # [kv_heads, B, L, D]
@@ -211,7 +261,7 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, rows: torch.T
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             seg: PrefillSegment, cpu_kernel: bool = False) -> torch.Tensor:
+             seg: PrefillSegment, cpu_kernel: bool = False, after_cached=None) -> torch.Tensor:
     """One prompt chunk: q [L, heads, D] for the last L of the context's positions -> [L, heads, D].
 
     cpu_kernel: the C++ prompt kernel, one call whether or not tokens are cached (bf16 on AVX-512 BF16 without
@@ -219,9 +269,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     KV head sharing it (enable_gqa): on CPU that is PyTorch's flash kernel, blocked, with an online softmax and
     oneDNN's bf16 micro-kernels (3-D inputs fall back to the math path, which materialises every score). A fresh
     prompt is causal from its first token and skips the upper triangle; a chunk after cached tokens attends to
-    them and to itself apart (_after_cached). Measured on a Xeon with AMX (SmolLM2's shapes, one layer),
-    this beat tiles of 128 queries over oneDNN matmuls for long and short fresh prompts and for chunks after cached
-    tokens, in bf16 and in fp32."""
+    them and to itself apart (after_cached: _after_cached on CPU, masked_after_cached on CUDA). On a Xeon with
+    AMX (SmolLM2's shapes, one layer) this beat tiles of 128 queries over oneDNN matmuls for long and short fresh
+    prompts and for chunks after cached tokens, in bf16 and in fp32."""
     if cpu_kernel:
         return cpu_attention.prompt_attention(q, k_cache, v_cache, seg.block_table, seg.context_len)
     queries = q.transpose(0, 1)[None]  # [1, heads, L, D]
@@ -232,11 +282,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         return out[0].transpose(0, 1)
     keys = _gather_blocks(k_cache, seg.block_table, seg.rows)[None, :, :seg.context_len].to(q.dtype)
     values = _gather_blocks(v_cache, seg.block_table, seg.rows)[None, :, :seg.context_len].to(q.dtype)
-    if q.is_cuda:
-        out = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True,
-                                             attn_mask=_visible(seg.length, seg.context_len, q.device))
-    else:
-        out = _after_cached(queries, keys, values, seg.context_len - seg.length)
+    out = (after_cached or _after_cached)(queries, keys, values, seg.context_len - seg.length)
     return out[0].transpose(0, 1)
 
 
@@ -260,6 +306,13 @@ def _after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     old_weight, new_weight = (old_lse - top).exp_()[..., None], (new_lse - top).exp_()[..., None]
     merged = (old.float() * old_weight + new.float() * new_weight) / (old_weight + new_weight)
     return merged.to(queries.dtype)
+
+
+def masked_after_cached(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int) -> torch.Tensor:
+    """A chunk after cached tokens in one SDPA call under a shifted causal mask (CUDA's path)."""
+    length, context = queries.shape[2], keys.shape[2]
+    return F.scaled_dot_product_attention(queries, keys, values, enable_gqa=True,
+                                          attn_mask=_visible(length, context, queries.device))
 
 
 def _visible(length: int, context: int, device: torch.device) -> torch.Tensor:

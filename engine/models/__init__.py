@@ -84,9 +84,9 @@ def context_limit(hf_config, asked: int | None) -> int:
     window: within it those layers attend fully, which equals the window, on every path, as vLLM serves such a
     model with its sliding window disabled. Past it the C++ CPU kernel computes the windows exactly, as it does
     Gemma 2's and 3's (which default to their positions); elsewhere such a max_model_len is refused, saying why
-    (engine/backends/: bind_model). (A dynamic NTK rotary embedding changes its base only past the positions, which bound
-    the context anyway; a longrope one switches to its long factors past its original context, as the engine does:
-    engine/layers/rotary.py.)"""
+    (engine/backends/: bind_model). (A dynamic NTK rotary embedding changes its base only past the positions,
+    which bound the context anyway; a longrope one switches to its long factors past its original context, as the
+    engine does: engine/layers/rotary.py.)"""
     positions = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
     if asked is not None and asked > positions:
         raise ValueError(f"max_model_len {asked} is past this model's context of {positions} tokens "

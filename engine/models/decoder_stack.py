@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionMetadata, InPlaceAttention
 from engine.layers.linear import OwnKernel, PrepackedLinear
 from engine.lora.backends import LoRAStepState, TokenSlots
 from engine.lora.linear import LoRALinear
@@ -67,7 +67,8 @@ class DecoderStack:
     def takes(self, meta: AttentionMetadata, h: torch.Tensor) -> bool:
         """Whether this step's layers can run in the stack, with the results of the modules' path."""
         step = self.lora_state.step
-        return (meta.in_place is not None and not meta.prefills and meta.kv_write is not None
+        return (isinstance(meta, InPlaceAttention) and meta.in_place is not None and not meta.prefills
+                and meta.kv_write is not None
                 and self.kernel.takes(h) and (step is None or isinstance(step, TokenSlots)))
 
     def run(self, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
