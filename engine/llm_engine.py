@@ -99,7 +99,7 @@ class LLMEngine:
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
         self.scheduler = self._scheduler(config)
-        self.sampler = Sampler(config.torch_device, config.seed, self.runner.backend.cpu_ops)
+        self.sampler = Sampler(config.torch_device, config.seed, self.runner.backend.sampler_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request

@@ -185,7 +185,7 @@ class ModelRunner:
         for rows_part in rows.slices():
             part = chunk.targets[rows_part.start - chunk.row:rows_part.stop - chunk.row]
             logits = self.model.compute_logits(hidden[rows_part])
-            scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.backend.cpu_ops)
+            scores = token_logprobs(logits, part, chunk.seq.params.prompt_logprobs, self.backend.sampler_ops)
             logprobs += scores.logprobs
             tops += scores.top
             ranks += token_ranks(logits, part)

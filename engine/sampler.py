@@ -26,6 +26,7 @@ import torch
 
 from engine.grammar import TokenMasks, mask_penalty
 from engine.penalty_tokens import PenaltyTokens
+from engine.sampler_ops import TorchSamplerOps
 from engine.sampling_filters import filter_logits
 from engine.sequence import Sequence
 from engine.transfer import to_device
@@ -87,11 +88,11 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, cpu_ops=None):
+    def __init__(self, device: torch.device, seed: int, ops: TorchSamplerOps | None = None):
+        """ops: the row operations of the engine's step backend (engine/sampler_ops.py); None: PyTorch's."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.cpu_ops = cpu_ops  # the C++ CPU operators (engine/kernels/cpu_ops.py), or None: PyTorch's argmax
-        self._float_buffer: torch.Tensor | None = None  # CPU: float32 logits, reused (see _float)
+        self.ops = ops or TorchSamplerOps()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SamplerOutput:
         """sample(), read at once."""
@@ -102,14 +103,14 @@ class Sampler:
         processor) takes the argmax of the logits as they are; any other widens them to float32 first. Logprobs
         are read from the logits as they are, either way. Nothing here waits for the device."""
         if masks is None and all(_plain_greedy(seq) for seq in seqs):
-            tokens = self._argmax(logits)
+            tokens = self.ops.argmax(logits)
             return self._logprobs(logits, tokens, seqs)
         model_logits = logits
-        logits = self._float(logits)
+        logits = self.ops.widened(logits)
         if masks is not None:
             logits = self._apply_masks(logits, seqs, masks)
         logits = _process_rows(logits, seqs)
-        tokens = self._argmax(logits)
+        tokens = self.ops.argmax(logits)
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, logits.device)
@@ -117,29 +118,6 @@ class Sampler:
             probs = self._filtered_probs(sampled, [seqs[i] for i in sampled_rows])
             tokens[rows] = self._draw(probs, [seqs[i] for i in sampled_rows])
         return self._logprobs(model_logits, tokens, seqs)
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token of every row; on CPU the C++ argmax (PyTorch's is a scalar loop, much slower than
-        cpu/argmax.cpp in float32 and more so in bf16), with the same ties and NaN handling, in any float dtype."""
-        if self.cpu_ops is None or logits.device.type != "cpu":
-            return logits.argmax(dim=-1)
-        return self.cpu_ops.argmax_rows(logits)
-
-    def _float(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits in float32. On CPU a bf16/fp16 model's are widened into a buffer kept from step to step: a
-        fresh 12 MB tensor a step (64 rows of 49,152) cost more in page faults than the copy itself. Each
-        call's result is read within that call, and the next overwrites it. The C++ operators widen them on their
-        own threads (cpu/widen.cpp: torch's copy stalled now and then, waking OpenMP's threads)."""
-        if logits.dtype == torch.float32 or logits.device.type != "cpu":
-            return logits.float()
-        rows, vocab = logits.shape
-        if self._float_buffer is None or self._float_buffer.shape[0] < rows or self._float_buffer.shape[1] != vocab:
-            self._float_buffer = torch.empty(rows, vocab, dtype=torch.float32)
-        out = self._float_buffer[:rows]
-        if self.cpu_ops is None or not logits.is_contiguous():
-            return out.copy_(logits)
-        self.cpu_ops.widen_(out, logits)
-        return out
 
     def _logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """The tokens, with scores only for rows that asked (params.logprobs not None): the raw distribution's."""
@@ -152,7 +130,7 @@ class Sampler:
             index = to_device(rows, raw_logits.device)
             raw, picked = raw_logits[index], tokens[index]
         k = max(asked[i] for i in rows)
-        return SampledTokens(tokens, asked, rows, scores_on_device(raw, picked, k, self.cpu_ops))
+        return SampledTokens(tokens, asked, rows, scores_on_device(raw, picked, k, self.ops))
 
     @staticmethod
     def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks) -> torch.Tensor:
@@ -284,18 +262,19 @@ def _process_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int, cpu_ops=None) -> TokenScores:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int,
+                   ops: TorchSamplerOps | None = None) -> TokenScores:
     """scores_on_device(), read at once."""
-    return scores_on_device(logits, targets, k, cpu_ops).lists()
+    return scores_on_device(logits, targets, k, ops).lists()
 
 
 def scores_on_device(logits: torch.Tensor, targets: torch.Tensor | list[int], k: int,
-                     cpu_ops=None) -> ScoresOnDevice:
+                     ops: TorchSamplerOps | None = None) -> ScoresOnDevice:
     """Raw log-probabilities of `targets` under `logits` [n, vocab] (any float dtype, computed in float32), and each
     row's k most likely tokens, best first (none when k is 0): sampled tokens and prompt scoring alike. A logprob is
-    the logit minus its row's logsumexp, so no [n, vocab] log_softmax is written; on CPU the C++ operators
-    (`cpu_ops`) reduce the rows as they are (cpu/argmax.cpp)."""
-    normalizers = _log_normalizers(logits, cpu_ops)
+    the logit minus its row's logsumexp, so no [n, vocab] log_softmax is written; ops: the step backend's row
+    operations (on CPU the C++ operators reduce the rows as they are)."""
+    normalizers = (ops or TorchSamplerOps()).log_normalizers(logits)
     targets = torch.as_tensor(targets, device=logits.device)
     picked = logits.gather(1, targets[:, None]).squeeze(1).float() - normalizers
     if not k:
@@ -309,10 +288,3 @@ def token_ranks(logits: torch.Tensor, targets: torch.Tensor | list[int]) -> list
     count, so a tie ranks as the later place), compared in the logits' own dtype: no float32 copy of the rows."""
     targets = torch.as_tensor(targets, device=logits.device)
     return (logits >= logits.gather(1, targets[:, None])).sum(dim=-1).tolist()
-
-
-def _log_normalizers(logits: torch.Tensor, cpu_ops) -> torch.Tensor:
-    """Each row's logsumexp in float32."""
-    if cpu_ops is None or logits.device.type != "cpu":
-        return logits.float().logsumexp(dim=-1)
-    return cpu_ops.log_normalizers(logits)

@@ -484,24 +484,26 @@ def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops)
     copy), rows asking logprobs included: their logprobs and top alternatives are float32 log_softmax's. A row with
     a processor (logit_bias) widens the step. Either way the tokens are float32's argmax."""
     from engine.kernels import cpu_ops
+    from engine.sampler_ops import CppSamplerOps, HostSamplerOps
     from engine.sequence import Sequence
 
-    sampler = Sampler(torch.device("cpu"), seed=0, cpu_ops=cpu_ops.load() if with_ops else None)
+    ops = cpu_ops.load()
+    sampler = Sampler(torch.device("cpu"), seed=0, ops=CppSamplerOps(ops) if with_ops and ops else HostSamplerOps())
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0)).bfloat16()
     logits[3, 10] = logits[3, 900] = 9.0  # a tie: the first wins
     want = logits.float().argmax(-1).tolist()
     plain = [Sequence(str(i), [1], SamplingParams(max_tokens=4, temperature=0)) for i in range(8)]
     out = sampler(logits, plain)
-    assert out.token_ids == want and out.logprobs == [None] * 8 and sampler._float_buffer is None
+    assert out.token_ids == want and out.logprobs == [None] * 8 and sampler.ops.buffer is None
     asking = plain[:6] + [Sequence(str(i), [1], SamplingParams(max_tokens=4, temperature=0, logprobs=k))
                           for i, k in ((6, 0), (7, 2))]
     out = sampler(logits, asking)
     expected = logits.float().log_softmax(-1)
-    assert out.token_ids == want and out.logprobs[:6] == [None] * 6 and sampler._float_buffer is None
+    assert out.token_ids == want and out.logprobs[:6] == [None] * 6 and sampler.ops.buffer is None
     assert out.logprobs[6:] == pytest.approx([expected[6, want[6]].item(), expected[7, want[7]].item()], abs=1e-5)
     values, ids = expected[7].topk(2)
     assert out.top_logprobs[6] is None and list(out.top_logprobs[7]) == ids.tolist()
     assert list(out.top_logprobs[7].values()) == pytest.approx(values.tolist(), abs=1e-5)
     biased = plain[:7] + [Sequence("7", [1], SamplingParams(max_tokens=4, temperature=0, logit_bias={5: 0.5}))]
     out = sampler(logits, biased)
-    assert out.token_ids[:7] == want[:7] and sampler._float_buffer is not None
+    assert out.token_ids[:7] == want[:7] and sampler.ops.buffer is not None

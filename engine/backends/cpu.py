@@ -30,6 +30,7 @@ from engine.layers.attention import (
 )
 from engine.lora.backends import CppLoRA, LoRAStepState
 from engine.models.decoder_stack import build_decoder_stack
+from engine.sampler_ops import CppSamplerOps
 from engine.transfer import to_device
 
 
@@ -44,6 +45,9 @@ class CpuKernelsBackend(TorchBackend):
 
     def _lora_backend(self) -> CppLoRA:
         return CppLoRA(self.device, self.cpu_ops)
+
+    def _sampler_ops(self) -> CppSamplerOps:
+        return CppSamplerOps(self.cpu_ops)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return huge_pages.zeros(shape, dtype) if self.huge_pages else super()._zeros(shape, dtype)

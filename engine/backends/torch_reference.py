@@ -27,6 +27,7 @@ from engine.layers.attention import (
     paged_prefill,
 )
 from engine.lora.backends import LoRAStepState, TorchLoRA
+from engine.sampler_ops import HostSamplerOps, TorchSamplerOps
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ class TorchBackend:
         self.prefill_kernel: PrefillKernel | None = self._prefill_kernel(config)
         self.cache_shape: tuple[int, int] = (0, 0)  # the cache's (KV heads, blocks), once allocated
         self.lora = self._lora_backend()
+        self.sampler_ops = self._sampler_ops()
+
+    def _sampler_ops(self) -> TorchSamplerOps:
+        """The sampler's argmax, widening and logsumexp: PyTorch's, on the host into a buffer kept for the next."""
+        return HostSamplerOps() if self.device.type == "cpu" else TorchSamplerOps()
 
     def _lora_backend(self) -> TorchLoRA:
         """How adapters' tokens take their deltas: as segments of one adapter each; on CPU from float32 slots."""
