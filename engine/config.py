@@ -21,7 +21,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 LOAD_FORMATS = ("safetensors", "dummy")
 QUANTIZATIONS = ("none", "int8", "nf4")  # bitsandbytes' (engine/layers/quantized.py)
 CUDA_PREFILLS = ("sdpa", "triton", "flex")  # engine/layers/attention.py: cuda_prefill_kernel
-CUDA_EXPERTS = ("per_expert", "grouped")  # engine/models/experts.py: grouped_kernel
+CUDA_EXPERTS = ("per_expert", "grouped")  # engine/backends/cuda.py: _packing
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

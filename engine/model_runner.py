@@ -63,8 +63,8 @@ class ModelRunner:
                           f"AVX-NE-CONVERT): the model computes in float32 on its {config.dtype} weights", stacklevel=2)
         self.backend = backend = step_backend(config, sharded=parallel is not None and parallel.sharded)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.quantization,
-                                config.load_format, backend.cpu_ops, weight_dtype=config.torch_dtype,
-                                parallel=parallel, cuda_experts=config.cuda_experts)
+                                config.load_format, backend.packing, weight_dtype=config.torch_dtype,
+                                parallel=parallel)
         self.kv_window = self.model.kv_window  # None, or the window every layer attends over
         self.layout = kv_layout(config, self.model.kv_shape, config.kv_torch_dtype, backend.free_memory, agree_blocks)
         self.kv_caches = backend.allocate_kv_cache(self.layout.cache_shape(backend.scratch_blocks),

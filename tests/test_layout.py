@@ -129,7 +129,7 @@ DEVICE_TESTS_LEFT = {"engine.config", "engine.distributed.process_group", "engin
                      "engine.huge_pages",
                      "engine.kernels.paged_prefill", "engine.layers.linear",
                      "engine.llm_engine",
-                     "engine.models.decoder_stack", "engine.models.experts",
+                     "engine.models.decoder_stack",
                      "engine.sampling_filters", "engine.tokens_in_flight", "engine.transfer"}
 DEVICE_TEST = re.compile(r"""\.type ?[!=]= ?["'](cpu|cuda)["']|\bis_cuda\b|\bcpu_ops is (not )?None""")
 

@@ -22,6 +22,7 @@ from engine.lora.expert_linear import ExpertLoRA
 from engine.lora.merge_spec import MergeSpec
 from engine.models import experts
 from engine.models.experts import Experts
+from engine.models.packing import CppPacked
 from lora_cache.adapter import read_adapter
 from lora_cache.local_cache import local_adapters
 from lora_cache.merge import merge_adapters
@@ -68,7 +69,7 @@ def test_the_triton_grouped_experts_match_hf(request, name, monkeypatch):
     if not torch.cuda.is_available():
         pytest.importorskip("triton")
         kernel = experts.triton_grouped_kernel()
-        monkeypatch.setattr(experts, "grouped_kernel", lambda *args: kernel)
+        monkeypatch.setattr(CppPacked, "grouped_experts", lambda *args: kernel)
     llm = LLM(str(path), max_num_seqs=3, cuda_experts="grouped", log_stats=False)
     assert _grouped(llm)
     outputs = _check(llm, PROMPTS[:3], hf_greedy(path, PROMPTS[:3], params.max_tokens), params)

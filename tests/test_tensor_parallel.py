@@ -30,6 +30,7 @@ from engine.layers.attention import (
     block_rows,
 )
 from engine.models import check_tensor_parallel, load_model, use_fused_ops
+from engine.models.packing import CppPacked, OneDnnPacked
 from tests.helpers import PROMPTS, free_port
 
 BLOCK = 16  # tokens a KV block holds (a multiple of the C++ kernel's vector width)
@@ -85,7 +86,7 @@ def _load(path: str, parallel: TensorParallel, ops):
     from transformers import AutoConfig
 
     model = load_model(Path(path), AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"), MAX_LEN,
-                       cpu_ops=ops, parallel=parallel)
+                       packing=CppPacked(ops) if ops is not None else OneDnnPacked(), parallel=parallel)
     if ops is not None:
         use_fused_ops(model, ops)
     return model

@@ -30,6 +30,7 @@ from engine.layers.attention import (
 )
 from engine.lora.backends import CppLoRA, LoRAStepState
 from engine.models.decoder_stack import build_decoder_stack
+from engine.models.packing import AsLoaded, CppPacked, onednn_linear_supported
 from engine.sampler_ops import CppSamplerOps
 from engine.transfer import to_device
 
@@ -48,6 +49,10 @@ class CpuKernelsBackend(TorchBackend):
 
     def _sampler_ops(self) -> CppSamplerOps:
         return CppSamplerOps(self.cpu_ops)
+
+    def _packing(self, config: EngineConfig) -> AsLoaded:
+        """oneDNN's prepacking, the operators' own kernels taking the linears and experts they serve faster."""
+        return CppPacked(self.cpu_ops) if onednn_linear_supported(self.dtype) else AsLoaded()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return huge_pages.zeros(shape, dtype) if self.huge_pages else super()._zeros(shape, dtype)

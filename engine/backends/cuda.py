@@ -27,6 +27,7 @@ from engine.layers.attention import (
     paged_prefill,
 )
 from engine.lora.backends import LoRAStepState, TritonLoRA
+from engine.models.packing import AsLoaded, TritonGroupedExperts
 
 
 class CudaBackend(TorchBackend):
@@ -44,6 +45,10 @@ class CudaBackend(TorchBackend):
 
     def _lora_backend(self) -> TritonLoRA:
         return TritonLoRA(self.device)
+
+    def _packing(self, config: EngineConfig) -> AsLoaded:
+        """The linears as loaded; a mixture's experts in the Triton grouped product where cuda_experts asks."""
+        return TritonGroupedExperts() if config.cuda_experts == "grouped" else AsLoaded()
 
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
         return cuda_prefill_kernel(config.cuda_prefill)

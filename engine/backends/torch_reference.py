@@ -27,6 +27,7 @@ from engine.layers.attention import (
     paged_prefill,
 )
 from engine.lora.backends import LoRAStepState, TorchLoRA
+from engine.models.packing import AsLoaded, OneDnnPacked, onednn_linear_supported
 from engine.sampler_ops import HostSamplerOps, TorchSamplerOps
 from engine.transfer import to_device
 
@@ -59,6 +60,14 @@ class TorchBackend:
         self.cache_shape: tuple[int, int] = (0, 0)  # the cache's (KV heads, blocks), once allocated
         self.lora = self._lora_backend()
         self.sampler_ops = self._sampler_ops()
+        self.packing = self._packing(config)
+
+    def _packing(self, config: EngineConfig) -> AsLoaded:
+        """How the loaded model's linears are laid out: oneDNN's prepacking on a CPU that has its linear for the
+        dtype, else as loaded."""
+        if self.device.type == "cpu" and onednn_linear_supported(self.dtype):
+            return OneDnnPacked()
+        return AsLoaded()
 
     def _sampler_ops(self) -> TorchSamplerOps:
         """The sampler's argmax, widening and logsumexp: PyTorch's, on the host into a buffer kept for the next."""

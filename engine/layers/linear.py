@@ -31,17 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import cpu_has_native_bf16
 from engine.kernels.cpu_ops import has_cpu_flag
-
-
-def prepacking_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU (such as some EPYC
-    machines) takes plain F.linear in bf16 instead of failing at load."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
-
 
 AMX_MAX_ROWS = 1024  # rows up to which the AMX kernel beats oneDNN inside a step (docs/architecture.md)
 FP32_MAX_ROWS = 128  # rows up to which the AVX-512 kernel beats oneDNN in float32 (even at 512; AVX2: at any count)

@@ -10,7 +10,6 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.distributed.parallel import TensorParallel
-from engine.layers.linear import prepack_linears, prepacking_supported
 from engine.layers.quantized import quantize_decoder_linears
 from engine.lora.provider import LoraShapes
 from engine.models.experts import prepare_experts
@@ -18,6 +17,7 @@ from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 from engine.models.llama_variants import attention_window
 from engine.models.moe import expert_lora_shapes, moe_spec
+from engine.models.packing import AsLoaded
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -105,16 +105,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str = "none", load_format: str = "safetensors", cpu_ops=None,
-               weight_dtype: torch.dtype | None = None, parallel: TensorParallel | None = None,
-               cuda_experts: str = "per_expert") -> nn.Module:
-    """The model in `dtype` on `device`; on CPU its linears prepacked, on the engine's own kernels where `cpu_ops` has
-    one for them. A `weight_dtype` narrower than `dtype` (bf16 weights of a model computing in float32, on a CPU
-    without bf16 matrix math): every weight is rounded to it, so the model computes what a `weight_dtype` model
-    would in float32, and the linears keep it as their storage where a kernel of `cpu_ops` widens it. `parallel`
-    with more than one worker: this rank's tensor-parallel share of the model (engine/distributed/), refused
-    before anything loads where its sizes do not split; the full checkpoint is read, then sharded before the
-    linears are prepacked. cuda_experts: a mixture's experts on CUDA, EngineConfig.cuda_experts."""
+               quantization: str = "none", load_format: str = "safetensors", packing: AsLoaded | None = None,
+               weight_dtype: torch.dtype | None = None, parallel: TensorParallel | None = None) -> nn.Module:
+    """The model in `dtype` on `device`, its linears and experts laid out by `packing`, the step backend's
+    (packing.py; None: as loaded). A `weight_dtype` narrower than `dtype` (bf16 weights of a model computing in
+    float32, on a CPU without bf16 matrix math): every weight is rounded to it, so the model computes what a
+    `weight_dtype` model would in float32, and the linears keep it as their storage where a kernel widens it.
+    `parallel` with more than one worker: this rank's tensor-parallel share of the model (engine/distributed/),
+    refused before anything loads where its sizes do not split; the full checkpoint is read, then sharded before
+    the linears are laid out."""
     cls = model_class(hf_config)
     if quantization != "none" and moe_spec(hf_config) is not None:
         raise ValueError(f"quantization {quantization!r} of a mixture of experts ({hf_config.model_type}) is not "
@@ -133,12 +132,10 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         _round_weights(model, narrow)
     if sharded:
         model.shard(parallel)
-    prepacks = prepacking_supported(device, dtype)
-    # grouped, or linears prepacked below
-    prepare_experts(model, device, cpu_ops if prepacks else None, narrow, cuda_experts == "grouped")
+    packing = packing or AsLoaded()
+    prepare_experts(model, packing, narrow)  # grouped, or linears laid out below
     quantize_decoder_linears(model, quantization, dtype, device)
-    if prepacks:
-        prepack_linears(model, cpu_ops, narrow)  # the linears left in the model dtype
+    packing.pack_linears(model, narrow)  # the linears left in the model dtype
     return model.eval()
 
 

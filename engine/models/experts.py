@@ -1,7 +1,8 @@
 """A mixture's experts' weights and the kernel that runs every expert of a layer at once.
 
 The stacked weights load flat ([E * 2I, H] gate/up, [E * H, I] down: engine/models/moe.py says why), then
-`prepare_experts` hands each layer's experts to a `GroupedKernel` where one serves the device:
+`prepare_experts` hands each layer's experts to the `GroupedKernel` of the step backend's packing
+(engine/models/packing.py), where it has one:
 - CPU: the C++ operators' grouped_simd_linear (engine/kernels/cpu/simd_linear.cpp), each expert's weights packed
   once for the engine's own linear kernel;
 - CUDA, where EngineConfig.cuda_experts chooses "grouped": the Triton grouped product (engine/kernels/grouped_gemm.py)
@@ -76,28 +77,23 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
-def prepare_experts(model: nn.Module, device: torch.device, cpu_ops=None,
-                    storage_dtype: torch.dtype | None = None, cuda_grouped: bool = False) -> None:
-    """Every Experts module of a loaded model held by the device's grouped kernel where it takes both its weights,
-    else split into per-expert linears (before the model's linears are prepacked). storage_dtype: as
-    prepack_linears' (bf16 values held in float32 weights, kept as bf16 where the CPU kernel widens them);
-    cuda_grouped: the Triton grouped product on CUDA (EngineConfig.cuda_experts "grouped")."""
+def prepare_experts(model: nn.Module, packing, storage_dtype: torch.dtype | None = None) -> None:
+    """Every Experts module of a loaded model held by the backend's grouped kernel (packing: engine/models/packing.py)
+    where it takes both its weights, else split into per-expert linears (before the model's linears are laid out).
+    storage_dtype: as prepack_linears' (bf16 values held in float32 weights, kept as bf16 where the CPU kernel
+    widens them)."""
     for module in model.modules():
         if isinstance(module, Experts):
-            kernel = grouped_kernel(device, cpu_ops, storage_dtype, module.stacked(), cuda_grouped)
+            kernel = packing.grouped_experts(storage_dtype, module.stacked())
             if kernel is not None:
                 module.pack(kernel)
             else:
                 module.split()
 
 
-def grouped_kernel(device: torch.device, cpu_ops, storage_dtype: torch.dtype | None,
-                   weights: tuple[torch.Tensor, ...], cuda_grouped: bool = False) -> GroupedKernel | None:
-    """The grouped kernel that takes every one of these stacked weights on `device`, or None."""
-    if device.type == "cuda":
-        return triton_grouped_kernel() if cuda_grouped else None
-    if cpu_ops is None:
-        return None
+def cpu_grouped_kernel(cpu_ops, storage_dtype: torch.dtype | None,
+                       weights: tuple[torch.Tensor, ...]) -> GroupedKernel | None:
+    """The C++ operators' grouped product, where it takes every one of these stacked weights, or None."""
     storages = {cpu_storage(cpu_ops, stacked, storage_dtype) for stacked in weights}
     storage = storages.pop() if len(storages) == 1 else None
     if storage is None:
