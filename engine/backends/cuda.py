@@ -24,7 +24,6 @@ from engine.layers.attention import (
     PrefillKernel,
     PrefillSegment,
     cuda_prefill_kernel,
-    paged_prefill,
 )
 from engine.lora.backends import LoRAStepState, TritonLoRA
 from engine.models.packing import AsLoaded, TritonGroupedExperts
@@ -56,9 +55,8 @@ class CudaBackend(TorchBackend):
     def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
         """The decodes read their blocks in place, by block tables and context lengths."""
-        kernel = self.prefill_kernel
-        batch = paged_prefill(prefills, slots, self.block_size) if kernel is not None and prefills else None
-        meta = PagedAttention(slots, len(decode_lens), prefills, self.kv_write, False, kernel, batch)
+        meta = PagedAttention(slots, len(decode_lens), prefills, self.kv_write, False, self.prefill_kernel,
+                              self._prefill_batch(prefills, slots))
         if decode_tables:
             meta.decode_block_tables = self.tensor(padded(decode_tables))
             meta.decode_context_lens = self.tensor(decode_lens)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.kernels.prefill_batch import PagedPrefill
 from engine.layers.attention import (
     AttentionMetadata,
     GatheredAttention,
@@ -132,9 +133,8 @@ class TorchBackend:
     def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
         """The step's attention metadata, built once for every layer: the decodes over their gathered blocks."""
-        kernel = self.prefill_kernel
-        batch = paged_prefill(prefills, slots, self.block_size) if kernel is not None and prefills else None
-        meta = GatheredAttention(slots, len(decode_lens), prefills, self.kv_write, self.prompt_kernel, kernel, batch)
+        meta = GatheredAttention(slots, len(decode_lens), prefills, self.kv_write, self.prompt_kernel,
+                                 self.prefill_kernel, self._prefill_batch(prefills, slots))
         if decode_tables:
             tables, device = self.tensor(padded(decode_tables)), self.device
             visible = torch.arange(tables.shape[1] * self.block_size, device=device)[None, :] < \
@@ -143,6 +143,12 @@ class TorchBackend:
             meta.decode_block_tables, meta.decode_rows = tables, self._block_rows(tables)
             meta.decode_mask = mask[:, None, None, :]
         return meta
+
+    def _prefill_batch(self, prefills: list[PrefillSegment], slots: torch.Tensor) -> PagedPrefill | None:
+        """The prefill kernel's view of the step's chunks, built once for every layer, where a kernel takes them."""
+        if self.prefill_kernel is None or not prefills:
+            return None
+        return paged_prefill(prefills, slots, self.block_size)
 
     def _block_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
         """The cache rows attention gathers these blocks from, computed once per step for all layers."""
