@@ -30,14 +30,6 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matrix math natively on this CPU (its own check: AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT, used by its bf16 kernels)."""
-    import torch
-
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def default_cache_dir() -> Path:
     """Where converted models live: $LORA_SERVE_CACHE, else ~/.cache/lora-serve."""
     env = os.environ.get("LORA_SERVE_CACHE")
@@ -76,7 +68,7 @@ class EngineConfig:
     # throughout (engine/models/decoder_stack.py); False keeps the modules' path, its reference in tests
     decoder_stack: bool = True
     # CPU with the C++ operators (Linux): the weights and the KV cache on 2 MiB transparent huge pages
-    # (engine/huge_pages.py); False keeps them on the allocator's ordinary pages
+    # (engine/backends/huge_pages.py); False keeps them on the allocator's ordinary pages
     huge_pages: bool = True
     # CUDA: fused Triton element-wise operators (engine/kernels/cuda_ops.py: the residual addition with RMSNorm,
     # rotary, the K/V cache write, SiLU times up); False keeps the eager PyTorch ops (their references in tests)
@@ -237,17 +229,13 @@ class EngineConfig:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the model runs in: torch_dtype, except bf16 on a CPU without bf16 matrix instructions
-        (no AVX-512 BF16, AMX or AVX-NE-CONVERT, e.g. an AVX2-only EPYC), which runs in float32. There torch
-        emulates bf16 matrix math: measured on such an EPYC, a linear and attention's batched matmuls ran many
-        times slower in bf16 than in fp32. The
-        weights keep torch_dtype's values there (engine/models load_model), and the linears their storage where
-        a C++ kernel widens them (engine/layers/linear.py)."""
-        import torch
+        """The dtype the model runs in: torch_dtype, except where the platform computes it in another
+        (engine/platform.py: bf16 on a CPU without bf16 matrix instructions). The weights keep torch_dtype's values
+        there (engine/models load_model), and the linears their storage where a C++ kernel widens them
+        (engine/layers/linear.py)."""
+        from engine.platform import platform_of
 
-        if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu" and not cpu_has_native_bf16():
-            return torch.float32
-        return self.torch_dtype
+        return platform_of(self.torch_device).compute_dtype(self.torch_dtype)
 
     @property
     def threads_per_worker(self) -> int:

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager, prompt_digests
@@ -37,6 +36,7 @@ from engine.model_files import resolve_model
 from engine.model_runner import StepResult
 from engine.models import context_limit, lora_shapes
 from engine.outputs import AdapterStats, AdapterUsage, EngineStats, RequestOutput, RequestTimes
+from engine.platform import platform_of
 from engine.sampler import SampledTokens, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -81,8 +81,7 @@ class LLMEngine:
         """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/lora/provider.py);
         workers: where tensor-parallel ranks 1..N-1 run (engine/executor/workers.py), None: local processes."""
         self.config = config
-        if config.torch_device.type == "cpu":
-            torch.set_num_threads(config.threads_per_worker)
+        platform_of(config.torch_device).set_threads(config.threads_per_worker)
         path = resolve_model(config.model, config.model_cache_dir, need_weights=config.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -384,7 +383,7 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, seqs, self._masks(seqs))
         for index, seq in enumerate(seqs):
             seq.reserve_token(index)
-        self._in_flight = InFlight(seqs, sampled, Readback(sampled, logits.device))
+        self._in_flight = InFlight(seqs, sampled, self.runner.backend.readback(sampled))
 
     def _settle(self, seq: Sequence) -> None:
         self.block_manager.cache_computed_blocks(seq)

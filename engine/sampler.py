@@ -88,11 +88,11 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, ops: TorchSamplerOps | None = None):
-        """ops: the row operations of the engine's step backend (engine/sampler_ops.py); None: PyTorch's."""
+    def __init__(self, device: torch.device, seed: int, ops: TorchSamplerOps):
+        """ops: the row operations of the engine's step backend (engine/sampler_ops.py)."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.ops = ops or TorchSamplerOps()
+        self.ops = ops
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SamplerOutput:
         """sample(), read at once."""
@@ -139,11 +139,10 @@ class Sampler:
         penalty = mask_penalty(masks.bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
         return logits.index_add(0, rows, penalty)
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperature = to_device([s.params.temperature for s in seqs], logits.device)
         logits = logits / temperature[:, None]
-        return filter_logits(logits, [s.params for s in seqs]).softmax(dim=-1)
+        return filter_logits(logits, [s.params for s in seqs], self.ops.rank).softmax(dim=-1)
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Inverse-CDF sampling: each row's token is the first whose cumulative probability passes one uniform

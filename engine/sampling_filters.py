@@ -14,6 +14,7 @@ sorting a whole batch whenever one of its rows did would sort most steps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,14 +27,18 @@ if TYPE_CHECKING:
 
 TIERS = (1024, 8192)  # candidates a row ranks before a full sort
 Rows = slice | torch.Tensor  # all rows, or the index of some
+# (keys, probs, mass, cut) -> the rows cut in the keys' descending order: rank_in_tiers or rank_whole
+Ranking = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 
-def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's logits with the tokens its request's top_k, top_p, min_p and typical_p leave out at -inf."""
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams], rank: Ranking | None = None) -> torch.Tensor:
+    """Each row's logits with the tokens its request's top_k, top_p, min_p and typical_p leave out at -inf; rank:
+    how top-p and typical-p rank a row (the sampler ops' `rank`), by default rank_in_tiers."""
+    rank = rank or rank_in_tiers
     logits = _on_rows(logits, [p.top_k for p in params], lambda k: k > 0, top_k)
-    logits = _on_rows(logits, [p.top_p for p in params], lambda p: p < 1.0, top_p)
+    logits = _on_rows(logits, [p.top_p for p in params], lambda p: p < 1.0, functools.partial(top_p, rank=rank))
     logits = _on_rows(logits, [p.min_p for p in params], lambda p: p > 0.0, min_p)
-    return _on_rows(logits, [p.typical_p for p in params], lambda p: p < 1.0, typical_p)
+    return _on_rows(logits, [p.typical_p for p in params], lambda p: p < 1.0, functools.partial(typical_p, rank=rank))
 
 
 def _on_rows(logits: torch.Tensor, values: list, active: Callable, apply: Callable) -> torch.Tensor:
@@ -54,7 +59,7 @@ def top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+def top_p(logits: torch.Tensor, ps: list[float], rank: Ranking | None = None) -> torch.Tensor:
     """Each row keeps its most likely tokens, most likely first, until they hold p of its mass: a token is kept
     when the mass before it is at most p, so the top token always is."""
     probs = logits.softmax(dim=-1)
@@ -65,7 +70,7 @@ def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
         kept = values.masked_fill(ranked_probs.cumsum(dim=-1) - ranked_probs > mass[rows], float("-inf"))
         return torch.full_like(logits[rows], float("-inf")).scatter(1, order, kept)
 
-    return _by_ranking(logits, probs, mass, cut)
+    return (rank or rank_in_tiers)(logits, probs, mass, cut)
 
 
 def min_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
@@ -75,7 +80,7 @@ def min_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def typical_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+def typical_p(logits: torch.Tensor, ps: list[float], rank: Ranking | None = None) -> torch.Tensor:
     """Locally typical sampling: each row keeps the tokens whose surprisal (-log p) lies closest to the row's
     entropy, closest first, until they hold p of its mass (ties at the cut kept)."""
     logprobs = logits.log_softmax(dim=-1)
@@ -89,17 +94,21 @@ def typical_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
         first = (held < mass[rows]).sum(dim=-1, keepdim=True).clamp(max=order.shape[1] - 1)  # reaches the mass
         return logits[rows].masked_fill(distance[rows] > -closeness.gather(1, first), float("-inf"))
 
-    return _by_ranking(-distance, probs, mass, cut)
+    return (rank or rank_in_tiers)(-distance, probs, mass, cut)
 
 
-def _by_ranking(keys: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor, cut: Callable) -> torch.Tensor:
+def rank_whole(keys: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor, cut: Callable) -> torch.Tensor:
+    """cut(rows, values, order) on every row's keys sorted whole, descending: on a GPU, where the tiers' tests
+    would wait for the device (async scheduling)."""
+    values, order = keys.sort(dim=-1, descending=True)
+    return cut(slice(None), values, order)
+
+
+def rank_in_tiers(keys: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor, cut: Callable) -> torch.Tensor:
     """cut(rows, values, order) on each row's keys in descending order, as far as the row needs: its top
     TIERS[0] where those hold more than its mass of probs, else its top TIERS[1], else the whole row sorted;
     the rows' results put back in order. A batch whose rows all stop at the first tier is cut without a copy."""
     vocab = keys.shape[1]
-    if keys.device.type == "cuda":  # one sort: the tiers' tests would wait for the device (async scheduling)
-        values, order = keys.sort(dim=-1, descending=True)
-        return cut(slice(None), values, order)
     out, pending = None, torch.arange(keys.shape[0], device=keys.device)
     for count in [c for c in TIERS if c < vocab] + [vocab]:
         first = out is None

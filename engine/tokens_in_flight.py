@@ -4,8 +4,8 @@ stalling the device's queue, while the next step takes them as inputs on the dev
 A step's sampled tokens are needed on the host only to detokenize them and check stops, which can wait until the
 next step is on its way. `.tolist()` on a CUDA tensor waits for everything queued before it, the next step's
 forward included once that is launched; instead the copies into pinned host memory are queued right behind the
-sampling kernels, an event marks their end, and reading waits for that event alone. On CPU the results are already
-on the host and are read as they are.
+sampling kernels, an event marks their end, and reading waits for that event alone (`CopiedToHost`). On CPU the
+results are already on the host and are read as they are (`OnHost`). The step backend picks one (`readback`).
 
 The next step is scheduled meanwhile, each sequence counting its token in flight (Sequence.reserve_token); the
 runner builds its inputs on the host with a placeholder there and PendingInputs fills the rows from the device.
@@ -24,23 +24,31 @@ from engine.transfer import to_device
 T = TypeVar("T")
 
 
-class Readback(Generic[T]):
-    def __init__(self, result: T, device: torch.device):
+class OnHost(Generic[T]):
+    """A step's results computed on the host: read as they are."""
+
+    def __init__(self, result: T):
+        self._result = result
+
+    def result(self) -> T:
+        return self._result
+
+
+class CopiedToHost(Generic[T]):
+    def __init__(self, result: T):
         """Starts copying the tensors of `result` (a dataclass whose fields are tensors, dataclasses of them, or
-        plain values) from `device` to the host."""
-        self._event = None
-        if device.type == "cpu":
-            self._host = result
-            return
+        plain values) from the GPU to pinned host memory, behind the work queued so far."""
         self._host = _to_host(result)
         self._event = torch.cuda.Event()
         self._event.record()
 
     def result(self) -> T:
         """`result` with its tensors on the host, once they are copied."""
-        if self._event is not None:
-            self._event.synchronize()
+        self._event.synchronize()
         return self._host
+
+
+Readback = OnHost[T] | CopiedToHost[T]
 
 
 def _to_host(value):

@@ -1,10 +1,8 @@
 """Host values to device tensors without waiting for the device.
 
-PyTorch finishes a blocking host-to-device copy from pageable memory by synchronizing the stream, so each
-`torch.tensor(values, device="cuda")` waits for every kernel queued before it: with async scheduling, the whole step
-in flight. A step's small host-built tensors (positions, block tables, sampling parameters, row indices) are
-instead staged in pinned memory and copied asynchronously; the caching host allocator keeps the staging buffer
-until its copy is done.
+A step's small host-built tensors (positions, block tables, sampling parameters, row indices) reach the device
+the platform's way (engine/platform.py): on CUDA through pinned memory, so that the copy does not wait for the
+step in flight.
 
 `moved` carries a typed step's tensors (a dataclass of tensors, lists and nested dataclasses, like ForwardBatch)
 to another device whole, for a tensor-parallel step that crosses processes through the host.
@@ -16,12 +14,12 @@ import dataclasses
 
 import torch
 
+from engine.platform import platform_of
+
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.tensor(values, dtype=dtype) on `device`; on CUDA without a stream synchronization."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return platform_of(device).tensor(values, device, dtype)
 
 
 def moved(value, device: torch.device):

@@ -492,11 +492,11 @@ def test_amx_linear_refuses_what_it_cannot_take():
 def test_prepacked_linear_takes_the_amx_kernel_for_a_decode_steps_rows():
     """Given the operators, a bf16 PrepackedLinear keeps the AMX packing and gives oneDNN's results within bf16's
     rounding for a decode step's rows; longer chunks take oneDNN itself (bitwise its result)."""
-    from engine.layers.linear import AMX_MAX_ROWS, PrepackedLinear
+    from engine.layers.linear import AMX_MAX_ROWS, CppLinearKernels, PrepackedLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=True).bfloat16()
-    amx, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
+    amx, onednn = PrepackedLinear(linear, CppLinearKernels(cpu_ops.load())), PrepackedLinear(linear)
     assert amx.kernel.name == "amx" and amx.own_weight is not None and onednn.kernel is None
     for rows in (3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 576).bfloat16()
@@ -602,13 +602,13 @@ def test_prepacked_linear_takes_the_simd_kernel_without_amx(dtype):
     """Without AMX, a PrepackedLinear runs its own kernel and gives oneDNN's results within the dtype's rounding, 2-D
     or 3-D: at every row count with no oneDNN copy kept (bf16, and float32 with AVX2), or up to FP32_MAX_ROWS rows
     and oneDNN itself beyond, bitwise its result (float32 with AVX-512)."""
-    from engine.layers.linear import FP32_MAX_ROWS, PrepackedLinear
+    from engine.layers.linear import FP32_MAX_ROWS, CppLinearKernels, PrepackedLinear
 
     if cpu_ops.has_cpu_flag("amx_bf16") or not _simd_linear_usable(dtype):
         pytest.skip("the SIMD linear serves CPUs that have it and no AMX")
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=True).to(dtype)
-    own, onednn = PrepackedLinear(linear, cpu_ops.load()), PrepackedLinear(linear)
+    own, onednn = PrepackedLinear(linear, CppLinearKernels(cpu_ops.load())), PrepackedLinear(linear)
     limit = FP32_MAX_ROWS if dtype == torch.float32 and cpu_ops.has_cpu_flag("avx512f") else None
     assert own.kernel.name == "simd" and own.kernel.max_rows == limit and onednn.kernel is None
     assert (own.packed_weight is None) == (limit is None)
@@ -653,20 +653,21 @@ def test_prepacked_linear_keeps_bf16_storage_where_the_kernel_widens_it():
     """A float32 linear holding bf16 values, prepacked with storage_dtype bf16: its weight is stored in bf16 (half
     the bytes) and it computes bit for bit what the same linear stored in float32 computes, 2-D or 3-D; a bf16
     weight with bf16 rows gets no own kernel there."""
-    from engine.layers.linear import PrepackedLinear, own_kernel
+    from engine.layers.linear import CppLinearKernels, PrepackedLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960, bias=True)
     with torch.no_grad():
         linear.weight.copy_(linear.weight.bfloat16())
-    narrow, wide = PrepackedLinear(linear, cpu_ops.load(), torch.bfloat16), PrepackedLinear(linear, cpu_ops.load())
+    kernels = CppLinearKernels(cpu_ops.load())
+    narrow, wide = PrepackedLinear(linear, kernels, torch.bfloat16), PrepackedLinear(linear, kernels)
     assert narrow.own_weight.dtype == torch.bfloat16 and narrow.packed_weight is None
     assert narrow.own_weight.numel() == wide.own_weight.numel() and wide.own_weight.dtype == torch.float32
     for shape in ((1, 576), (64, 576), (2, 5, 576)):
         x = torch.randn(*shape)
         assert torch.equal(narrow(x), wide(x))
-    assert own_kernel(cpu_ops.load(), linear.weight.bfloat16()) is None
-    assert own_kernel(cpu_ops.load(), linear.weight.bfloat16(), torch.float32).name == "simd"
+    assert kernels.for_weight(linear.weight.bfloat16()) is None
+    assert kernels.for_weight(linear.weight.bfloat16(), torch.float32).name == "simd"
 
 
 def test_the_build_compiles_every_source_once_in_two_units(tmp_path):

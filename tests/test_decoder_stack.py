@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from benchmarks.lora_adapters import write_random_adapter
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_ops
-from engine.layers.linear import own_kernel
+from engine.layers.linear import CppLinearKernels
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters
 
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU oper
 def _has_own_kernel(dtype: torch.dtype) -> bool:
     """Whether this CPU's linears of `dtype` run on an own kernel, as the stack needs (on an AMX CPU only bf16's:
     oneDNN keeps the float32 linears there, engine/layers/linear.py)."""
-    return own_kernel(cpu_ops.load(), torch.zeros(64, 64, dtype=dtype)) is not None
+    ops = cpu_ops.load()
+    return ops is not None and CppLinearKernels(ops).for_weight(torch.zeros(64, 64, dtype=dtype)) is not None
 
 
 # the dtype the stack serves for the tests of other things than dtypes: float32 where it can, else bf16

@@ -348,8 +348,9 @@ def test_bf16_without_bf16_matrix_math_computes_bf16_weights_in_float32(tiny_lla
     those rounded weights. Where the C++ operators widen bf16 weights, the linears store them in bf16, half the
     bytes. By default ("auto") the KV cache is bf16 too: half the bytes a token, twice the blocks in one budget, and
     every generated token's logprob, teacher-forced, within 0.1 of that float32 reference."""
-    from engine.config import EngineConfig, cpu_has_native_bf16
+    from engine.config import EngineConfig
     from engine.kernels import cpu_ops
+    from engine.platform import cpu_has_native_bf16
 
     if EngineConfig(model=str(tiny_llama_path)).torch_device.type != "cpu" or cpu_has_native_bf16():
         pytest.skip("bf16 computes natively here")

@@ -1,5 +1,6 @@
-"""Weights and KV cache on huge pages (engine/huge_pages.py): moved tensors keep their values, their sharing and
-every reference to them; the memory is advised to huge pages; an engine on them generates what one without does."""
+"""Weights and KV cache on huge pages (engine/backends/huge_pages.py): moved tensors keep their values, their
+sharing and every reference to them; the memory is advised to huge pages; an engine on them generates what one
+without does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams, huge_pages
+from engine import LLM, SamplingParams
+from engine.backends import huge_pages
 from engine.memory import weight_bytes
 from lora_cache.local_cache import local_adapters
 from tests.helpers import PROMPTS, write_tiny_adapters

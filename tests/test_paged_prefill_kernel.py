@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 
 from engine.kernels.paged_prefill import (
     TileConfig,
+    cuda_flex_options,
     flex_prefill_attention,
     paged_block_mask,
     paged_prefill_attention,
@@ -137,7 +138,9 @@ def test_triton_kernel_reads_float32_queries_over_a_bf16_cache():
 @pytest.mark.parametrize("shape, dtype", [(SHAPES[0], torch.float32), (SHAPES[1], torch.bfloat16),
                                           (SHAPES[2], torch.float32 if DEVICE == "cpu" else torch.float16)])
 def test_flex_variant_matches_reference(shape, dtype):
-    _check(lambda *args: flex_prefill_attention(*args, compiled=DEVICE == "cuda"), shape, dtype, sum(shape))
+    options = cuda_flex_options(shape[3]) if DEVICE == "cuda" else None
+    _check(lambda *args: flex_prefill_attention(*args, compiled=DEVICE == "cuda", kernel_options=options), shape,
+           dtype, sum(shape))
 
 
 @pytest.mark.parametrize("block", [8, 16])
@@ -198,7 +201,7 @@ def test_engine_tokens_are_unchanged_with_the_kernel(tiny_llama_path, tokenizer,
 
     want = run()
     if DEVICE == "cpu":  # the CPU backends take no CUDA kernel: forced here
-        attend = (cuda_prefill_kernel(kernel) if kernel == "triton"
+        attend = (cuda_prefill_kernel(kernel, 16) if kernel == "triton"
                   else functools.partial(flex_prefill_attention, compiled=False))
         monkeypatch.setattr(torch_reference.TorchBackend, "_prefill_kernel", lambda self, config: attend)
     segments = []  # the backend builds the kernel's batch only where a kernel takes the step's chunks

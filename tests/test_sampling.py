@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, inverse_cdf
+from engine.sampler_ops import HostSamplerOps
 from engine.sampling import SEED_MAX, SEED_MIN
 from engine.sampling_filters import filter_logits
 from tests.helpers import PROMPTS, hf_generate, hf_greedy
@@ -202,7 +203,7 @@ def _row(vocab: int, heavy: int, share: float) -> torch.Tensor:
 
 
 def test_filters_rank_each_row_only_as_far_as_its_mass_needs():
-    from engine.sampling_filters import TIERS, _by_ranking
+    from engine.sampling_filters import TIERS, rank_in_tiers
 
     torch.manual_seed(0)
     vocab = 20_000
@@ -217,7 +218,7 @@ def test_filters_rank_each_row_only_as_far_as_its_mass_needs():
             seen.update(dict.fromkeys(torch.arange(len(batch))[rows].tolist(), order.shape[1]))
             return torch.full_like(batch[rows], float(order.shape[1]))
 
-        out = _by_ranking(batch, batch.softmax(dim=-1), torch.full((len(batch), 1), 0.9), cut)
+        out = rank_in_tiers(batch, batch.softmax(dim=-1), torch.full((len(batch), 1), 0.9), cut)
         return seen, out[:, 0]
 
     seen, out = widths(keys)
@@ -226,10 +227,24 @@ def test_filters_rank_each_row_only_as_far_as_its_mass_needs():
     assert widths(keys[[0, 3]])[0] == {0: TIERS[0], 1: TIERS[0]}  # a batch all in the first tier
 
 
+def test_ranking_in_tiers_and_sorting_whole_rows_keep_the_same_tokens():
+    """The GPU's one sort (rank_whole) and the CPU's tiers cut every row alike, in top-p and typical-p (rows without
+    ties, whose order among equals either may break its own way): rows peaked enough for the first tier, for the
+    second, and flat enough for a full sort."""
+    from engine.sampling_filters import rank_in_tiers, rank_whole
+
+    torch.manual_seed(1)
+    logits = torch.randn(4, 20_000) * torch.tensor([[12.0], [3.0], [2.0], [0.5]])
+    for params in (SamplingParams(top_p=0.9), SamplingParams(typical_p=0.8), SamplingParams(top_p=0.5, typical_p=0.9)):
+        tiers = filter_logits(logits, [params] * 4, rank_in_tiers)
+        assert torch.equal(filter_logits(logits, [params] * 4, rank_whole), tiers)
+        assert (tiers.isinf().sum(dim=-1) > 0).any()
+
+
 def test_draws_follow_the_probabilities_and_never_take_an_impossible_token():
     from engine.sequence import Sequence
 
-    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler = Sampler(torch.device("cpu"), seed=0, ops=HostSamplerOps())
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]).repeat(20_000, 1)
     seqs = [Sequence(str(i), [1], _sampled()) for i in range(20_000)]
     counts = torch.bincount(sampler._draw(probs, seqs), minlength=5).tolist()
@@ -484,7 +499,7 @@ def test_plain_greedy_steps_take_the_argmax_of_bf16_logits_as_they_are(with_ops)
     copy), rows asking logprobs included: their logprobs and top alternatives are float32 log_softmax's. A row with
     a processor (logit_bias) widens the step. Either way the tokens are float32's argmax."""
     from engine.kernels import cpu_ops
-    from engine.sampler_ops import CppSamplerOps, HostSamplerOps
+    from engine.sampler_ops import CppSamplerOps
     from engine.sequence import Sequence
 
     ops = cpu_ops.load()

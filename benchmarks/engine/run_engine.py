@@ -187,8 +187,9 @@ def compare_with_vllm(python: Path, args, rounds: int, env: dict,
                       selection: peer_compare.Selection) -> list[peer_compare.PeerResult]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.config import cpu_has_native_bf16, default_cache_dir
+    from engine.config import default_cache_dir
     from engine.model_files import resolve_model
+    from engine.platform import cpu_has_native_bf16
 
     model_dir = resolve_model(systems.MODEL, default_cache_dir() / "models")
     native_bf16 = cpu_has_native_bf16()

@@ -22,6 +22,7 @@ benchmarks/runs/KIND/ (benchmarks/common.py: save_results).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -176,17 +177,23 @@ def _timed_path(fn, x: PrefillInputs, reference: torch.Tensor, device: str) -> d
 
 def _prefill_paths(x: PrefillInputs, device: str, reference: torch.Tensor) -> dict:
     """Every path's figures; the Triton kernel only on CUDA (on CPU its interpreter runs in the tests)."""
-    from engine.kernels.paged_prefill import flex_prefill_attention, paged_block_mask, paged_prefill_attention
+    from engine.kernels.paged_prefill import (
+        cuda_flex_options,
+        flex_prefill_attention,
+        paged_block_mask,
+        paged_prefill_attention,
+    )
 
     batch = paged_prefill(x.segments, x.slots, BLOCK)
     compiled = device == "cuda"
+    flex = functools.partial(flex_prefill_attention, compiled=compiled,
+                             kernel_options=cuda_flex_options(BLOCK) if compiled else None)
     num_blocks = x.k_cache.shape[1]
     paths = {"metadata": {"ms": bench_ms(lambda: paged_prefill(x.segments, x.slots, BLOCK), device)},
-             "flex": _timed_path(lambda out: flex_prefill_attention(x.q, x.k_cache, x.v_cache, batch, out, compiled),
-                                 x, reference, device)}
+             "flex": _timed_path(lambda out: flex(x.q, x.k_cache, x.v_cache, batch, out), x, reference, device)}
     mask = paged_block_mask(batch, num_blocks, BLOCK)
-    paths["flex_prebuilt_mask"] = _timed_path(lambda out: flex_prefill_attention(
-        x.q, x.k_cache, x.v_cache, batch, out, compiled, block_mask=mask), x, reference, device)
+    paths["flex_prebuilt_mask"] = _timed_path(lambda out: flex(x.q, x.k_cache, x.v_cache, batch, out,
+                                                               block_mask=mask), x, reference, device)
     if device == "cuda":
         paths["triton"] = _timed_path(lambda out: paged_prefill_attention(x.q, x.k_cache, x.v_cache, batch, out),
                                       x, reference, device)

@@ -40,8 +40,9 @@ matplotlib.use("Agg")
 
 from benchmarks.common import benchmark_args, environment, markdown_table, report_header, save_results, scaled
 from benchmarks.serve.http_servers import ROOT, Server, start_lora_serve, start_vllm
-from engine.config import cpu_has_native_bf16, default_cache_dir
+from engine.config import default_cache_dir
 from engine.model_files import resolve_model
+from engine.platform import cpu_has_native_bf16
 
 MODEL = "smollm2-135m-instruct"
 LORA_SERVE, VLLM = "lora-serve", "vLLM"

@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import nn
 
-from engine import huge_pages
+from engine.backends.huge_pages import move_module, supported, zeros
 from engine.backends.torch_reference import InPlaceChunk, TorchBackend, padded
 from engine.config import EngineConfig
 from engine.kernels import cpu_attention
@@ -41,7 +41,7 @@ class CpuKernelsBackend(TorchBackend):
     def __init__(self, config: EngineConfig, cpu_ops):
         self.cpu_ops = self.fused_ops = cpu_ops  # before the base's init, which asks for the LoRA backend
         super().__init__(config)
-        self.huge_pages = config.huge_pages and huge_pages.supported()
+        self.huge_pages = config.huge_pages and supported()
         self.head_dim = 0
 
     def _lora_backend(self) -> CppLoRA:
@@ -55,13 +55,13 @@ class CpuKernelsBackend(TorchBackend):
         return CppPacked(self.cpu_ops) if onednn_linear_supported(self.dtype) else AsLoaded()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return huge_pages.zeros(shape, dtype) if self.huge_pages else super()._zeros(shape, dtype)
+        return zeros(shape, dtype) if self.huge_pages else super()._zeros(shape, dtype)
 
     def place_model(self, model: nn.Module, kv_caches: list[KVCache], lora_state: LoRAStepState,
                     config: EngineConfig) -> None:
         """The weights (the adapters' slots too) onto huge pages, then the decoder stack, which holds them."""
         if self.huge_pages:
-            huge_pages.move_module(model)
+            move_module(model)
         if config.decoder_stack:
             model.decoder_stack = build_decoder_stack(model, kv_caches, self.cpu_ops, lora_state)
 

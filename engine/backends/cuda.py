@@ -50,7 +50,7 @@ class CudaBackend(TorchBackend):
         return TritonGroupedExperts() if config.cuda_experts == "grouped" else AsLoaded()
 
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
-        return cuda_prefill_kernel(config.cuda_prefill)
+        return cuda_prefill_kernel(config.cuda_prefill, config.block_size)
 
     def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:

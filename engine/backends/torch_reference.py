@@ -10,7 +10,7 @@ adapters' tokens run as segments of one adapter each (engine/lora/segments.py). 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -30,10 +30,13 @@ from engine.layers.attention import (
 from engine.lora.backends import LoRAStepState, TorchLoRA
 from engine.models.packing import AsLoaded, OneDnnPacked, onednn_linear_supported
 from engine.sampler_ops import HostSamplerOps, TorchSamplerOps
+from engine.tokens_in_flight import CopiedToHost, OnHost, Readback
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
     from engine.backends.cuda_graphs import DecodeGraphs
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -169,6 +172,10 @@ class TorchBackend:
                       config: EngineConfig, max_model_len: int, num_blocks: int) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, where the backend captures them; None: every step runs eager."""
         return None
+
+    def readback(self, result: T) -> Readback[T]:
+        """A step's sampled tokens on their way to the host (engine/tokens_in_flight.py)."""
+        return OnHost(result) if self.device.type == "cpu" else CopiedToHost(result)
 
 
 def padded(tables: list[list[int]]) -> list[list[int]]:

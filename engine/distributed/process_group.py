@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.parallel import TensorParallel
+from engine.platform import platform_of
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)  # every worker joins within this, or each raises
 
@@ -27,17 +28,13 @@ def free_address(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def join(rank: int, world_size: int, address: str, device: torch.device) -> TensorParallel:
     """This process as worker `rank` of `world_size`, meeting the others at `address` (`tcp://host:port`, the same
     for all)."""
     if world_size == 1:
         return TensorParallel.single()
-    dist.init_process_group(backend_for(device), init_method=address, rank=rank, world_size=world_size,
-                            timeout=RENDEZVOUS_TIMEOUT)
+    dist.init_process_group(platform_of(device).collective_backend, init_method=address, rank=rank,
+                            world_size=world_size, timeout=RENDEZVOUS_TIMEOUT)
     return TensorParallel(rank, world_size, dist.group.WORLD)
 
 

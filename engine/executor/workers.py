@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.executor.worker import WorkerSpec, worker_main
+from engine.platform import platform_of
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop exits within this, or is killed
 DEATH_GRACE_S = 5.0  # after a failed collective, how long the driver waits to see which worker died
@@ -67,14 +68,7 @@ class LocalLauncher:
         return "127.0.0.1"
 
     def devices(self, size: int, device: torch.device) -> list[torch.device]:
-        """On CUDA, GPUs first, first + 1, ... of this node, from the configured one (cuda: the first)."""
-        if device.type != "cuda":
-            return [device] * size
-        first, count = device.index or 0, torch.cuda.device_count()
-        if first + size > count:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from cuda:{first}; this node has "
-                             f"{count}")
-        return [torch.device("cuda", first + rank) for rank in range(size)]
+        return platform_of(device).rank_devices(size, device)
 
     def start(self, specs: list[WorkerSpec]) -> WorkerProcesses:
         return WorkerProcesses.spawn(specs)

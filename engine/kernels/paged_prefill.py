@@ -158,12 +158,14 @@ _compiled_flex = None
 
 
 def flex_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedPrefill,
-                           out: torch.Tensor, compiled: bool = True, block_mask=None) -> torch.Tensor:
+                           out: torch.Tensor, compiled: bool = True, block_mask=None,
+                           kernel_options: dict | None = None) -> torch.Tensor:
     """The same call as paged_prefill_attention, through torch's FlexAttention: segments are its batch (queries
     padded to the longest chunk, a copy of the queries, not of K/V), the cache viewed as one key sequence per KV head
     (it must be contiguous) is shared by every segment. compiled=False: FlexAttention's eager path, which computes
     every score densely from the mask_mod alone (CPU tests). block_mask: paged_block_mask(batch, ...), if already
-    built for the step. The cache's dtype must be the queries'."""
+    built for the step. kernel_options: the compiled kernel's template options (cuda_flex_options on CUDA). The
+    cache's dtype must be the queries'."""
     if k_cache.dtype != q.dtype:
         raise ValueError(f"FlexAttention takes queries and cache of one dtype, not {q.dtype} over {k_cache.dtype}")
     from torch.nn.attention.flex_attention import flex_attention
@@ -175,13 +177,16 @@ def flex_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keys = k_cache.view(1, kv_heads, num_blocks * block_size, head_dim)
     values = v_cache.view(1, kv_heads, num_blocks * block_size, head_dim)
     attend = _flex_compiled() if compiled else flex_attention
-    # CUDA's template: BLOCK_N, the kernel reads keys in tiles within one page; FORCE_USE_FLEX_ATTENTION, short
-    # chunks too take the prefill kernel, not flex decoding, so every shape is measured on one kernel
-    options = {"BLOCK_N": math.gcd(block_size, 64), "FORCE_USE_FLEX_ATTENTION": True} if q.is_cuda else None
     block_mask = block_mask if block_mask is not None else paged_block_mask(batch, num_blocks, block_size)
-    result = attend(queries, keys, values, block_mask=block_mask, enable_gqa=True, kernel_options=options)
+    result = attend(queries, keys, values, block_mask=block_mask, enable_gqa=True, kernel_options=kernel_options)
     out[rows] = result[segment, :, offset].to(out.dtype)
     return out
+
+
+def cuda_flex_options(block_size: int) -> dict:
+    """CUDA's template options: BLOCK_N, the kernel reads keys in tiles within one page; FORCE_USE_FLEX_ATTENTION,
+    short chunks too take the prefill kernel, not flex decoding, so every shape is measured on one kernel."""
+    return {"BLOCK_N": math.gcd(block_size, 64), "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _flex_compiled():

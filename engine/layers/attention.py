@@ -23,6 +23,7 @@ faster at every batch and length, the more so the longer the contexts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -204,14 +205,17 @@ def paged_prefill(prefills: list[PrefillSegment], slot_mapping: torch.Tensor, bl
                         max(-(-seg.context_len // block_size) for seg in prefills))
 
 
-def cuda_prefill_kernel(name: str) -> PrefillKernel | None:
-    """The in-place prompt kernel that EngineConfig.cuda_prefill names, None for "sdpa" (gather + SDPA per chunk).
-    Imported here only: triton may be absent on CPU."""
+def cuda_prefill_kernel(name: str, block_size: int) -> PrefillKernel | None:
+    """The in-place prompt kernel that EngineConfig.cuda_prefill names, None for "sdpa" (gather + SDPA per chunk);
+    FlexAttention with CUDA's template options for the cache's blocks. Imported here only: triton may be absent on
+    CPU."""
     if name == "sdpa":
         return None
     from engine.kernels import paged_prefill as kernels
 
-    return {"triton": kernels.paged_prefill_attention, "flex": kernels.flex_prefill_attention}[name]
+    if name == "flex":
+        return functools.partial(kernels.flex_prefill_attention, kernel_options=kernels.cuda_flex_options(block_size))
+    return kernels.paged_prefill_attention
 
 
 def _write(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:

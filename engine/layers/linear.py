@@ -50,41 +50,57 @@ class OwnKernel:
         return self.max_rows is None or x.shape[0] <= self.max_rows
 
 
-def own_kernel(cpu_ops, weight: torch.Tensor, rows_dtype: torch.dtype | None = None) -> OwnKernel | None:
-    """The kernel of `cpu_ops` (the C++ operators) for a weight [out, in] against rows of `rows_dtype` (default: the
-    weight's): in bf16 AMX where the CPU has it; on a CPU without AMX, AVX-512 in bf16 and float32, or AVX2 in
-    float32, with float32 or bf16 weights; None for other dtypes, shapes the kernels do not tile, or without the
-    operators."""
-    if cpu_ops is None or weight.dtype not in (torch.bfloat16, torch.float32):
+class OneDnnOnly:
+    """No own kernels: every linear on oneDNN's prepacked weights."""
+
+    def for_weight(self, weight: torch.Tensor, rows_dtype: torch.dtype | None = None) -> OwnKernel | None:
         return None
-    rows_dtype = rows_dtype or weight.dtype
-    if has_cpu_flag("amx_bf16"):
-        if weight.dtype == rows_dtype == torch.bfloat16 and cpu_ops.amx_linear_usable(*weight.shape):
-            return OwnKernel("amx", cpu_ops.amx_pack_linear_weight, cpu_ops.amx_linear, AMX_MAX_ROWS)
+
+
+class CppLinearKernels(OneDnnOnly):
+    def __init__(self, cpu_ops):
+        """cpu_ops: the C++ operators, whose linear kernels these are."""
+        self.cpu_ops = cpu_ops
+
+    def for_weight(self, weight: torch.Tensor, rows_dtype: torch.dtype | None = None) -> OwnKernel | None:
+        """The kernel for a weight [out, in] against rows of `rows_dtype` (default: the weight's): in bf16 AMX where
+        the CPU has it; on a CPU without AMX, AVX-512 in bf16 and float32, or AVX2 in float32, with float32 or bf16
+        weights; None for other dtypes, and shapes the kernels do not tile."""
+        ops, rows_dtype = self.cpu_ops, rows_dtype or weight.dtype
+        if weight.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if has_cpu_flag("amx_bf16"):
+            if weight.dtype == rows_dtype == torch.bfloat16 and ops.amx_linear_usable(*weight.shape):
+                return OwnKernel("amx", ops.amx_pack_linear_weight, ops.amx_linear, AMX_MAX_ROWS)
+            return None
+        widened = weight.dtype == torch.bfloat16 and ops.simd_linear_widens_bf16()
+        if ops.simd_linear_usable(weight) and rows_dtype == (torch.float32 if widened else weight.dtype):
+            max_rows = FP32_MAX_ROWS if weight.dtype == torch.float32 and has_cpu_flag("avx512f") else None
+            return OwnKernel("simd", ops.simd_pack_linear_weight, ops.simd_linear, max_rows)
         return None
-    widened = weight.dtype == torch.bfloat16 and cpu_ops.simd_linear_widens_bf16()
-    if cpu_ops.simd_linear_usable(weight) and rows_dtype == (torch.float32 if widened else weight.dtype):
-        max_rows = FP32_MAX_ROWS if weight.dtype == torch.float32 and has_cpu_flag("avx512f") else None
-        return OwnKernel("simd", cpu_ops.simd_pack_linear_weight, cpu_ops.simd_linear, max_rows)
-    return None
+
+
+LinearKernels = OneDnnOnly | CppLinearKernels
+ONEDNN_ONLY = OneDnnOnly()
 
 
 class PrepackedLinear(nn.Module):
     """`storage_dtype`: a narrower dtype (bf16) whose values the float32 weight holds, kept as the weight's storage
     where an own kernel widens it to float32 rows (AVX2), halving the bytes a decode step streams."""
 
-    def __init__(self, linear: nn.Linear, cpu_ops=None, storage_dtype: torch.dtype | None = None):
+    def __init__(self, linear: nn.Linear, kernels: LinearKernels = ONEDNN_ONLY,
+                 storage_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
         self.kernel = None
-        if cpu_ops is not None and storage_dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        if storage_dtype == torch.bfloat16 and weight.dtype == torch.float32:
             narrow = weight.to(storage_dtype)
-            self.kernel = own_kernel(cpu_ops, narrow, rows_dtype=weight.dtype)  # float32 rows, bf16 storage
+            self.kernel = kernels.for_weight(narrow, rows_dtype=weight.dtype)  # float32 rows, bf16 storage
             if self.kernel is not None:
                 weight = narrow
         if self.kernel is None:
-            self.kernel = own_kernel(cpu_ops, weight)
+            self.kernel = kernels.for_weight(weight)
         onednn = self.kernel is None or self.kernel.max_rows is not None
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None)
         self.register_buffer("own_weight", self.kernel.pack(weight) if self.kernel is not None else None)
@@ -102,12 +118,12 @@ class PrepackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def prepack_linears(model: nn.Module, cpu_ops=None, storage_dtype: torch.dtype | None = None) -> None:
+def prepack_linears(model: nn.Module, kernels: LinearKernels, storage_dtype: torch.dtype | None = None) -> None:
     """Replace every plain nn.Linear in `model` by a PrepackedLinear (in place), with the engine's own kernel where
-    `cpu_ops` (the C++ operators) has one for its weight, on `storage_dtype` weights where it widens them;
-    quantized linears (subclasses) stay as they are."""
+    `kernels` has one for its weight, on `storage_dtype` weights where it widens them; quantized linears
+    (subclasses) stay as they are."""
     for name, child in list(model.named_children()):
         if type(child) is nn.Linear:
-            setattr(model, name, PrepackedLinear(child, cpu_ops, storage_dtype))
+            setattr(model, name, PrepackedLinear(child, kernels, storage_dtype))
         else:
-            prepack_linears(child, cpu_ops, storage_dtype)
+            prepack_linears(child, kernels, storage_dtype)

@@ -47,8 +47,8 @@ class ExpertLoRA(nn.Module):
         self.register_buffer("packed", torch.zeros(max_loras * num_experts, row, dtype=backend.slot_dtype(dtype),
                                                    device=device))
         self.register_buffer("has_weights", torch.zeros(max_loras, dtype=torch.bool, device=device))
-        # offsets, not views: the slot table may be re-seated (engine/huge_pages.py), and views taken from it at
-        # each use follow it
+        # offsets, not views: the slot table may be re-seated (engine/backends/huge_pages.py), and views taken from
+        # it at each use follow it
         self.params: dict[str, ExpertParam] = {}
         start = 0
         for key, (in_features, out_features) in shapes.items():

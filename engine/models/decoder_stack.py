@@ -93,7 +93,7 @@ def build_decoder_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, to
     """The stack of a loaded Llama-family model whose every decoder linear is on one own kernel (after the LoRA
     wrappers and any move of the weights); None where the modules' path must stay, as for a tensor-parallel shard
     (engine/distributed/), whose o and down projections sum over the ranks between the stack's operators."""
-    if cpu_ops is None or not isinstance(model, LlamaForCausalLM) or model.tensor_parallel is not None:
+    if not isinstance(model, LlamaForCausalLM) or model.tensor_parallel is not None:
         return None
     if model.variant.moe is not None:  # experts in place of the MLP: the stack's layers are dense
         return None

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import cpu_has_native_bf16
-from engine.layers.linear import prepack_linears
+from engine.layers.linear import CppLinearKernels, OneDnnOnly, prepack_linears
 from engine.models.experts import GroupedKernel, cpu_grouped_kernel, triton_grouped_kernel
+from engine.platform import cpu_has_native_bf16
 
 
 class AsLoaded:
@@ -33,7 +33,7 @@ class AsLoaded:
 
 class OneDnnPacked(AsLoaded):
     def pack_linears(self, model: nn.Module, storage_dtype: torch.dtype | None) -> None:
-        prepack_linears(model, None, storage_dtype)
+        prepack_linears(model, OneDnnOnly(), storage_dtype)
 
 
 class CppPacked(OneDnnPacked):
@@ -42,7 +42,7 @@ class CppPacked(OneDnnPacked):
         self.cpu_ops = cpu_ops
 
     def pack_linears(self, model: nn.Module, storage_dtype: torch.dtype | None) -> None:
-        prepack_linears(model, self.cpu_ops, storage_dtype)
+        prepack_linears(model, CppLinearKernels(self.cpu_ops), storage_dtype)
 
     def grouped_experts(self, storage_dtype: torch.dtype | None,
                         weights: tuple[torch.Tensor, ...]) -> GroupedKernel | None:
