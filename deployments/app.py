@@ -73,7 +73,7 @@ class TensorParallelArgs(StrictModel):
         return self.worker_gpus if self.worker_gpus is not None else int(device.startswith("cuda"))
 
     def options(self, size: int, device: str = "cpu") -> dict:
-        """The engine deployment's placement options for N workers on `device` (EngineConfig.device); none at
+        """The engine deployment's placement options for N workers on `device` (the device option); none at
         N = 1."""
         if size == 1:
             return {}
@@ -118,19 +118,19 @@ def build_app(args: dict | None = None) -> Application:
         parsed = AppArgs(**(args or {}))
         engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
         gate = parsed.gate()
-        parsed.tensor_parallel.refuse_too_few_gpus(engine.tensor_parallel_size, engine.device)
+        parsed.tensor_parallel.refuse_too_few_gpus(engine.backend.tensor_parallel_size, engine.backend.device)
     except (ValidationError, TypeError, ValueError, OSError) as exc:
         raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
-    placement = parsed.tensor_parallel.options(engine.tensor_parallel_size, engine.device)
+    placement = parsed.tensor_parallel.options(engine.backend.tensor_parallel_size, engine.backend.device)
     actor = _engine_actor_options(placement["placement_group_bundles"][0] if placement else {"CPU": 1})
     server = LLMServer.options(ray_actor_options=actor, request_router_config=router, **placement).bind(
         parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
         tracing=parsed.tracing.config())
     if not haproxy_enabled():
         return server
-    return with_ingress_router(server, engine.model)
+    return with_ingress_router(server, engine.model.name)
 
 
 def _reason(exc: Exception) -> str:

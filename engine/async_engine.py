@@ -148,7 +148,7 @@ class AsyncEngine:
     def _reserve_queue_place(self) -> None:
         with self._lock:
             waiting = self.engine.num_waiting() + len(self._pending_adds) + self._preparing
-            if waiting >= self.engine.config.max_waiting_requests:
+            if waiting >= self.engine.config.scheduler.max_waiting_requests:
                 raise EngineOverloadedError(waiting, retry_after_s=OVERLOADED_RETRY_AFTER_S)
             self._preparing += 1
 

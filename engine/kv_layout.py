@@ -41,13 +41,13 @@ def kv_layout(config: EngineConfig, kv_shape: tuple[int, int, int], dtype: torch
     agree_blocks: the blocks every tensor-parallel rank allocates, given this rank's count."""
     num_layers, kv_heads, head_dim = kv_shape
     element = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * num_layers * kv_heads * head_dim * element * config.block_size
-    budget = config.kv_cache_bytes
-    if config.kv_cache_memory_fraction is not None:
-        budget = int(free_memory() * config.kv_cache_memory_fraction)
-    num_blocks = config.num_kv_blocks or budget // per_block
+    per_block = 2 * num_layers * kv_heads * head_dim * element * config.cache.block_size
+    budget = config.cache.kv_cache_bytes
+    if config.cache.kv_cache_memory_fraction is not None:
+        budget = int(free_memory() * config.cache.kv_cache_memory_fraction)
+    num_blocks = config.cache.num_kv_blocks or budget // per_block
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget of {budget} bytes is smaller than one KV block ({per_block} bytes)")
     if agree_blocks is not None:
         num_blocks = agree_blocks(num_blocks)
-    return KVLayout(num_layers, kv_heads, head_dim, config.block_size, num_blocks, element)
+    return KVLayout(num_layers, kv_heads, head_dim, config.cache.block_size, num_blocks, element)

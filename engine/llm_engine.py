@@ -1,6 +1,6 @@
 """LLMEngine: step() = schedule -> run the model -> sample -> update (the offline API over it: engine/llm.py).
 
-With async scheduling (EngineConfig.async_scheduling, opt-in: docs/gpu.md) the host does not wait for a step's
+With async scheduling (the async_scheduling option, opt-in: docs/gpu.md) the host does not wait for a step's
 tokens before scheduling the next, as vLLM v1 schedules: step N+1 is scheduled and launched while the device still
 runs step N, its decode inputs taken from step N's sampled tokens on the device; then step N's tokens are read back
 (copied behind N's sampling kernels, so the wait ends when N's tokens are ready, not N+1's) and processed, and step
@@ -81,47 +81,47 @@ class LLMEngine:
         """adapters: makes the adapters' provider for the model's LoRA shapes if max_loras > 0 (engine/lora/provider.py);
         workers: where tensor-parallel ranks 1..N-1 run (engine/executor/workers.py), None: local processes."""
         self.config = config
-        platform_of(config.torch_device).set_threads(config.threads_per_worker)
-        path = resolve_model(config.model, config.model_cache_dir, need_weights=config.load_format != "dummy")
+        platform_of(config.backend.torch_device).set_threads(config.backend.threads_per_worker)
+        path = resolve_model(config.model.name, config.model.model_cache_dir, need_weights=config.model.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model_len = context_limit(hf_config, config.max_model_len)  # ValueError past the model's own
+        model_len = context_limit(hf_config, config.model.max_model_len)  # ValueError past the model's own
         self.executor = start_executor(config, path, hf_config, model_len, workers)  # rank 0's runner, and any workers
         self.runner = self.executor.runner
         layout = self.runner.layout
         self.max_model_len = min(model_len, layout.token_capacity)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(path, hf_config)
-        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
-        self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching)
+        self.adapter_slots = AdapterSlots(config.lora.max_loras) if config.lora.max_loras else None
         self.adapters = self._adapter_provider(config, hf_config, adapters)
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
         self.scheduler = self._scheduler(config)
-        self.sampler = Sampler(config.torch_device, config.seed, self.runner.backend.sampler_ops)
+        self.sampler = Sampler(config.backend.torch_device, config.model.seed, self.runner.backend.sampler_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()
-        self.overlap = config.async_scheduling  # async scheduling (step)
+        self.overlap = config.scheduler.async_scheduling  # async scheduling (step)
         self._in_flight: InFlight | None = None
         self._timed_shape = StepShape(0, 0)  # async scheduling: the step whose time the next call measures
-        self._preload(config.preload_adapters, pin=False)
-        self._preload(config.pinned_adapters, pin=True)
+        self._preload(config.lora.preload_adapters, pin=False)
+        self._preload(config.lora.pinned_adapters, pin=True)
         _freeze_startup_objects()
         if config.log_stats:
             self._log_plan(config)
 
     def _scheduler(self, config: EngineConfig) -> Scheduler:
         """The scheduler over the blocks and adapter slots, with a step-cost model where steps are sized by time."""
-        self.step_cost = StepCost(config.step_time_target_s) if config.step_time_target_s is not None else None
-        return Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.adapter_slots,
-                         config.max_adapter_wait_s, self.long_rope_switch, self.step_cost)
+        self.step_cost = StepCost(config.scheduler.step_time_target_s) if config.scheduler.step_time_target_s is not None else None
+        return Scheduler(self.block_manager, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.adapter_slots,
+                         config.lora.max_adapter_wait_s, self.long_rope_switch, self.step_cost)
 
     def _log_plan(self, config: EngineConfig) -> None:
-        quantized = f", {config.quantization}" if config.quantization != "none" else ""
-        workers = f"; each of {config.tensor_parallel_size} tensor-parallel workers" * (config.tensor_parallel_size > 1)
-        print(f"[lora-serve] {config.model} on {config.torch_device} ({self.runner.dtype}{quantized}){workers}: "
+        quantized = f", {config.model.quantization}" if config.model.quantization != "none" else ""
+        workers = f"; each of {config.backend.tensor_parallel_size} tensor-parallel workers" * (config.backend.tensor_parallel_size > 1)
+        print(f"[lora-serve] {config.model.name} on {config.backend.torch_device} ({self.runner.dtype}{quantized}){workers}: "
               f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
 
     def memory(self) -> MemoryReport:
@@ -140,15 +140,15 @@ class LLMEngine:
     @staticmethod
     def _adapter_provider(config: EngineConfig, hf_config,
                           adapters: AdapterProviderFactory | None) -> AdapterProvider | None:
-        if adapters is not None and not config.max_loras:
+        if adapters is not None and not config.lora.max_loras:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
-        if not config.max_loras:
+        if not config.lora.max_loras:
             return None
         adapters = adapters or default_provider()
         if adapters is None:
             raise ValueError("max_loras > 0 needs an adapter provider, and no installed package registers a default "
                              "one: install lora-serve's lora_cache, or pass adapters=")
-        return adapters(config.adapter_sources(), lora_shapes(hf_config, config.expert_lora))
+        return adapters(config.adapter_sources(), lora_shapes(hf_config, config.lora.expert_lora))
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
@@ -194,7 +194,7 @@ class LLMEngine:
         number above the limit or past the context is refused with both figures, as vLLM and TGI refuse it,
         rather than accepted and cut short at the context's end."""
         room = self.max_model_len - prompt_tokens
-        limit = self.config.max_tokens_limit
+        limit = self.config.scheduler.max_tokens_limit
         if params.max_tokens is None:
             return dataclasses.replace(params, max_tokens=min(room, limit or room))
         if limit is not None and params.max_tokens > limit:
@@ -228,7 +228,7 @@ class LLMEngine:
                              f"start the engine with max_loras > 0")
         adapter = self.adapters.get(adapter_id)  # AdapterError (a ValueError) names the adapter and the reason
         # a provider's reader refuses these at load already; one shared by servers of other limits may not
-        check_rank(adapter_id, adapter.rank, self.config.max_lora_rank)
+        check_rank(adapter_id, adapter.rank, self.config.lora.max_lora_rank)
 
     def add_prepared(self, request: TrackedRequest) -> None:
         seq = request.seq

@@ -1,4 +1,4 @@
-"""Async scheduling (EngineConfig.async_scheduling) gives every request the synchronous engine's tokens.
+"""Async scheduling (the async_scheduling option) gives every request the synchronous engine's tokens.
 
 On CPU the model runs on the host, so the overlap saves nothing there, but the mechanism is the same as on CUDA:
 step N+1 is scheduled and run before step N's tokens are read, its decode inputs taken from step N's sampled
@@ -58,8 +58,8 @@ def _same_with_and_without(path, prompts, params, adapter_ids=None, **options):
 def test_off_by_default_on_every_device():
     """Opt-in until a GPU run verifies it (docs/gpu.md), on CUDA as on CPU."""
     for device in ("cpu", "cuda"):
-        assert not EngineConfig(device=device).async_scheduling
-    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling
+        assert not EngineConfig.from_overrides(device=device).scheduler.async_scheduling
+    assert EngineConfig.from_overrides(device="cpu", async_scheduling=True).scheduler.async_scheduling
 
 
 def test_real_model_sampled_stopped_and_scored(smollm2_path):

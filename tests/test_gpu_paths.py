@@ -4,7 +4,6 @@ defaults from EngineConfig itself, so neither the table nor the code can change 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -43,8 +42,7 @@ def _option(row: dict[str, str]) -> tuple[str, object] | None:
 
 
 def _cuda_defaults() -> dict[str, object]:
-    config = EngineConfig(device="cuda")
-    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    return EngineConfig.from_overrides(device="cuda").options()
 
 
 def test_the_table_lists_paths_with_options_it_knows():

@@ -30,8 +30,8 @@ def test_the_gpu_config_is_serve_config_yaml_with_one_gpu_replica_of_the_benchma
     spec = serve_config(engine, "cuda")
     app = ServeDeploySchema.model_validate(spec).applications[0]
     config = EngineConfig.from_overrides(**AppArgs(**app.args).engine)
-    assert (config.max_loras, config.max_lora_rank, config.max_num_seqs) == (16, 16, 256)
-    assert config.load_format == "dummy" and config.kv_cache_memory_fraction == 0.8
+    assert (config.lora.max_loras, config.lora.max_lora_rank, config.scheduler.max_num_seqs) == (16, 16, 256)
+    assert config.model.load_format == "dummy" and config.cache.kv_cache_memory_fraction == 0.8
     [replica] = app.deployments
     assert replica.num_replicas == 1 and "autoscaling_config" not in spec["applications"][0]["deployments"][0]
     options = replica.ray_actor_options

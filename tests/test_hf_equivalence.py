@@ -301,7 +301,7 @@ def _largest_gap(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 def _teacher_forced_gap(llm: LLM, model_path, outputs) -> float:
     """The largest gap between the engine's logprob of each generated token and transformers' in bf16."""
-    device = llm.engine.config.torch_device
+    device = llm.engine.config.backend.torch_device
     got = [torch.tensor(out.logprobs, device=device) for out in outputs]
     return _largest_gap(got, _teacher_forced_logprobs(model_path, outputs, torch.bfloat16, device))
 
@@ -335,7 +335,7 @@ def test_bf16_long_prompts_in_chunks_as_close_to_hf_float32_as_hf_bf16(tmp_path,
                            use_tqdm=False)
     on_cpu = llm.engine.runner.device.type == "cpu"
     assert llm.engine.runner.backend.prompt_kernel == (on_cpu and cpu_attention.prompt_kernel_usable(torch.bfloat16, 64, 16))
-    device = llm.engine.config.torch_device
+    device = llm.engine.config.backend.torch_device
     got = [torch.tensor(out.logprobs, device=device) for out in outputs]
     truth = _teacher_forced_logprobs(tmp_path, outputs, torch.float32, device)
     hf_bf16 = _teacher_forced_logprobs(tmp_path, outputs, torch.bfloat16, device)
@@ -352,7 +352,7 @@ def test_bf16_without_bf16_matrix_math_computes_bf16_weights_in_float32(tiny_lla
     from engine.kernels import cpu_ops
     from engine.platform import cpu_has_native_bf16
 
-    if EngineConfig(model=str(tiny_llama_path)).torch_device.type != "cpu" or cpu_has_native_bf16():
+    if EngineConfig.from_overrides(str(tiny_llama_path)).backend.torch_device.type != "cpu" or cpu_has_native_bf16():
         pytest.skip("bf16 computes natively here")
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.bfloat16).float()
     model.save_pretrained(tmp_path)
@@ -378,7 +378,7 @@ def test_kv_cache_dtype_is_checked_against_the_model():
     """kv_cache_dtype: 'auto', the model's dtype, or float32 for a bf16 model; anything else refused by name."""
     from engine.config import EngineConfig
 
-    assert EngineConfig.from_overrides(dtype="bf16", kv_cache_dtype="fp32").kv_cache_dtype == "fp32"
+    assert EngineConfig.from_overrides(dtype="bf16", kv_cache_dtype="fp32").cache.kv_cache_dtype == "fp32"
     with pytest.raises(ValueError, match="fp8 KV caches are not implemented"):
         EngineConfig.from_overrides(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' does not fit dtype 'float32'"):

@@ -83,7 +83,7 @@ def test_dummy_weights_are_finite_with_zero_biases(tiny_qwen2_path):
     from engine.models import load_model
 
     config = AutoConfig.from_pretrained(tiny_qwen2_path)
-    device = EngineConfig(model=str(tiny_qwen2_path)).torch_device
+    device = EngineConfig.from_overrides(str(tiny_qwen2_path)).backend.torch_device
     model = load_model(tiny_qwen2_path, config, torch.float32, device, 512, load_format="dummy")
     state = model.state_dict()
     # prepacked linears keep their weights in oneDNN's layout (or the engine's own packing) on CPU

@@ -57,7 +57,7 @@ def test_serve_config_puts_haproxy_on_port_8000_routing_on_the_body():
 def test_tp_cpu_places_one_bundle_per_worker_packed_on_one_node():
     """The embedded SmolLM2 splits its 3 KV heads over 3 workers, and their bundles fit a 2-core machine."""
     args = AppArgs(**_validated(CONFIGS[2]).applications[0].args)
-    size = EngineConfig.from_overrides(**args.engine).tensor_parallel_size
+    size = EngineConfig.from_overrides(**args.engine).backend.tensor_parallel_size
     placement = args.tensor_parallel.options(size)
     assert size == 3 and placement["placement_group_strategy"] == "STRICT_PACK"
     assert len(placement["placement_group_bundles"]) == size
@@ -80,7 +80,7 @@ def test_multi_node_gpu_spans_a_replica_over_four_gpus_of_one_node():
     [_, app] = _validated(CONFIGS[1]).applications
     args = AppArgs(**app.args)
     engine = EngineConfig.from_overrides(**args.engine)
-    placement = args.tensor_parallel.options(engine.tensor_parallel_size, engine.device)
+    placement = args.tensor_parallel.options(engine.backend.tensor_parallel_size, engine.backend.device)
     assert placement["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] * 4
     assert placement["placement_group_strategy"] == "STRICT_PACK"
     assert not isinstance(app.deployments[0].ray_actor_options, dict)  # unset: build_app's, bundle 0's resources

@@ -83,7 +83,7 @@ def measure(spec: ModelSpec, size: int, plan: Plan, dtype: str, decoder_stack: b
     label = f"{spec.label} N={size}" + ("" if decoder_stack else " (modules)")
     print(f"starting {label}", flush=True)
     with engine(spec, size, dtype, decoder_stack) as llm, collective_clock() as clock:
-        threads = llm.engine.config.threads_per_worker
+        threads = llm.engine.config.backend.threads_per_worker
         for name, prompts, decode_steps in plan.cases:  # warm-up: every case once, untimed
             run_steps(llm, list(prompts), min(decode_steps, 2), clock, f"{label} warm-up {name}")
         results = {name: CaseResult(spec.label, size, decoder_stack and size == 1, name, len(prompts), threads, [])

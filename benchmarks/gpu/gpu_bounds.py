@@ -9,7 +9,7 @@ yardstick (the bandwidth section: copy bandwidth and the bf16 matmul rate).
 - Prefill (8B shape, `prefill_prompts` prompts of `prefill_len` tokens, max_tokens 1): the FLOPs of the linears (2
   per weight per token; the LM head only for each prompt's last token) and of causal attention (4 x query heads x
   head_dim per visible query-key pair), over the run's time, against the bf16 matmul rate; once per CUDA prefill
-  kernel (EngineConfig.cuda_prefill), so an opt-in kernel is measured against the default in the same run.
+  kernel (the cuda_prefill option), so an opt-in kernel is measured against the default in the same run.
 """
 
 from __future__ import annotations

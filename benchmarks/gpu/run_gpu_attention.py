@@ -6,7 +6,7 @@ copy and running SDPA on it (the engine's CPU-style path), at batch 1 / 64 / 256
 tokens. The floor is the K/V bytes each call must read once, over the device's copy bandwidth measured in the same run.
 
 Prefill: a step's prompt chunks, 16 fresh prompts of 2,048 tokens, 16 chunks of 512 after 1,536 cached tokens and
-one such chunk alone, through the three paths of EngineConfig.cuda_prefill: gather + SDPA one chunk at a time
+one such chunk alone, through the three paths of the cuda_prefill option: gather + SDPA one chunk at a time
 ("sdpa", the default: a fresh prompt on its own keys, a chunk after cached tokens on a gathered copy with a boolean
 mask); the Triton prefill kernel, in place, one call ("triton", engine/kernels/paged_prefill.py; a few tile
 configurations swept); and FlexAttention over a paged block mask, compiled ("flex": its block mask built in the

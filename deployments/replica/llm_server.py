@@ -92,7 +92,7 @@ class LLMServer:
         self.gate = Gate(gate, RayLedger(context.app_name) if gate.limited else None, self.replica)
         # The cache actor first, before this process imports torch: if this replica creates it, its process start
         # overlaps the engine's imports, model load and operators' build
-        self.adapter_cache = self._adapter_provider(config) if config.max_loras else None
+        self.adapter_cache = self._adapter_provider(config) if config.lora.max_loras else None
         self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
@@ -114,7 +114,7 @@ class LLMServer:
 
     def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
         actor = get_or_create_cache_actor(config.adapter_sources())
-        return RayAdapterCache(actor, self.replica, timeout_s=config.adapter_cache_timeout_s)
+        return RayAdapterCache(actor, self.replica, timeout_s=config.lora.adapter_cache_timeout_s)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _adapter(self, adapter_id: str) -> str:
@@ -302,7 +302,7 @@ def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> Asy
     from deployments.replica.tensor_parallel_workers import RayWorkerLauncher
     from engine.async_engine import AsyncEngine
 
-    workers = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
+    workers = RayWorkerLauncher() if config.backend.tensor_parallel_size > 1 else None
     return AsyncEngine(config, adapters.bound if adapters is not None else None, workers)
 
 
@@ -311,8 +311,9 @@ def _engine_threads(config: EngineConfig) -> EngineConfig:
     (deployments/replica/openmp.py preloads it wherever the intel-openmp dependency is installed), else all cores but
     one. On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
     spin-waits, so every parallel op wakes its threads through the kernel; the core left over goes to the proxy.
-    Tensor-parallel workers share the cores (EngineConfig.threads_per_worker)."""
-    if config.num_threads is not None or config.torch_device.type != "cpu" or config.tensor_parallel_size > 1:
+    Tensor-parallel workers share the cores (BackendConfig.threads_per_worker)."""
+    backend = config.backend
+    if backend.num_threads is not None or backend.torch_device.type != "cpu" or backend.tensor_parallel_size > 1:
         return config
     cores = os.cpu_count() or 2
-    return dataclasses.replace(config, num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))
+    return config.with_options(num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))

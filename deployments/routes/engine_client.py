@@ -83,8 +83,8 @@ class Served:
 
     @property
     def model_name(self) -> str:
-        return self.config.model
+        return self.config.model.name
 
     @property
     def lora_enabled(self) -> bool:
-        return self.config.max_loras > 0
+        return self.config.lora.max_loras > 0

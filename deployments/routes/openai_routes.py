@@ -81,9 +81,10 @@ async def _begin(served: Served, request: oai.OpenAISampling | ResponsesRequest,
     check_scope(tenant, adapter)
     tenant.check_priority(request.priority)
     sequences = len(prompts) * request.n
-    if sequences > served.config.max_waiting_requests:  # could never be queued at once: not worth a retry (429)
+    # could never be queued at once: not worth a retry (429)
+    if sequences > served.config.scheduler.max_waiting_requests:
         raise RequestRefused(f"{len(prompts)} prompts x n={request.n} is {sequences} sequences; this server queues "
-                             f"at most {served.config.max_waiting_requests} (max_waiting_requests)")
+                             f"at most {served.config.scheduler.max_waiting_requests} (max_waiting_requests)")
     try:
         params = [request.to_sampling_params(default_max_tokens, choice) for choice in range(request.n)]
         if adapter is not None:

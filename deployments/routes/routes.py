@@ -68,10 +68,10 @@ async def info(http: Request) -> dict:
     served = served_of(http)
     c = served.config
     adapters = await listed_adapters(served, tenant_of(http))
-    return {"model_id": served.model_name, "version": VERSION, "dtype": c.dtype, "quantization": c.quantization,
-            "max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank,
-            "adapter_source": c.adapter_source if c.max_loras else None, "max_num_seqs": c.max_num_seqs,
-            "max_waiting_requests": c.max_waiting_requests, **served.client.replica_info(),
+    return {"model_id": served.model_name, "version": VERSION, "dtype": c.model.dtype,
+            "quantization": c.model.quantization, "max_loras": c.lora.max_loras, "max_lora_rank": c.lora.max_lora_rank,
+            "adapter_source": c.sources.kind if c.lora.max_loras else None, "max_num_seqs": c.scheduler.max_num_seqs,
+            "max_waiting_requests": c.scheduler.max_waiting_requests, **served.client.replica_info(),
             "adapters": {a: dataclasses.asdict(where) for a, where in adapters.items()}}
 
 

@@ -74,9 +74,9 @@ def _request_events(served: Served, request: GenerateRequest, stream: bool) -> A
     """The request's events from the engine, or a refusal made here as its only event."""
     parameters = request.parameters
     source = parameters.adapter_source
-    if source is not None and source != served.config.adapter_source:
+    if source is not None and source != served.config.sources.kind:
         return refusal_events(f"adapter_source {source!r} is not served here; this server reads adapters "
-                             f"from {served.config.adapter_source!r}")
+                             f"from {served.config.sources.kind!r}")
     try:
         params = parameters.to_sampling_params()
         if parameters.adapter_id is not None:

@@ -26,8 +26,8 @@ __all__ = ["CpuKernelsBackend", "CudaBackend", "TorchBackend", "step_backend"]
 def step_backend(config: EngineConfig, sharded: bool = False) -> TorchBackend:
     """The backend of config's device and kernel options (sharded: a tensor-parallel rank). Its `bind_model`
     completes the choice once the model is loaded."""
-    device = config.torch_device.type
+    device = config.backend.torch_device.type
     if device == "cuda":
         return CudaBackend(config, sharded)
-    ops = cpu_ops.load() if device == "cpu" and config.cpu_kernels else None
+    ops = cpu_ops.load() if device == "cpu" and config.backend.cpu_kernels else None
     return CpuKernelsBackend(config, ops) if ops is not None else TorchBackend(config)

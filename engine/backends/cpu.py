@@ -41,7 +41,7 @@ class CpuKernelsBackend(TorchBackend):
     def __init__(self, config: EngineConfig, cpu_ops):
         self.cpu_ops = self.fused_ops = cpu_ops  # before the base's init, which asks for the LoRA backend
         super().__init__(config)
-        self.huge_pages = config.huge_pages and supported()
+        self.huge_pages = config.backend.huge_pages and supported()
         self.head_dim = 0
 
     def _lora_backend(self) -> CppLoRA:
@@ -62,7 +62,7 @@ class CpuKernelsBackend(TorchBackend):
         """The weights (the adapters' slots too) onto huge pages, then the decoder stack, which holds them."""
         if self.huge_pages:
             move_module(model)
-        if config.decoder_stack:
+        if config.backend.decoder_stack:
             model.decoder_stack = build_decoder_stack(model, kv_caches, self.cpu_ops, lora_state)
 
     def bind_model(self, model: nn.Module) -> None:

@@ -36,21 +36,21 @@ class CudaBackend(TorchBackend):
     def __init__(self, config: EngineConfig, sharded: bool):
         """sharded: a tensor-parallel rank, which runs eager (a capture would run the collectives on one rank)."""
         super().__init__(config)
-        if config.cuda_fused_ops:  # imported here only: triton may be absent on CPU
+        if config.backend.cuda_fused_ops:  # imported here only: triton may be absent on CPU
             from engine.kernels import cuda_ops
 
             self.fused_ops = cuda_ops
-        self.graphs_allowed = not (sharded or config.enforce_eager or config.quantization != "none")
+        self.graphs_allowed = not (sharded or config.backend.enforce_eager or config.model.quantization != "none")
 
     def _lora_backend(self) -> TritonLoRA:
         return TritonLoRA(self.device)
 
     def _packing(self, config: EngineConfig) -> AsLoaded:
         """The linears as loaded; a mixture's experts in the Triton grouped product where cuda_experts asks."""
-        return TritonGroupedExperts() if config.cuda_experts == "grouped" else AsLoaded()
+        return TritonGroupedExperts() if config.backend.cuda_experts == "grouped" else AsLoaded()
 
     def _prefill_kernel(self, config: EngineConfig) -> PrefillKernel | None:
-        return cuda_prefill_kernel(config.cuda_prefill, config.block_size)
+        return cuda_prefill_kernel(config.backend.cuda_prefill, config.cache.block_size)
 
     def attention_metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                            prefills: list[PrefillSegment], in_place: list[InPlaceChunk]) -> AttentionMetadata:
@@ -71,7 +71,7 @@ class CudaBackend(TorchBackend):
         if not self.graphs_allowed or not model.decode_graphs:
             return None
         max_blocks = -(-max_model_len // self.block_size)
-        graphs = DecodeGraphs(model, kv_caches, lora_state, config.max_num_seqs, max_blocks, num_blocks,
-                              self.block_size, self.device, self.kv_write, config.max_loras)
+        graphs = DecodeGraphs(model, kv_caches, lora_state, config.scheduler.max_num_seqs, max_blocks, num_blocks,
+                              self.block_size, self.device, self.kv_write, config.lora.max_loras)
         graphs.capture()
         return graphs

@@ -57,9 +57,9 @@ class TorchBackend:
     in_place_limit = 0  # >0: decodes, and prompt chunks shorter than this, read the cache in place in one kernel
 
     def __init__(self, config: EngineConfig):
-        self.device = config.torch_device
+        self.device = config.backend.torch_device
         self.dtype = config.compute_dtype
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.prefill_kernel: PrefillKernel | None = self._prefill_kernel(config)
         self.cache_shape: tuple[int, int] = (0, 0)  # the cache's (KV heads, blocks), once allocated
         self.lora = self._lora_backend()

@@ -64,9 +64,9 @@ class InProcessExecutor:
 
 def start_executor(config: EngineConfig, path: Path, hf_config, max_model_len: int,
                    workers: WorkerLauncher | None = None) -> Executor:
-    """The executor config.tensor_parallel_size asks for; above 1, what it cannot run is refused by name first.
+    """The executor config.backend.tensor_parallel_size asks for; above 1, what it cannot run is refused by name first.
     workers: a WorkerLauncher for ranks 1..N-1 (None: local processes)."""
-    if config.tensor_parallel_size == 1:
+    if config.backend.tensor_parallel_size == 1:
         return InProcessExecutor(ModelRunner(config, path, hf_config, max_model_len))
     from engine.executor.multiprocess import MultiprocessExecutor, refuse_unsupported
 

@@ -40,11 +40,11 @@ from engine.scheduler import ScheduledSeq
 def refuse_unsupported(config: EngineConfig, hf_config) -> None:
     """What tensor parallelism does not run yet, refused by name before any worker starts, and sizes the model
     does not split, naming both numbers."""
-    size = config.tensor_parallel_size
+    size = config.backend.tensor_parallel_size
     check_tensor_parallel(hf_config, size)
-    if config.quantization != "none":
-        raise ValueError(f"quantization {config.quantization!r} under tensor parallelism is not supported yet")
-    if config.async_scheduling:
+    if config.model.quantization != "none":
+        raise ValueError(f"quantization {config.model.quantization!r} under tensor parallelism is not supported yet")
+    if config.scheduler.async_scheduling:
         raise ValueError("async_scheduling under tensor parallelism is not supported yet")
 
 
@@ -53,18 +53,18 @@ class MultiprocessExecutor:
                  launcher: WorkerLauncher | None = None):
         """launcher: where ranks 1..N-1 run; None: local processes (LocalLauncher)."""
         launcher = launcher or LocalLauncher()
-        size, address = config.tensor_parallel_size, free_address(launcher.host())
-        devices = [str(device) for device in launcher.devices(size, config.torch_device)]
+        size, address = config.backend.tensor_parallel_size, free_address(launcher.host())
+        devices = [str(device) for device in launcher.devices(size, config.backend.torch_device)]
         specs = [WorkerSpec(rank, size, address, config, str(path), max_model_len, devices[rank])
                  for rank in range(1, size)]
         config = on_rank_device(config, devices[0])
         self.workers = launcher.start(specs)
         self.parallel: TensorParallel | None = None
         try:
-            self.parallel = join(0, size, address, config.torch_device)
+            self.parallel = join(0, size, address, config.backend.torch_device)
             self.channel = StepChannel(self.parallel)
             self.runner = build_runner(config, path, hf_config, max_model_len, self.parallel)
-            self.layout = lora_layout(self.runner.model) if config.max_loras else None
+            self.layout = lora_layout(self.runner.model) if config.lora.max_loras else None
         except BaseException:
             _shut_down(self.workers, None, self.parallel, stop_timeout_s=0.0)  # they may wait on this rank: kill
             raise

@@ -11,7 +11,6 @@ breaks the driver's collective now rather than at the group's deadline.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import traceback
@@ -44,7 +43,7 @@ def build_runner(config: EngineConfig, path: Path, hf_config, max_model_len: int
                  parallel: TensorParallel) -> ModelRunner:
     """This rank's runner; every rank allocates the fewest KV blocks any rank's budget allows."""
     return ModelRunner(config, path, hf_config, max_model_len, parallel,
-                       agree_blocks=lambda count: fewest_blocks(parallel, count, config.torch_device))
+                       agree_blocks=lambda count: fewest_blocks(parallel, count, config.backend.torch_device))
 
 
 def on_rank_device(config: EngineConfig, device: str) -> EngineConfig:
@@ -52,7 +51,7 @@ def on_rank_device(config: EngineConfig, device: str) -> EngineConfig:
     launches and a bare "cuda" allocates)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    return dataclasses.replace(config, device=device)
+    return config.with_options(device=device)
 
 
 def fewest_blocks(parallel: TensorParallel, count: int, device: torch.device) -> int:
@@ -66,9 +65,9 @@ def worker_main(spec: WorkerSpec) -> None:
     """A worker process's life: join, build, serve steps until told to stop, leave."""
     from transformers import AutoConfig
 
-    torch.set_num_threads(spec.config.threads_per_worker)
+    torch.set_num_threads(spec.config.backend.threads_per_worker)
     config = on_rank_device(spec.config, spec.device)
-    parallel = join(spec.rank, spec.world_size, spec.address, config.torch_device)
+    parallel = join(spec.rank, spec.world_size, spec.address, config.backend.torch_device)
     try:
         channel = StepChannel(parallel)
         path = Path(spec.model_path)

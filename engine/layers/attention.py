@@ -9,7 +9,7 @@ their blocks in place; longer chunks attend one sequence at a time, through the 
 CPU with AVX-512 BF16 and no AMX, else through SDPA's flash kernel (_prefill).
 On CUDA, decode tokens (one new token per sequence, placed first in the flat batch) attend in one call to a
 Triton kernel that reads their blocks in place, and the step's prompt chunks, fresh or after cached tokens, take
-the path the backend chose once from EngineConfig.cuda_prefill (cuda_prefill_kernel): gather + SDPA per chunk (the
+the path the backend chose once from the cuda_prefill option (cuda_prefill_kernel): gather + SDPA per chunk (the
 default), or one call of a Triton prefill kernel that reads their blocks in place too
 (engine/kernels/paged_prefill.py), or of its FlexAttention variant. On CPU without the kernel, decodes take SDPA or
 grouped matmuls over gathered copies of the blocks.
@@ -206,7 +206,7 @@ def paged_prefill(prefills: list[PrefillSegment], slot_mapping: torch.Tensor, bl
 
 
 def cuda_prefill_kernel(name: str, block_size: int) -> PrefillKernel | None:
-    """The in-place prompt kernel that EngineConfig.cuda_prefill names, None for "sdpa" (gather + SDPA per chunk);
+    """The in-place prompt kernel that the cuda_prefill option names, None for "sdpa" (gather + SDPA per chunk);
     FlexAttention with CUDA's template options for the cache's blocks. Imported here only: triton may be absent on
     CPU."""
     if name == "sdpa":

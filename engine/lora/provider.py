@@ -81,17 +81,27 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets (the
-    engine's adapter_* options, max_adapter_bytes and max_lora_rank)."""
-    kind: str = "local"  # "local", "hub" or "s3"
-    adapters_root: str | None = None  # local: a folder; s3: s3://bucket/prefix
-    hub_cache: str | None = None  # hub offline (HF_HUB_OFFLINE) or unreachable: this Hugging Face cache
-    disk_cache: str | None = None  # the disk tier of downloaded adapters
-    disk_cache_bytes: int = 8 << 30
-    max_adapter_bytes: int = 1 << 30
+    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets.
+    max_lora_rank is the LoRA config's, filled in by EngineConfig.adapter_sources."""
+    OPTION_NAMES = {"adapter_source": "kind", "adapter_disk_cache": "disk_cache",  # options named otherwise here
+                    "adapter_disk_cache_bytes": "disk_cache_bytes", "adapter_download_timeout_s": "download_timeout_s",
+                    "adapter_download_retries": "download_retries"}
+
+    kind: str = "local"  # "local", "hub" (the Hugging Face Hub, HF_ENDPOINT) or "s3" (AWS_ENDPOINT_URL)
+    adapters_root: str | None = None  # "local": a folder of adapters; "s3": s3://bucket/prefix
+    hub_cache: str | None = None  # a Hugging Face cache read when HF_HUB_OFFLINE is set or the Hub is unreachable
+    disk_cache: str | None = None  # downloaded adapters (hub, s3); default <cache dir>/adapters
+    disk_cache_bytes: int = 8 << 30  # LRU by bytes beyond this
+    max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
     max_lora_rank: int | None = None
-    download_timeout_s: float = 30.0
-    download_retries: int = 3
+    download_timeout_s: float = 30.0  # per connection and per read
+    download_retries: int = 3  # further tries of a failed download (hub, s3)
+
+    def validate(self) -> None:
+        if self.kind not in SOURCES:
+            raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.kind!r}")
+        if self.download_timeout_s <= 0 or self.download_retries < 0:
+            raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
 
 
 class AdapterProvider(Protocol):

@@ -5,7 +5,7 @@ The stacked weights load flat ([E * 2I, H] gate/up, [E * H, I] down: engine/mode
 (engine/models/packing.py), where it has one:
 - CPU: the C++ operators' grouped_simd_linear (engine/kernels/cpu/simd_linear.cpp), each expert's weights packed
   once for the engine's own linear kernel;
-- CUDA, where EngineConfig.cuda_experts chooses "grouped": the Triton grouped product (engine/kernels/grouped_gemm.py)
+- CUDA, where the cuda_experts option chooses "grouped": the Triton grouped product (engine/kernels/grouped_gemm.py)
   over the stacked weights as they are. It has not run on a GPU yet (docs/gpu.md), so it is opt-in.
 Where none serves (CUDA by default, the C++ operators off or not built, widths the CPU kernel does not tile), each
 expert's rows become two linears of its own (`Experts.split`), prepacked as a dense model's, and the experts run one

@@ -7,7 +7,7 @@
 - `CppPacked`: as OneDnnPacked, with the engine's own kernel for each linear the C++ operators have one for, and
   the experts on the operators' grouped product where it takes them.
 - `TritonGroupedExperts`: on CUDA, the linears as they are, and every expert of a layer in one Triton grouped
-  product (EngineConfig.cuda_experts "grouped", not yet run on a GPU: opt-in).
+  product (the cuda_experts option "grouped", not yet run on a GPU: opt-in).
 """
 
 from __future__ import annotations
