@@ -116,17 +116,13 @@ def serve_cluster(tmp_path_factory):
     node (each deploys its own app and deletes it: tests/helpers.py serving). Starting Ray and Serve and shutting
     them down again cost about 14 s a module on 2 cores. Modules that need a cluster of their own (several nodes,
     environment variables read at start) start it and run before these."""
-    import ray
-    from ray import serve
-
-    from tests.helpers import free_port
+    from engine.free_ports import free_port
+    from tests.helpers import ray_and_serve
 
     port, metrics_port, temp = free_port(), free_port(), tmp_path_factory.mktemp("ray")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(temp), _metrics_export_port=metrics_port)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield ServeCluster(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", temp)
-    serve.shutdown()
-    ray.shutdown()
+    with ray_and_serve({"http_options": {"host": "127.0.0.1", "port": port}}, num_cpus=4, include_dashboard=False,
+                       _temp_dir=str(temp), _metrics_export_port=metrics_port):
+        yield ServeCluster(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", temp)
 
 
 @pytest.fixture(scope="session")

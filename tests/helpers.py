@@ -4,7 +4,6 @@ clients of a served app (completions, streamed chunks, its model)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.replica.replica_stats import ReplicaStats
 from engine import SamplingParams
+from engine.free_ports import free_port
 from engine.lora.provider import LoraShapes
 
 PROMPTS = [
@@ -39,12 +39,6 @@ PROMPTS = [
     "Q: What is 12 times 12?\nA:",
 ]
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_tiny_adapters(base_path, root: Path, names, experts: bool = False) -> Path:
@@ -158,6 +152,24 @@ def lora_shapes_of(model_path) -> LoraShapes:
     from engine.models import lora_shapes
 
     return lora_shapes(AutoConfig.from_pretrained(model_path))
+
+
+@contextmanager
+def ray_and_serve(serve_options: dict | None = None, **init):
+    """Ray started with `init` (and Serve, with `serve_options`, where given) for the with-block, and shut down
+    after it whatever happens: a module whose start fails leaves no Ray session for the next module to meet."""
+    import ray
+    from ray import serve
+
+    ray.init(**init)
+    try:
+        if serve_options is not None:
+            serve.start(**serve_options)
+        yield
+    finally:
+        if serve_options is not None:
+            serve.shutdown()
+        ray.shutdown()
 
 
 @contextmanager

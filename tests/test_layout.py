@@ -146,7 +146,8 @@ def test_the_device_test_pattern_finds_each_kind_of_test():
 ENGINE_PARTS = {"config": -1, "kernels": 0, "distributed": 1, "layers": 2, "lora": 2, "models": 3}
 ENGINE_TOP = 4
 ENGINE_FOUNDATION = {"engine", "engine.errors", "engine.config", "engine.platform", "engine.transfer",
-                     "engine.lora.ids", "engine.lora.provider", "engine.lora.merge_spec", "engine.lora.config"}
+                     "engine.free_ports", "engine.lora.ids", "engine.lora.provider", "engine.lora.merge_spec",
+                     "engine.lora.config"}
 
 
 def engine_part(module: str) -> int:

@@ -17,12 +17,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
+from engine.free_ports import free_port
 from engine.lora.provider import SourceConfig
 from lora_cache.disk_tier import STAGING, DiskTier
 from lora_cache.local_cache import local_adapters
 from lora_cache.make_source import make_source
 from lora_cache.sources import AdapterLocation
-from tests.helpers import PROMPTS, free_port, lora_shapes_of, write_tiny_adapters
+from tests.helpers import PROMPTS, lora_shapes_of, ray_and_serve, write_tiny_adapters
 
 ROOT = Path(__file__).parent.parent
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -232,13 +233,10 @@ def test_disk_tier_evicts_the_least_recently_used_by_bytes(tmp_path):
 @pytest.fixture(scope="module")
 def ray_servers(hub, s3, tmp_path_factory):
     """Ray whose workers (the cache actor) reach the loopback Hub and S3 servers."""
-    import ray
-
     env = {**S3_ENV, "AWS_ENDPOINT_URL": s3[0], "HF_ENDPOINT": hub[0]}
-    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": env})
-    yield
-    ray.shutdown()
+    with ray_and_serve(num_cpus=1, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+                       runtime_env={"env_vars": env}):
+        yield
 
 
 

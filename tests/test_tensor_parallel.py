@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.distributed.parallel import TensorParallel
+from engine.free_ports import free_port
 from engine.kernels import cpu_ops
 from engine.layers.attention import (
     AttentionMetadata,
@@ -31,7 +32,7 @@ from engine.layers.attention import (
 )
 from engine.models import check_tensor_parallel, load_model, use_fused_ops
 from engine.models.packing import CppPacked, OneDnnPacked
-from tests.helpers import PROMPTS, free_port
+from tests.helpers import PROMPTS
 
 BLOCK = 16  # tokens a KV block holds (a multiple of the C++ kernel's vector width)
 STEPS = 6  # tokens each prompt generates: its prefill's, then decodes

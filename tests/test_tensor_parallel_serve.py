@@ -26,8 +26,8 @@ import requests
 import yaml
 
 from engine import LLM, SamplingParams
+from engine.free_ports import free_port
 from lora_cache.local_cache import local_adapters
-from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent

@@ -17,7 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.serve.http_servers import ROOT, Server, free_port
+from benchmarks.serve.http_servers import ROOT, Server
+from engine.free_ports import free_port
 
 NAME = "lora-serve in-process"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ import yaml
 from benchmarks.peers.vllm_env import vllm_env
 from deployments.routing.direct_ingress import ENABLE as DIRECT_INGRESS
 from deployments.routing.direct_ingress import ENABLE_HAPROXY as HAPROXY
+from engine.free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("HAProxyManager", "HAProxy manager"),
@@ -38,12 +38,6 @@ ROLES = (("LLMServer", "engine replica"), ("ProxyActor", "HTTP proxy"), ("HAProx
          ("ServeController", "Serve controller"), ("EngineCore", "vLLM engine core"), ("VLLM::Worker", "vLLM worker"),
          ("vllm.entrypoints", "vLLM API server"), ("gcs_server", "Ray GCS"), ("raylet", "raylet"),
          ("serve run", "serve run (driver)"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def role(process: psutil.Process) -> str:

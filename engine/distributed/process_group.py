@@ -8,24 +8,21 @@ that a worker process exits without torch.distributed's warning about an undestr
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.distributed.parallel import TensorParallel
+from engine.free_ports import free_port
 from engine.platform import platform_of
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)  # every worker joins within this, or each raises
 
 
 def free_address(host: str = "127.0.0.1") -> str:
-    """A rendezvous address on a port free now, for workers on this machine (another process may take the port
-    before the group binds it: the join then fails, and is not retried)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+    """A rendezvous address on a port free now (engine/free_ports.py), for the workers of this group."""
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def join(rank: int, world_size: int, address: str, device: torch.device) -> TensorParallel:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.helpers import free_port
+from engine.free_ports import free_port
+from tests.helpers import ray_and_serve
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -31,8 +32,6 @@ class TwoNodes:
 
 @pytest.fixture(scope="package")
 def two_nodes(tmp_path_factory):
-    import ray
-    from ray import serve
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
@@ -43,13 +42,13 @@ def two_nodes(tmp_path_factory):
         "num_cpus": 1, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
     nodes = [cluster.add_node(num_cpus=1, resources={"llm_node": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
     port = free_port()
     # One proxy, on the head: on one machine every simulated node's proxy would listen on this port (SO_REUSEPORT),
     # and the kernel could hand a connection to the proxy of the node being removed, which a real client, holding
     # a live node's address, does not meet (a request sat 120 s unanswered there once)
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    yield TwoNodes(f"http://127.0.0.1:{port}", cluster, tuple(nodes))
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        with ray_and_serve({"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port}},
+                           address=cluster.address):
+            yield TwoNodes(f"http://127.0.0.1:{port}", cluster, tuple(nodes))
+    finally:
+        cluster.shutdown()
