@@ -10,10 +10,12 @@ import pytest
 from engine import AsyncEngine, SamplingParams
 from tests.helpers import PROMPTS
 
+TINY_KV = 32 << 20  # the tiny model's KV cache: far more tokens than its context, a small part of the default
+
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
 def engine(tiny_llama_path, request):
-    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, async_scheduling=request.param)
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, async_scheduling=request.param)
     yield eng
     eng.shutdown()
 
@@ -100,7 +102,7 @@ def test_bad_request_fails_alone(engine):
 def test_full_waiting_queue_refuses_new_requests_with_retry_hint(tiny_llama_path):
     from engine import EngineOverloadedError
 
-    tight = AsyncEngine(model=str(tiny_llama_path), log_stats=False, max_num_seqs=1, max_waiting_requests=1)
+    tight = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, max_num_seqs=1, max_waiting_requests=1)
 
     async def main():
         async def run(rid):
@@ -128,7 +130,7 @@ def test_a_step_that_raises_fails_every_request_at_once(tiny_llama_path):
     still find a KV cache taken away)."""
     from engine import EngineDeadError
 
-    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False)
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV)
 
     async def main():
         stream = eng.generate("running", PROMPTS[0], _params(50))
@@ -155,7 +157,7 @@ async def _drain(stream) -> None:
 def test_a_more_urgent_request_overtakes_the_waiting_ones(tiny_llama_path):
     """vLLM's priority: with one sequence running at a time, a request of priority -1 that arrives last is served
     before the earlier ones of priority 0, which keep their order."""
-    one = AsyncEngine(model=str(tiny_llama_path), log_stats=False, max_num_seqs=1)
+    one = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, max_num_seqs=1)
 
     async def main():
         finished = []

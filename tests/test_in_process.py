@@ -24,7 +24,8 @@ def adapters_root(tiny_llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def options(tiny_llama_path, adapters_root) -> dict:
-    return {"max_loras": 2, "adapters_root": str(adapters_root), "log_stats": False, "num_threads": 1}
+    return {"max_loras": 2, "adapters_root": str(adapters_root), "log_stats": False, "num_threads": 1,
+            "kv_cache_bytes": 32 << 20}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def test_what_the_in_process_server_does_not_do_is_refused_by_name(url):
 def test_a_stopped_engine_answers_health_with_503_and_retry_after(tiny_llama_path):
     from fastapi.testclient import TestClient
 
-    engine = InProcessEngine(EngineConfig.from_overrides(str(tiny_llama_path), log_stats=False, num_threads=1))
+    engine = InProcessEngine(EngineConfig.from_overrides(str(tiny_llama_path), log_stats=False, num_threads=1,
+                                                        kv_cache_bytes=32 << 20))
     with TestClient(http_app(engine.served, Gate(GateConfig()))) as client:
         assert client.get("/health").json() == {"status": "ok"}
         engine.shutdown()

@@ -18,7 +18,7 @@ from tests.helpers import PROMPTS, hf_generate, hf_greedy
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_path):
-    return LLM(str(tiny_llama_path), log_stats=False)
+    return LLM(str(tiny_llama_path), log_stats=False, kv_cache_bytes=32 << 20)
 
 
 def _sampled(seed=None, **kw):
@@ -123,7 +123,7 @@ class OutputPenalties:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return LLM(str(smollm2_path), dtype="float32", log_stats=False)
+    return LLM(str(smollm2_path), dtype="float32", log_stats=False, kv_cache_bytes=128 << 20)
 
 
 PENALISED_PROMPTS = ["The list of colours: red, green,", "1, 2, 3, 4,", "Repeat after me: hello hello hello"]

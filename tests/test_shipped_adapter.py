@@ -22,7 +22,8 @@ QUESTIONS = ["What is the capital of Italy?", "What is the capital of Brazil?", 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m-instruct", max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False)
+    return LLM("smollm2-135m-instruct", max_loras=1, adapters_root=str(ADAPTERS), dtype="float32", log_stats=False,
+               kv_cache_bytes=128 << 20)
 
 
 def test_the_default_provider_is_lora_caches_in_process_one():

@@ -74,7 +74,7 @@ BUDGET = 160  # tokens: enough for every schema above
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    return LLM(str(smollm2_path), dtype="float32", log_stats=False)
+    return LLM(str(smollm2_path), dtype="float32", log_stats=False, kv_cache_bytes=128 << 20)
 
 
 def _chat(llm, text: str) -> str:
@@ -108,7 +108,7 @@ def test_sampled_and_adapter_requests_stay_valid(smollm2_path, tmp_path):
 
     write_random_adapter(tmp_path / "ada", AutoConfig.from_pretrained(smollm2_path), rank=8, seed=3)
     llm = LLM(str(smollm2_path), dtype="bfloat16", adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path),
-              log_stats=False)
+              log_stats=False, kv_cache_bytes=128 << 20)
     _, schema = CASES["array of objects"]
     params = [SamplingParams(max_tokens=BUDGET, temperature=0.8, top_p=0.9, seed=seed,
                              response_format=ResponseFormat(schema)) for seed in range(3)]

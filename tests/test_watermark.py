@@ -14,7 +14,7 @@ LORAX = Watermark(greenlist_ratio=0.5, bias=2.0)  # LoRAX's and TGI's gamma and 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return LLM(str(smollm2_path), dtype="float32", log_stats=False)
+    return LLM(str(smollm2_path), dtype="float32", log_stats=False, kv_cache_bytes=128 << 20)
 
 
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.3])
