@@ -82,10 +82,11 @@ class LLMEngine:
         workers: where tensor-parallel ranks 1..N-1 run (engine/executor/workers.py), None: local processes."""
         self.config = config
         platform_of(config.backend.torch_device).set_threads(config.backend.threads_per_worker)
-        path = resolve_model(config.model.name, config.model.model_cache_dir, need_weights=config.model.load_format != "dummy")
+        model = config.model
+        path = resolve_model(model.name, model.model_cache_dir, need_weights=model.load_format != "dummy")
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model_len = context_limit(hf_config, config.model.max_model_len)  # ValueError past the model's own
+        model_len = context_limit(hf_config, model.max_model_len)  # ValueError past the model's own
         self.executor = start_executor(config, path, hf_config, model_len, workers)  # rank 0's runner, and any workers
         self.runner = self.executor.runner
         layout = self.runner.layout
@@ -98,7 +99,7 @@ class LLMEngine:
         self.long_rope_switch = long_rope_switch(hf_config)  # None, or the length past which longrope goes long
         self.kv_window = self.runner.kv_window  # None, or the window every layer attends over: blocks behind it go
         self.scheduler = self._scheduler(config)
-        self.sampler = Sampler(config.backend.torch_device, config.model.seed, self.runner.backend.sampler_ops)
+        self.sampler = Sampler(config.backend.torch_device, model.seed, self.runner.backend.sampler_ops)
         self.requests: dict[str, TrackedRequest] = {}
         self.adapter_usage: dict[str, AdapterUsage] = {}
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
@@ -114,15 +115,17 @@ class LLMEngine:
 
     def _scheduler(self, config: EngineConfig) -> Scheduler:
         """The scheduler over the blocks and adapter slots, with a step-cost model where steps are sized by time."""
-        self.step_cost = StepCost(config.scheduler.step_time_target_s) if config.scheduler.step_time_target_s is not None else None
-        return Scheduler(self.block_manager, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, self.adapter_slots,
+        limits = config.scheduler
+        self.step_cost = StepCost(limits.step_time_target_s) if limits.step_time_target_s is not None else None
+        return Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, self.adapter_slots,
                          config.lora.max_adapter_wait_s, self.long_rope_switch, self.step_cost)
 
     def _log_plan(self, config: EngineConfig) -> None:
         quantized = f", {config.model.quantization}" if config.model.quantization != "none" else ""
-        workers = f"; each of {config.backend.tensor_parallel_size} tensor-parallel workers" * (config.backend.tensor_parallel_size > 1)
-        print(f"[lora-serve] {config.model.name} on {config.backend.torch_device} ({self.runner.dtype}{quantized}){workers}: "
-              f"{self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
+        size = config.backend.tensor_parallel_size
+        workers = f"; each of {size} tensor-parallel workers" * (size > 1)
+        print(f"[lora-serve] {config.model.name} on {config.backend.torch_device} ({self.runner.dtype}{quantized})"
+              f"{workers}: {self.memory().summary()}; max_model_len {self.max_model_len}", flush=True)
 
     def memory(self) -> MemoryReport:
         """Rank 0's: under tensor parallelism every worker holds as much (its share of the weights, its KV heads)."""

@@ -58,17 +58,17 @@ class ModelRunner:
         """parallel: this rank's share of a tensor-parallel model (engine/distributed/), its cache its own KV heads;
         agree_blocks: the KV blocks every rank allocates, given this rank's count (all ranks hold the same)."""
         self.device, self.dtype = config.backend.torch_device, config.compute_dtype
-        if self.dtype != config.model.torch_dtype:
-            warnings.warn(f"{config.model.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
-                          f"AVX-NE-CONVERT): the model computes in float32 on its {config.model.dtype} weights", stacklevel=2)
+        model = config.model
+        if self.dtype != model.torch_dtype:
+            warnings.warn(f"{model.dtype} has no native matrix math on this CPU (no AVX-512 BF16, AMX or "
+                          f"AVX-NE-CONVERT): the model computes in float32 on its {model.dtype} weights", stacklevel=2)
         self.backend = backend = step_backend(config, sharded=parallel is not None and parallel.sharded)
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, config.model.quantization,
-                                config.model.load_format, backend.packing, weight_dtype=config.model.torch_dtype,
-                                parallel=parallel)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len, model.quantization,
+                                model.load_format, backend.packing, weight_dtype=model.torch_dtype, parallel=parallel)
         self.kv_window = self.model.kv_window  # None, or the window every layer attends over
-        self.layout = kv_layout(config, self.model.kv_shape, config.kv_torch_dtype, backend.free_memory, agree_blocks)
-        self.kv_caches = backend.allocate_kv_cache(self.layout.cache_shape(backend.scratch_blocks),
-                                                   config.kv_torch_dtype)
+        kv_dtype = config.kv_torch_dtype
+        self.layout = kv_layout(config, self.model.kv_shape, kv_dtype, backend.free_memory, agree_blocks)
+        self.kv_caches = backend.allocate_kv_cache(self.layout.cache_shape(backend.scratch_blocks), kv_dtype)
         if backend.fused_ops is not None:
             use_fused_ops(self.model, backend.fused_ops)
         backend.bind_model(self.model)
@@ -85,10 +85,10 @@ class ModelRunner:
         of their own, under "mlp.experts"), and the padding their row cost allows a step's adapter segments
         (lora_padding)."""
         lora = self.backend.lora
-        layers = wrap_lora_linears(self.model, self.lora_state, config.lora.max_loras, config.lora.max_lora_rank, self.dtype,
-                                   lora)
-        experts = wrap_expert_loras(self.model, lora_shapes(hf_config, config.lora.expert_lora), self.lora_state,
-                                    config.lora.max_loras, config.lora.max_lora_rank, self.dtype, lora)
+        slots = config.lora
+        layers = wrap_lora_linears(self.model, self.lora_state, slots.max_loras, slots.max_lora_rank, self.dtype, lora)
+        experts = wrap_expert_loras(self.model, lora_shapes(hf_config, slots.expert_lora), self.lora_state,
+                                    slots.max_loras, slots.max_lora_rank, self.dtype, lora)
         self.expert_lora = any(lora is not None for lora in experts)
         for layer, lora in zip(layers, experts):
             if lora is not None:

@@ -15,7 +15,8 @@ TINY_KV = 32 << 20  # the tiny model's KV cache: far more tokens than its contex
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
 def engine(tiny_llama_path, request):
-    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, async_scheduling=request.param)
+    eng = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV,
+                      async_scheduling=request.param)
     yield eng
     eng.shutdown()
 
@@ -102,7 +103,8 @@ def test_bad_request_fails_alone(engine):
 def test_full_waiting_queue_refuses_new_requests_with_retry_hint(tiny_llama_path):
     from engine import EngineOverloadedError
 
-    tight = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, max_num_seqs=1, max_waiting_requests=1)
+    tight = AsyncEngine(model=str(tiny_llama_path), log_stats=False, kv_cache_bytes=TINY_KV, max_num_seqs=1,
+                        max_waiting_requests=1)
 
     async def main():
         async def run(rid):

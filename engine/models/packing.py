@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import CppLinearKernels, OneDnnOnly, prepack_linears
+from engine.layers.linear import ONEDNN_ONLY, CppLinearKernels, prepack_linears
 from engine.models.experts import GroupedKernel, cpu_grouped_kernel, triton_grouped_kernel
 from engine.platform import cpu_has_native_bf16
 
@@ -33,7 +33,7 @@ class AsLoaded:
 
 class OneDnnPacked(AsLoaded):
     def pack_linears(self, model: nn.Module, storage_dtype: torch.dtype | None) -> None:
-        prepack_linears(model, OneDnnOnly(), storage_dtype)
+        prepack_linears(model, ONEDNN_ONLY, storage_dtype)
 
 
 class CppPacked(OneDnnPacked):
