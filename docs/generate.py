@@ -3,7 +3,7 @@ build_app argument with its type, default and meaning; and docs/api.md, every ro
 (docs/api_reference.py).
 
 An engine option's meaning is its comment in its concern's dataclass (engine/config/, engine/lora/config.py,
-engine/lora/provider.py's SourceConfig): the one at the end of its line, else the comment lines right above it. A
+lora_cache/source_config.py's SourceConfig): the one at the end of its line, else the comment lines right above it. A
 build_app argument's is its pydantic Field's description. An option without one fails the run, so the reference
 cannot fall behind the code; tests/test_docs.py checks that the committed files are what this writes.
 

@@ -29,7 +29,7 @@ from engine.errors import TokenBudget, TokenBudgetError
 from engine.executor import start_executor
 from engine.grammar import GrammarCompiler, TokenMasks
 from engine.layers.rotary import long_rope_switch, runs_long
-from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_provider
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoadStats, check_rank, default_plugin
 from engine.lora.slots import AdapterSlots
 from engine.memory import MemoryReport
 from engine.model_files import resolve_model
@@ -147,11 +147,12 @@ class LLMEngine:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
         if not config.lora.max_loras:
             return None
-        adapters = adapters or default_provider()
-        if adapters is None:
+        plugin = default_plugin()
+        if adapters is None and plugin is None:
             raise ValueError("max_loras > 0 needs an adapter provider, and no installed package registers a default "
                              "one: install lora-serve's lora_cache, or pass adapters=")
-        return adapters(config.adapter_sources(), lora_shapes(hf_config, config.lora.expert_lora))
+        shapes = lora_shapes(hf_config, config.lora.expert_lora, config.lora.max_lora_rank)
+        return (adapters or plugin.factory)(config.sources, shapes)
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]

@@ -21,6 +21,7 @@ def cpu_has_native_bf16() -> bool:
 class HostPlatform:
     """The CPU: a tensor built on the host is where it is needed, and the engine's threads are the compute."""
     collective_backend = "gloo"
+    threads_compute = True  # the thread count sets the step's speed, so a server chooses it (set_threads)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """bf16 runs in float32 on a CPU without bf16 matrix instructions (no AVX-512 BF16, AMX or AVX-NE-CONVERT,
@@ -29,6 +30,9 @@ class HostPlatform:
 
     def set_threads(self, count: int) -> None:
         torch.set_num_threads(count)
+
+    def make_current(self, device: torch.device) -> None:
+        """A CPU has no current device."""
 
     def rank_devices(self, size: int, device: torch.device) -> list[torch.device]:
         """Each tensor-parallel rank's device on this machine: the same CPU for all."""
@@ -41,12 +45,17 @@ class HostPlatform:
 class CudaPlatform:
     """A GPU: host values are staged in pinned memory on their way, and the host's threads only launch work."""
     collective_backend = "nccl"
+    threads_compute = False
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
 
     def set_threads(self, count: int) -> None:
         """torch's own thread count stays: the host's threads launch kernels and do not compute the step."""
+
+    def make_current(self, device: torch.device) -> None:
+        """The device a bare "cuda" allocates on and Triton launches on: a worker's own GPU."""
+        torch.cuda.set_device(device)
 
     def rank_devices(self, size: int, device: torch.device) -> list[torch.device]:
         """GPUs first, first + 1, ... of this node, from the configured one (cuda: the first); ValueError where the

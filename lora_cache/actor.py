@@ -6,11 +6,11 @@ the object store, on any node, without touching the source again. Concurrent req
 adapter share one load (single flight). The actor is restarted by Ray if it dies and reloads on
 demand; replicas keep serving the adapters they already hold.
 
-The actor reads adapters from the sources (adapters_root, adapter_source, ...) of the newest replica that asked: a
-rolling update to a new adapters_root reaches the actor with the first request of a replica it started, and the
-adapters read from the former sources are dropped then (a name may mean other weights there). The replicas still
-draining keep the copies they hold. Each request carries its replica's sources, so an actor that Ray restarted
-with its first arguments follows the current ones again.
+The actor reads adapters from the sources (adapters_root, adapter_source, ...) and for the LoRA shapes (the model's
+linears, max_lora_rank) of the newest replica that asked: a rolling update to a new adapters_root reaches the actor
+with the first request of a replica it started, and the adapters read for the former ones are dropped then (a name
+may mean other weights there). The replicas still draining keep the copies they hold. Each request carries its
+replica's sources, so an actor that Ray restarted with its first arguments follows the current ones again.
 
 A replica's wait for the actor is bounded by the actor's silence, not by time: a load may rightly take minutes (a
 download), but an actor that answers no ping for `timeout_s` (stopped, a restart that cannot be placed, its node
@@ -36,7 +36,7 @@ import ray
 from engine.errors import AdapterError, AdapterNotFoundError, key_name
 from engine.lora.ids import validate_adapter_id
 from engine.lora.merge_spec import MergeSpec, is_merge_key
-from engine.lora.provider import LoraShapes, SourceConfig
+from engine.lora.provider import LoraShapes
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.cache_stats import CachedAdapter, CacheStats, ReplicaHolding
 from lora_cache.lru import LRUByBytes
@@ -44,6 +44,7 @@ from lora_cache.make_source import make_source, remote_source
 from lora_cache.provider import HeldAdapters
 from lora_cache.registry import AdapterRegistry, Registration, RegistryView
 from lora_cache.replica_report import AdapterVersion, ClusterView, ReplicaReport
+from lora_cache.source_config import SourceConfig
 from lora_cache.sources import AdapterLocation, AdapterSource
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class LoRACacheActor:
         self.source = make_source(sources)  # remote sources download into the disk tier on the actor's node
         self.remote_sources: dict[str, AdapterSource] = {}  # for registered s3:// and hf:// locations
         name = ray.get_runtime_context().get_actor_name()
-        saved = Path(sources.disk_cache) / f"registry-{name}.json" if name and sources.disk_cache else None
+        saved = sources.disk_folder() / f"registry-{name}.json" if name else None
         self.registry = AdapterRegistry(saved)  # a named actor restarted by Ray keeps its registrations
         self._registering = asyncio.Lock()
         self.merges: dict[str, MergeSpec] = {}  # merge key -> its spec (lora_cache/merge.py)
@@ -97,7 +98,7 @@ class LoRACacheActor:
         """A one-element list holding the adapter's object reference (a list, so Ray hands back the ref), read on
         a miss against the base model's LoRA `shapes` (each caller's engine knows them). sources, started_at: the
         caller's adapter sources and its start time (_follow)."""
-        self._follow(sources, started_at)
+        self._follow(sources, shapes, started_at)
         entry = self.entries.get(adapter_id)
         if entry is not None:
             self.hits += 1
@@ -111,12 +112,12 @@ class LoRACacheActor:
             if self.inflight.get(adapter_id) is not None and self.inflight[adapter_id].done():
                 self.inflight.pop(adapter_id, None)
 
-    def _follow(self, sources: SourceConfig | None, started_at: float) -> None:
-        """Read from the sources of a replica started after the one whose sources are in use, if they differ;
-        forget what the former ones gave (an older replica asking, during a rolling update, changes nothing)."""
+    def _follow(self, sources: SourceConfig | None, shapes: LoraShapes, started_at: float) -> None:
+        """Read from the sources, for the shapes, of a replica started after the one whose are in use, if they
+        differ; forget what the former ones gave (an older replica asking, during a rolling update, changes nothing)."""
         if sources is None or started_at <= self.sources_since:
             return
-        if sources != self.sources:
+        if sources != self.sources or (self.reader is not None and self.reader.shapes != shapes):
             self.source, self.sources, self.reader, self.remote_sources = make_source(sources), sources, None, {}
             self.entries.discard(list(self.entries.keys()))
             self.inflight.clear()  # a read under way finishes for its callers, unstored (_load)
@@ -140,11 +141,12 @@ class LoRACacheActor:
         return spec.key()
 
     def _reader(self, shapes: LoraShapes) -> AdapterReader:
-        """The reader of this cluster's base model: one actor serves one base, so other shapes are refused."""
+        """The reader of this cluster's base model: one actor serves one base (the newest replica's, _follow), so
+        other shapes are refused."""
         from lora_cache.reader import AdapterReader  # loaded at the actor's start
 
         if self.reader is None:
-            self.reader = AdapterReader(shapes, self.sources.max_adapter_bytes, self.sources.max_lora_rank)
+            self.reader = AdapterReader(shapes, self.sources.max_adapter_bytes)
         if self.reader.shapes != shapes:
             raise AdapterError("*", "this cluster's adapter cache serves another base model's LoRA shapes")
         return self.reader

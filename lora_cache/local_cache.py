@@ -1,6 +1,6 @@
 """In-process CPU tier: each adapter is read from its source once and kept in memory (LRU by bytes).
 
-The offline engine uses it (`local_adapters`, the AdapterProviderFactory to pass as `adapters=`); in serving, the
+The offline engine uses it by default (`local_adapters`, an AdapterProviderFactory); in serving, the
 cluster-wide Ray cache actor plays this role.
 """
 
@@ -11,11 +11,12 @@ import threading
 from engine.errors import AdapterNotFoundError
 from engine.lora.ids import validate_adapter_id
 from engine.lora.merge_spec import MergeSpec, is_merge_key
-from engine.lora.provider import LoRAAdapter, LoraShapes, SourceConfig
+from engine.lora.provider import LoRAAdapter, LoraShapes
 from lora_cache.lru import LRUByBytes
 from lora_cache.make_source import make_source
 from lora_cache.provider import HeldAdapters
 from lora_cache.reader import AdapterReader
+from lora_cache.source_config import SourceConfig
 from lora_cache.sources import AdapterSource
 
 
@@ -23,9 +24,9 @@ class LocalAdapterCache(HeldAdapters):
     """An AdapterProvider (lora_cache/provider.py); its load counts are reads from the source."""
 
     def __init__(self, source: AdapterSource, shapes: LoraShapes, max_adapter_bytes: int,
-                 capacity_bytes: int = 4 << 30, max_rank: int | None = None):
+                 capacity_bytes: int = 4 << 30):
         self.source = source
-        self.reader = AdapterReader(shapes, max_adapter_bytes, max_rank)
+        self.reader = AdapterReader(shapes, max_adapter_bytes)
         self._adapters: LRUByBytes[LoRAAdapter] = LRUByBytes(lambda a: a.nbytes, capacity_bytes)
         self.merges: dict[str, MergeSpec] = {}
         self._lock = threading.RLock()  # one load at a time: concurrent requests for one adapter load it once
@@ -55,6 +56,6 @@ class LocalAdapterCache(HeldAdapters):
 
 
 def local_adapters(sources: SourceConfig, shapes: LoraShapes) -> LocalAdapterCache:
-    """The offline engine's adapter provider (an AdapterProviderFactory): the engine's adapter_source, read in this
-    process: LLM(model, adapters=local_adapters, max_loras=..., adapters_root=...)."""
-    return LocalAdapterCache(make_source(sources), shapes, sources.max_adapter_bytes, max_rank=sources.max_lora_rank)
+    """The offline engine's adapter provider (an AdapterProviderFactory, and the default one: plugin.py's
+    PLUGIN): the configured adapter source, read in this process."""
+    return LocalAdapterCache(make_source(sources), shapes, sources.max_adapter_bytes)

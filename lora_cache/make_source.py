@@ -3,7 +3,7 @@ hub_source.py, s3_source.py). The remote sources' libraries load only when one i
 
 from __future__ import annotations
 
-from engine.lora.provider import SOURCES, SourceConfig
+from lora_cache.source_config import SOURCES, SourceConfig
 from lora_cache.sources import AdapterSource, LocalSource
 
 
@@ -24,9 +24,7 @@ def remote_source(kind: str, config: SourceConfig, root: str | None) -> AdapterS
     whole locations (S3Source.fetch)."""
     from lora_cache.disk_tier import DiskTier  # the remote sources' libraries load only when one is used
 
-    if config.disk_cache is None:
-        raise ValueError(f"the {kind} adapter source needs a disk cache folder (adapter_disk_cache)")
-    tier = DiskTier(config.disk_cache, config.disk_cache_bytes, config.max_adapter_bytes)
+    tier = DiskTier(config.disk_folder(), config.disk_cache_bytes, config.max_adapter_bytes)
     if kind == "hub":
         from lora_cache.hub_source import HubSource
 

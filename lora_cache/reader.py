@@ -17,16 +17,15 @@ from lora_cache.merge import merge_adapters
 
 
 class AdapterReader:
-    def __init__(self, shapes: LoraShapes, max_adapter_bytes: int, max_rank: int | None = None):
-        """Every adapter read is refused unless it fits the base model's `shapes`, its weights file is at most
-        max_adapter_bytes and its rank at most max_rank (the engines' max_lora_rank): a load through the lifecycle
-        API is refused there, before anything is registered, not at its first request."""
+    def __init__(self, shapes: LoraShapes, max_adapter_bytes: int):
+        """Every adapter read is refused unless it fits the base model's `shapes` (its rank at most their
+        max_rank, the engines' max_lora_rank) and its weights file is at most max_adapter_bytes: a load through the
+        lifecycle API is refused there, before anything is registered, not at its first request."""
         self.shapes = shapes
         self.max_adapter_bytes = max_adapter_bytes
-        self.max_rank = max_rank
 
     def read(self, key: str, folder: Path) -> LoRAAdapter:
-        return read_adapter(key, folder, self.shapes, self.max_adapter_bytes, self.max_rank)
+        return read_adapter(key, folder, self.shapes, self.max_adapter_bytes, self.shapes.max_rank)
 
     def merge(self, key: str, parts: list[LoRAAdapter], spec: MergeSpec) -> LoRAAdapter:
         return merge_adapters(key, parts, spec, list(self.shapes.modules))

@@ -16,10 +16,11 @@ from transformers import BertConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, L
 
 from engine.errors import AdapterError
 from engine.lora.ids import validate_adapter_id
-from engine.lora.provider import SourceConfig
 from engine.models import lora_shapes
 from lora_cache.adapter import read_adapter
+from lora_cache.local_cache import local_adapters
 from lora_cache.make_source import make_source
+from lora_cache.source_config import SourceConfig
 from lora_cache.sources import HubCacheSource
 
 
@@ -162,6 +163,15 @@ def test_refuses_weights_over_the_size_limit(llama_adapter):
 def test_refuses_a_rank_over_the_servers_max_lora_rank(llama_adapter):
     _refused(llama_adapter[1], "rank 8 is above this server's max_lora_rank 4", max_rank=4)
     assert read_adapter("acme/x", llama_adapter[1], lora_shapes(LLAMA), max_rank=8).rank == 8
+
+
+def test_the_in_process_cache_takes_the_rank_limit_from_the_shapes(llama_adapter):
+    root = llama_adapter[1].parent
+    cache = local_adapters(SourceConfig("local", str(root)), lora_shapes(LLAMA, max_rank=4))
+    with pytest.raises(AdapterError, match="rank 8 is above this server's max_lora_rank 4"):
+        cache.get(llama_adapter[1].name)
+    assert local_adapters(SourceConfig("local", str(root)), lora_shapes(LLAMA, max_rank=8)).get(
+        llama_adapter[1].name).rank == 8
 
 
 def test_no_refusal_names_a_server_path(llama_copy, tmp_path):

@@ -12,10 +12,10 @@ import ray
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
-from engine.lora.provider import SourceConfig
 from lora_cache.actor import LoRACacheActor, RayAdapterCache
 from lora_cache.adapter_folder import AdapterCacheUnavailableError
 from lora_cache.local_cache import local_adapters
+from lora_cache.source_config import SourceConfig
 from tests.helpers import PROMPTS, lora_shapes_of, write_tiny_adapters
 
 pytestmark = pytest.mark.slow

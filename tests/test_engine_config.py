@@ -4,18 +4,25 @@ invalid ones are refused by name; a config gives its flat options back."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from engine.config import OPTIONS, EngineConfig
 from engine.config.engine import CONCERNS
+from engine.config.options import default_cache_dir
+from lora_cache.source_config import SourceConfig
 
 
-def test_every_field_of_every_concern_is_one_option_but_the_rank_the_sources_take_from_lora():
+def test_every_field_of_every_concern_is_one_option():
     homes = {(where.concern, where.field) for where in OPTIONS.values()}
     fields = {(concern, f.name) for concern, cls in CONCERNS.items() for f in dataclasses.fields(cls)}
-    assert fields - homes == {("sources", "max_lora_rank")}
-    assert len(homes) == len(OPTIONS)
+    assert fields == homes and len(homes) == len(OPTIONS)
+
+
+def test_the_adapter_sources_are_the_options_lora_cache_registers():
+    assert CONCERNS["sources"] is SourceConfig
+    assert isinstance(EngineConfig.from_overrides(adapters_root="/a").sources, SourceConfig)
 
 
 def test_flat_options_land_in_their_concerns():
@@ -58,6 +65,7 @@ def test_each_concern_validates_its_options(options, message):
         EngineConfig.from_overrides(**options)
 
 
-def test_the_adapter_sources_carry_the_lora_rank_limit_and_a_disk_cache():
-    sources = EngineConfig.from_overrides(max_loras=2, max_lora_rank=8, adapter_source="hub").adapter_sources()
-    assert sources.max_lora_rank == 8 and sources.kind == "hub" and sources.disk_cache.endswith("adapters")
+def test_downloads_go_under_the_engines_cache_folder_unless_a_disk_cache_is_named():
+    sources = EngineConfig.from_overrides(adapter_source="hub").sources
+    assert sources.disk_folder() == default_cache_dir() / "adapters"
+    assert EngineConfig.from_overrides(adapter_disk_cache="/d").sources.disk_folder() == Path("/d")

@@ -18,10 +18,10 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
 from engine.free_ports import free_port
-from engine.lora.provider import SourceConfig
 from lora_cache.disk_tier import STAGING, DiskTier
 from lora_cache.local_cache import local_adapters
 from lora_cache.make_source import make_source
+from lora_cache.source_config import SourceConfig
 from lora_cache.sources import AdapterLocation
 from tests.helpers import PROMPTS, lora_shapes_of, ray_and_serve, write_tiny_adapters
 

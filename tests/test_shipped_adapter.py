@@ -12,8 +12,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.lora.provider import default_provider
-from lora_cache.local_cache import local_adapters
+from engine.lora.provider import default_plugin
+from lora_cache.local_cache import LocalAdapterCache
+from lora_cache.source_config import SourceConfig
 
 pytestmark = pytest.mark.slow
 ADAPTERS = Path(__file__).parent.parent / "examples" / "adapters"
@@ -26,8 +27,10 @@ def llm():
                kv_cache_bytes=128 << 20)
 
 
-def test_the_default_provider_is_lora_caches_in_process_one():
-    assert default_provider() is local_adapters
+def test_the_default_provider_is_lora_caches_and_its_options_are_the_adapter_sources(llm):
+    assert default_plugin().options is SourceConfig
+    assert isinstance(llm.engine.adapters, LocalAdapterCache)
+    assert llm.engine.config.sources == SourceConfig(adapters_root=str(ADAPTERS))
 
 
 def _chat(tokenizer, question: str) -> str:

@@ -24,7 +24,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import key_name
 from engine.lora.merge_spec import MergeSpec
-from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoraShapes, SourceConfig
+from engine.lora.provider import AdapterProvider, AdapterProviderFactory, LoraShapes, ProviderOptions
 from engine.sampling import SamplingParams
 
 NO_LIFECYCLE = ("loading and unloading adapters at run time needs the cluster's adapter cache "
@@ -44,7 +44,7 @@ class InProcessEngine:
         self.served = Served(self, config, self.engine.tokenizer)
         self.events = EngineEvents(self.engine, self.served.token_texts, self._content_id)
 
-    def _provider_for(self, sources: SourceConfig, shapes: LoraShapes) -> AdapterProvider:
+    def _provider_for(self, sources: ProviderOptions, shapes: LoraShapes) -> AdapterProvider:
         """The engine's provider, kept here too: the Final names the weights' content id, and merges go to it."""
         self._provider = self._make_provider(sources, shapes)
         return self._provider

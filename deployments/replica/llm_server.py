@@ -113,7 +113,7 @@ class LLMServer:
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
     def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
-        actor = get_or_create_cache_actor(config.adapter_sources())
+        actor = get_or_create_cache_actor(config.sources)
         return RayAdapterCache(actor, self.replica, timeout_s=config.lora.adapter_cache_timeout_s)
 
     @serve.multiplexed(max_num_models_per_replica=64)
@@ -312,8 +312,11 @@ def _engine_threads(config: EngineConfig) -> EngineConfig:
     one. On GNU OpenMP the engine steps on a thread that is not the process's first, and libgomp then throttles its
     spin-waits, so every parallel op wakes its threads through the kernel; the core left over goes to the proxy.
     Tensor-parallel workers share the cores (BackendConfig.threads_per_worker)."""
+    from engine.platform import platform_of  # with torch: Serve's build step imports this module, a replica runs it
+
     backend = config.backend
-    if backend.num_threads is not None or backend.torch_device.type != "cpu" or backend.tensor_parallel_size > 1:
+    if backend.num_threads is not None or not platform_of(backend.torch_device).threads_compute \
+            or backend.tensor_parallel_size > 1:
         return config
     cores = os.cpu_count() or 2
     return config.with_options(num_threads=cores if intel_openmp_loaded() else max(1, cores - 1))

@@ -1,10 +1,11 @@
 """The engine's configuration, by concern: the model, the KV cache, the scheduler, LoRA, the backend, and the
-adapter sources that lora_cache reads.
+options of the adapter provider (lora_cache's adapter sources), which the engine stores without reading.
 
 Users write options flat, as vLLM's engine arguments: a serve config's `engine:` section, `LLM(model, **options)`,
 `EngineConfig.from_overrides(**options)`. Each option belongs to one concern (`OPTIONS`: the option's name -> its
 concern and field), and an unknown one is refused by name. The engine reads `config.cache.block_size`,
-`config.scheduler.max_num_seqs`, and so on.
+`config.scheduler.max_num_seqs`, and so on. The sources' options are those of the default adapter provider that
+an installed package registers (engine/lora/provider.py: ProviderPlugin); with none installed there are none.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.config.backend import BackendConfig
 from engine.config.cache import CacheConfig
 from engine.config.model import ModelConfig
-from engine.config.options import DTYPES, default_cache_dir
+from engine.config.options import DTYPES
 from engine.config.scheduler import SchedulerConfig
 from engine.lora.config import LoRAConfig
-from engine.lora.provider import SourceConfig
+from engine.lora.provider import ProviderOptions, default_options
 
 if TYPE_CHECKING:
     import torch
 
 CONCERNS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig,
-            "backend": BackendConfig, "sources": SourceConfig}
+            "backend": BackendConfig, "sources": default_options()}
 
 
 class Option(NamedTuple):
@@ -36,7 +37,7 @@ class Option(NamedTuple):
 
 def _options() -> dict[str, Option]:
     """Every option's name -> where it lives: a concern's field under its own name or the one its OPTION_NAMES
-    gives; a field that an earlier concern already names (the sources' max_lora_rank, LoRA's) is not an option."""
+    gives; a field that an earlier concern already names is not an option."""
     options = {}
     for concern, cls in CONCERNS.items():
         renamed = {field: option for option, field in getattr(cls, "OPTION_NAMES", {}).items()}
@@ -57,7 +58,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)
-    sources: SourceConfig = dataclasses.field(default_factory=SourceConfig)
+    sources: ProviderOptions = dataclasses.field(default_factory=CONCERNS["sources"])
     log_stats: bool = True  # print the model's memory plan when the engine starts
 
     @classmethod
@@ -140,8 +141,3 @@ class EngineConfig:
                              f"{self.model.dtype} model computes in {str(self.compute_dtype).removeprefix('torch.')} "
                              f"here")
         return wanted
-
-    def adapter_sources(self) -> SourceConfig:
-        """Where the adapter caches read adapters from, and how they download them, with LoRA's rank limit."""
-        disk_cache = self.sources.disk_cache or str(default_cache_dir() / "adapters")
-        return dataclasses.replace(self.sources, disk_cache=disk_cache, max_lora_rank=self.lora.max_lora_rank)

@@ -25,6 +25,7 @@ from engine.distributed.parallel import TensorParallel
 from engine.distributed.process_group import join, leave
 from engine.executor.step_channel import CopyAdapter, StepChannel, StopWorkers
 from engine.model_runner import ModelRunner
+from engine.platform import platform_of
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,10 @@ def build_runner(config: EngineConfig, path: Path, hf_config, max_model_len: int
 
 
 def on_rank_device(config: EngineConfig, device: str) -> EngineConfig:
-    """The engine's config as one rank runs it: on its own device, made the current one on CUDA (where Triton
-    launches and a bare "cuda" allocates)."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    return config.with_options(device=device)
+    """The engine's config as one rank runs it: on its own device, made the current one (engine/platform.py)."""
+    config = config.with_options(device=device)
+    platform_of(config.backend.torch_device).make_current(config.backend.torch_device)
+    return config
 
 
 def fewest_blocks(parallel: TensorParallel, count: int, device: torch.device) -> int:
@@ -65,8 +65,8 @@ def worker_main(spec: WorkerSpec) -> None:
     """A worker process's life: join, build, serve steps until told to stop, leave."""
     from transformers import AutoConfig
 
-    torch.set_num_threads(spec.config.backend.threads_per_worker)
     config = on_rank_device(spec.config, spec.device)
+    platform_of(config.backend.torch_device).set_threads(config.backend.threads_per_worker)  # as the driver's
     parallel = join(spec.rank, spec.world_size, spec.address, config.backend.torch_device)
     try:
         channel = StepChannel(parallel)

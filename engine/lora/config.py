@@ -1,6 +1,6 @@
 """Multi-LoRA: how many adapters the device slots hold and how large, which adapters are loaded at start or
 pinned, and how long requests wait on an adapter. Where adapters are read from is the sources' concern
-(engine/lora/provider.py: SourceConfig, which lora_cache reads)."""
+(lora_cache/source_config.py: SourceConfig, the options of the adapter provider)."""
 
 from __future__ import annotations
 

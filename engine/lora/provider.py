@@ -3,7 +3,8 @@
 The engine holds one AdapterProvider and knows nothing of where its adapters live (a folder, the Hub, S3, a Ray
 actor): lora_cache implements the protocol, and whoever builds the engine passes a factory that makes the provider
 once the engine knows its model's LoRA shapes (`AdapterProviderFactory`). A caller that passes none gets the one
-lora_cache registers as the package's default (an entry point), so `LLM(model, max_loras=2, adapters_root=DIR)`
+lora_cache registers as the package's default (an entry point: `ProviderPlugin`), whose options (where adapters
+are read from) the engine takes as its own without reading them, so `LLM(model, max_loras=2, adapters_root=DIR)`
 needs no other import. The types here are plain dataclasses and
 load no torch, so the serving side's error handling and request parsing import them before any model is built.
 """
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     from engine.lora.merge_spec import MergeSpec
-
-SOURCES = ("hub", "local", "s3")
-
 
 @dataclass
 class LoRAWeights:
@@ -60,12 +58,14 @@ class LoRAAdapter:
 class LoraShapes:
     """The base model's LoRA-capable linears, as its model class declares them (engine/models/): what an adapter
     must fit. `modules` maps a PEFT module key to its (in_features, out_features); `experts`, a mixture of experts'
-    stacked parameters that adapters may target (PEFT's target_parameters), each expert's (in, out)."""
+    stacked parameters that adapters may target (PEFT's target_parameters), each expert's (in, out); `max_rank`, the
+    engine's slots' rank."""
     modules: Mapping[str, tuple[int, int]]
     num_layers: int
     experts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     num_experts: int = 0
     expert_layers: frozenset[int] = frozenset()  # the layers that have experts (Qwen3-MoE's dense ones do not)
+    max_rank: int | None = None  # the largest rank a slot holds (max_lora_rank); None: no limit
 
 
 @dataclass(frozen=True)
@@ -77,31 +77,6 @@ class LoadStats:
     @property
     def mean_seconds(self) -> float | None:
         return self.seconds / self.loads if self.loads else None
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """Where a cache reads adapters from, how it downloads them, and the limits every adapter it reads meets.
-    max_lora_rank is the LoRA config's, filled in by EngineConfig.adapter_sources."""
-    OPTION_NAMES = {"adapter_source": "kind", "adapter_disk_cache": "disk_cache",  # options named otherwise here
-                    "adapter_disk_cache_bytes": "disk_cache_bytes", "adapter_download_timeout_s": "download_timeout_s",
-                    "adapter_download_retries": "download_retries"}
-
-    kind: str = "local"  # "local", "hub" (the Hugging Face Hub, HF_ENDPOINT) or "s3" (AWS_ENDPOINT_URL)
-    adapters_root: str | None = None  # "local": a folder of adapters; "s3": s3://bucket/prefix
-    hub_cache: str | None = None  # a Hugging Face cache read when HF_HUB_OFFLINE is set or the Hub is unreachable
-    disk_cache: str | None = None  # downloaded adapters (hub, s3); default <cache dir>/adapters
-    disk_cache_bytes: int = 8 << 30  # LRU by bytes beyond this
-    max_adapter_bytes: int = 1 << 30  # an adapter's files; a download stops here
-    max_lora_rank: int | None = None
-    download_timeout_s: float = 30.0  # per connection and per read
-    download_retries: int = 3  # further tries of a failed download (hub, s3)
-
-    def validate(self) -> None:
-        if self.kind not in SOURCES:
-            raise ValueError(f"adapter_source must be one of {', '.join(SOURCES)}, got {self.kind!r}")
-        if self.download_timeout_s <= 0 or self.download_retries < 0:
-            raise ValueError("adapter_download_timeout_s must be positive and adapter_download_retries >= 0")
 
 
 class AdapterProvider(Protocol):
@@ -124,19 +99,49 @@ class AdapterProvider(Protocol):
         """Per key ever read from the tier below: how often, and how long it took in all."""
 
 
-# Called by the engine once it has read its model's config, with its adapter options (EngineConfig.adapter_sources):
-# the provider checks every adapter against the shapes.
-AdapterProviderFactory = Callable[[SourceConfig, LoraShapes], AdapterProvider]
+class ProviderOptions(Protocol):
+    """A provider's own options (lora_cache's SourceConfig): a dataclass whose fields are engine options, under
+    the names its OPTION_NAMES gives. The engine validates and stores them, and hands them to the provider unread."""
+
+    def validate(self) -> None:
+        """ValueError naming the option that is wrong."""
+
+
+@dataclass(frozen=True)
+class NoProviderOptions:
+    """The options where no installed package registers a default provider: none."""
+
+    def validate(self) -> None:
+        pass
+
+
+# Called by the engine once it has read its model's config, with the config's provider options (config.sources)
+# and its LoRA shapes: the provider checks every adapter against the shapes.
+AdapterProviderFactory = Callable[[ProviderOptions, LoraShapes], AdapterProvider]
+
+
+@dataclass(frozen=True)
+class ProviderPlugin:
+    """What a package registers as the engine's default provider: its options' dataclass, whose fields become
+    engine options (engine/config/engine.py), and the factory the engine calls when the caller passes none."""
+    options: type
+    factory: AdapterProviderFactory
 
 
 PROVIDERS_GROUP = "lora_serve.adapter_providers"  # the entry points a package registers providers under
 
 
-def default_provider() -> AdapterProviderFactory | None:
-    """The provider registered as "default" (lora_cache's, which reads the config's adapter source in this
+def default_plugin() -> ProviderPlugin | None:
+    """The plugin registered as "default" (lora_cache's, which reads the configured adapter source in this
     process), found through the installed packages' entry points, so the engine imports nothing above it."""
     found = entry_points(group=PROVIDERS_GROUP, name="default")
     return next(iter(found)).load() if found else None
+
+
+def default_options() -> type:
+    """The dataclass of the default provider's options, or NoProviderOptions where none is installed."""
+    plugin = default_plugin()
+    return plugin.options if plugin is not None else NoProviderOptions
 
 
 def check_rank(adapter_id: str, rank: int, max_rank: int | None) -> None:

@@ -46,19 +46,20 @@ LORA_MODEL_TYPES: dict[str, type[nn.Module]] = {
     "olmoe": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
-def lora_shapes(hf_config, experts: bool = True) -> LoraShapes:
+def lora_shapes(hf_config, experts: bool = True, max_rank: int | None = None) -> LoraShapes:
     """The base model's LoRA-capable linears, as its model class declares them, and where it is a mixture of
-    experts (unless `experts` is False) its stacked expert parameters: what every adapter must fit."""
+    experts (unless `experts` is False) its stacked expert parameters: what every adapter must fit, with a rank of
+    at most max_rank (the slots': max_lora_rank)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in LORA_MODEL_TYPES:
         raise ValueError(f"unsupported base architecture {model_type!r} for LoRA; "
                          f"supported: {', '.join(LORA_MODEL_TYPES)}")
-    layers = hf_config.num_hidden_layers
-    spec = moe_spec(hf_config)
+    layers, spec = hf_config.num_hidden_layers, moe_spec(hf_config)
+    modules = LORA_MODEL_TYPES[model_type].lora_shapes(hf_config)
     if spec is None or not experts:
-        return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), layers)
-    return LoraShapes(LORA_MODEL_TYPES[model_type].lora_shapes(hf_config), layers, expert_lora_shapes(hf_config),
-                      spec.num_experts, frozenset(i for i in range(layers) if spec.sparse(i)))
+        return LoraShapes(modules, layers, max_rank=max_rank)
+    return LoraShapes(modules, layers, expert_lora_shapes(hf_config), spec.num_experts,
+                      frozenset(i for i in range(layers) if spec.sparse(i)), max_rank)
 
 
 def model_class(hf_config) -> type[nn.Module]:
