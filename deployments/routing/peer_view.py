@@ -13,7 +13,7 @@ spreads as soon as the holder runs `hot_adapter_requests` of them, not a report 
 
 A peer that Serve no longer routes to (`live`: stopping in a scale-down or a rolling update, while its last report
 is still fresh) is not chosen: Serve's router would send the request back to this replica through Ray, a hop onto
-itself whose stream on Ray 2.60 sometimes never ends (seen here for about 5% of such calls under load).
+itself whose stream on Ray 2.60 can fail to end under load.
 """
 
 from __future__ import annotations
