@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import ray
@@ -113,14 +114,44 @@ class AppArgs(StrictModel):
         return GateConfig(ring.keys, self.max_request_bytes)
 
 
-def build_app(args: dict | None = None) -> Application:
+@dataclass(frozen=True)
+class CheckedArgs:
+    """An application's args, parsed and checked as build_app uses them."""
+    args: AppArgs
+    engine: EngineConfig
+    gate: GateConfig
+
+
+class InvalidArgs(ValueError):
+    """An application's args refused: one reason per field, each naming the field and no value given."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__(f"invalid lora-serve application args: {'; '.join(reasons)}")
+        self.reasons = reasons
+
+
+def check_args(args: dict | None) -> CheckedArgs:
+    """The args parsed and every engine option validated, here rather than in a replica; InvalidArgs with the
+    reasons (deployments/check.py runs this offline, before any process of Ray starts)."""
+    parsed = _field("args", lambda: AppArgs(**(args or {})))
+    engine = _field("engine", lambda: EngineConfig.from_overrides(**parsed.engine))
+    gate = _field("api_keys", parsed.gate)
+    _field("tensor_parallel", lambda: parsed.tensor_parallel.refuse_too_few_gpus(
+        engine.backend.tensor_parallel_size, engine.backend.device))
+    return CheckedArgs(parsed, engine, gate)
+
+
+def _field(name: str, parse):
+    """parse(), its refusal raised as InvalidArgs naming the field (pydantic's name the fields within)."""
     try:
-        parsed = AppArgs(**(args or {}))
-        engine = EngineConfig.from_overrides(**parsed.engine)  # fail here, with the reason, not in a replica
-        gate = parsed.gate()
-        parsed.tensor_parallel.refuse_too_few_gpus(engine.backend.tensor_parallel_size, engine.backend.device)
+        return parse()
     except (ValidationError, TypeError, ValueError, OSError) as exc:
-        raise ValueError(f"invalid lora-serve application args: {_reason(exc)}") from None
+        raise InvalidArgs(_reasons(name, exc)) from None
+
+
+def build_app(args: dict | None = None) -> Application:
+    checked = check_args(args)
+    parsed, engine, gate = checked.args, checked.engine, checked.gate
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
     placement = parsed.tensor_parallel.options(engine.backend.tensor_parallel_size, engine.backend.device)
@@ -133,13 +164,13 @@ def build_app(args: dict | None = None) -> Application:
     return with_ingress_router(server, engine.model.name)
 
 
-def _reason(exc: Exception) -> str:
+def _reasons(field: str, exc: Exception) -> list[str]:
     """Why the args were refused, without the values given: pydantic's own text repeats each input, and an input
     may be a secret (an api key written in clear, which is refused)."""
     if not isinstance(exc, ValidationError):
-        return str(exc)
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
-                     for e in exc.errors(include_input=False, include_url=False))
+        return [f"{field}: {exc}"]
+    return [f"{'.'.join(map(str, e['loc'])) or field}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)]
 
 
 def with_ingress_router(server: Application, model_name: str) -> Application:
