@@ -12,6 +12,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.api.strict import StrictModel
+from deployments.control_node import HEAD_NODE, ControlPlacement
 from deployments.gate.auth import ApiKeyConfig, KeyRing
 from deployments.gate.gate import MAX_REQUEST_BYTES, GateConfig
 from deployments.replica.llm_server import LLMServer
@@ -108,6 +109,15 @@ class AppArgs(StrictModel):
                                  "(below); off without an endpoint")
     tensor_parallel: TensorParallelArgs = Field(default_factory=TensorParallelArgs, description="where a "
                                                 "replica's tensor-parallel workers run (below)")
+    control_resource: str | None = Field(
+        HEAD_NODE, min_length=1, description="the nodes where the application's cluster-wide pieces run (the "
+        "adapter cache actor, the quota ledger, the ingress request router): those carrying this Ray resource; by "
+        "default the head node's own, so that no node that scale-up added for engine replicas is kept by them; a "
+        "custom resource names a node type (KubeRay: a worker group's rayStartParams resources); null: wherever "
+        "Ray places them, engine nodes included (deployments/control_node.py)")
+
+    def control(self) -> ControlPlacement:
+        return ControlPlacement(self.control_resource)
 
     def gate(self) -> GateConfig:
         ring = KeyRing.from_config(self.api_keys, self.api_keys_file)  # ValueError: duplicate names or keys
@@ -158,10 +168,10 @@ def build_app(args: dict | None = None) -> Application:
     actor = _engine_actor_options(placement["placement_group_bundles"][0] if placement else {"CPU": 1})
     server = LLMServer.options(ray_actor_options=actor, request_router_config=router, **placement).bind(
         parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
-        tracing=parsed.tracing.config())
+        tracing=parsed.tracing.config(), control=parsed.control())
     if not haproxy_enabled():
         return server
-    return with_ingress_router(server, engine.model.name)
+    return with_ingress_router(server, engine.model.name, parsed.control())
 
 
 def _reasons(field: str, exc: Exception) -> list[str]:
@@ -173,10 +183,12 @@ def _reasons(field: str, exc: Exception) -> list[str]:
             for e in exc.errors(include_input=False, include_url=False)]
 
 
-def with_ingress_router(server: Application, model_name: str) -> Application:
+def with_ingress_router(server: Application, model_name: str,
+                        control: ControlPlacement = ControlPlacement()) -> Application:
     """The engine app with the router HAProxy asks for each request's replica (deployments/routing/ingress_router.py),
-    through Ray 2.60's private hook for it. It takes a port of the direct-ingress range and no CPU."""
-    router = AdapterRouter.options(ray_actor_options={"num_cpus": 0,
+    through Ray 2.60's private hook for it, on the control nodes. It takes a port of the direct-ingress range and no
+    CPU."""
+    router = AdapterRouter.options(ray_actor_options={"num_cpus": 0, "resources": control.resources(),
                                                       "runtime_env": {"env_vars": direct_ingress_env()}})
     return server._with_ingress_request_router(router.bind(server, model_name))
 

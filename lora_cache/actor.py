@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -265,12 +266,14 @@ def _awaited(name: str, not_after: float) -> None:
         raise AdapterCacheUnavailableError(name, "the change reached it after the replica had stopped waiting")
 
 
-def get_or_create_cache_actor(sources: SourceConfig, name: str = ACTOR_NAME) -> ray.actor.ActorHandle:
-    """The one named, detached cache actor of this Ray cluster (created by the first replica that asks). Outside
-    any placement group: Serve's replicas capture their children in theirs, and a tensor-parallel replica has one,
-    which goes with the replica, and an actor restarting into a removed group waits forever."""
-    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True,
-                                  scheduling_strategy="DEFAULT").remote(sources)
+def get_or_create_cache_actor(sources: SourceConfig, name: str = ACTOR_NAME,
+                              resources: Mapping[str, float] | None = None) -> ray.actor.ActorHandle:
+    """The one named, detached cache actor of this Ray cluster (created by the first replica that asks), on a node
+    with these custom resources (the caller's choice of node: deployments/control_node.py). Outside any placement
+    group: Serve's replicas capture their children in theirs, and a tensor-parallel replica has one, which goes with
+    the replica, and an actor restarting into a removed group waits forever."""
+    return LoRACacheActor.options(name=name, lifetime="detached", get_if_exists=True, scheduling_strategy="DEFAULT",
+                                  resources=dict(resources or {})).remote(sources)
 
 
 class RayAdapterCache(HeldAdapters):

@@ -105,6 +105,13 @@ def serving(cluster, app, name: str = "lora-serve"):
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
 
 
+def actor_node(name: str) -> str:
+    """The id of the node where the named actor runs, as the actor itself reads it."""
+    import ray
+
+    return ray.get(ray.get_actor(name).__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+
 def replica_stats(replicas: int = 2) -> dict[str, ReplicaStats]:
     """Each live replica's stats (LLMServer.stats) in the app lora-serve, by replica, asked through a handle until
     `replicas` of them answered."""

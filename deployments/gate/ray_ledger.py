@@ -13,6 +13,7 @@ import logging
 
 import ray
 
+from deployments.control_node import ControlPlacement
 from deployments.gate.quota_ledger import Lease, LeaseAsk, QuotaLedger
 
 LEDGER_NAME = "lora-serve-quota-ledger"
@@ -22,10 +23,12 @@ logger = logging.getLogger(__name__)
 class RayLedger:
     """A replica's handle on its application's ledger actor (deployments/gate/quota_ledger.py: Ledger)."""
 
-    def __init__(self, app_name: str):
+    def __init__(self, app_name: str, placement: ControlPlacement):
+        """placement: the nodes the ledger may run on (deployments/control_node.py)."""
         self._actor = (ray.remote(QuotaLedger)
                        .options(name=f"{LEDGER_NAME}:{app_name}", lifetime="detached", get_if_exists=True,
-                                num_cpus=0, max_restarts=-1, scheduling_strategy="DEFAULT")
+                                num_cpus=0, max_restarts=-1, scheduling_strategy="DEFAULT",
+                                resources=placement.resources())
                        .remote())  # outside the replica's placement group, which goes with the replica
 
     async def lease(self, ask: LeaseAsk) -> Lease:

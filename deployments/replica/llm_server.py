@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from deployments.api.events import TokenEvent
+from deployments.control_node import ControlPlacement
 from deployments.gate.gate import Gate, GateConfig
 from deployments.gate.ray_ledger import RayLedger
 from deployments.replica.engine_events import AdapterFetch, EngineEvents, EventRequest, RequestWatch
@@ -78,21 +79,23 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 class LLMServer:
     def __init__(self, engine: dict | None = None, top_adapters: int = 20,
                  gate: GateConfig = GateConfig(), routing: RoutingPolicy | None = RoutingPolicy(),
-                 stream_interval_ms: float = STREAM_INTERVAL_MS, tracing: TracingConfig | None = None):
+                 stream_interval_ms: float = STREAM_INTERVAL_MS, tracing: TracingConfig | None = None,
+                 control: ControlPlacement = ControlPlacement()):
         """routing: how this replica places the requests it parses (deployments/routing/policy.py); None serves each
         where Serve's router put it (plain multiplexing, for comparison). stream_interval_ms: the longest a
         producing stream waits between events (deployments/replica/pacing.py). tracing: where its requests' spans
-        go (deployments/replica/tracing.py; off without an endpoint)."""
+        go (deployments/replica/tracing.py; off without an endpoint). control: the nodes where the application's
+        cluster-wide actors run, which this replica creates if it is the first (deployments/control_node.py)."""
         config = EngineConfig.from_overrides(**(engine or {}))
         self.node_id = ray.get_runtime_context().get_node_id()
         context = serve.get_replica_context()
         self.replica = f"{context.replica_tag}@node-{self.node_id[:8]}"
         self._deployment = (context.deployment, context.app_name)
         # API keys, per-key limits held for the whole application, body size: deployments/gate/gate.py
-        self.gate = Gate(gate, RayLedger(context.app_name) if gate.limited else None, self.replica)
+        self.gate = Gate(gate, RayLedger(context.app_name, control) if gate.limited else None, self.replica)
         # The cache actor first, before this process imports torch: if this replica creates it, its process start
         # overlaps the engine's imports, model load and operators' build
-        self.adapter_cache = self._adapter_provider(config) if config.lora.max_loras else None
+        self.adapter_cache = self._adapter_provider(config, control) if config.lora.max_loras else None
         self.engine = _start_engine(_engine_threads(config), self.adapter_cache)
         if self.adapter_cache is not None:
             self.adapter_cache.wait_ready()
@@ -112,8 +115,8 @@ class LLMServer:
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
 
-    def _adapter_provider(self, config: EngineConfig) -> RayAdapterCache:
-        actor = get_or_create_cache_actor(config.sources)
+    def _adapter_provider(self, config: EngineConfig, control: ControlPlacement) -> RayAdapterCache:
+        actor = get_or_create_cache_actor(config.sources, resources=control.resources())
         return RayAdapterCache(actor, self.replica, timeout_s=config.lora.adapter_cache_timeout_s)
 
     @serve.multiplexed(max_num_models_per_replica=64)

@@ -12,7 +12,7 @@ import requests
 
 from engine import LLM, SamplingParams
 from lora_cache.local_cache import local_adapters
-from tests.helpers import PROMPTS, replica_stats, serving, write_tiny_adapters
+from tests.helpers import PROMPTS, actor_node, replica_stats, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
@@ -65,6 +65,7 @@ def test_replicas_on_two_nodes_serve_adapters_through_one_cache_actor(two_nodes,
     assert set().union(*holders.values()) == llm_nodes  # both nodes served adapters
     cache = ray.get(ray.get_actor("lora-serve-adapter-cache").stats.remote())
     assert cache.load_counts == {a: 1 for a in ADAPTERS}  # each read from its source once, for both nodes
+    assert actor_node("lora-serve-adapter-cache") == two_nodes.cluster.head_node.node_id  # not a replica's node
 
 
 def test_an_adapter_that_one_replica_holds_is_served_by_that_replica(server):
