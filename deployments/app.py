@@ -74,12 +74,13 @@ class TensorParallelArgs(StrictModel):
     def gpus(self, device: str) -> int:
         return self.worker_gpus if self.worker_gpus is not None else int(device.startswith("cuda"))
 
-    def options(self, size: int, device: str = "cpu") -> dict:
-        """The engine deployment's placement options for N workers on `device` (the device option); none at
-        N = 1."""
+    def options(self, size: int, device: str = "cpu", custom: dict[str, float] | None = None) -> dict:
+        """The engine deployment's placement options for N workers on `device` (the device option), each bundle
+        with the `custom` resources too (replica_resources); none at N = 1."""
         if size == 1:
             return {}
-        bundle = {"CPU": self.worker_cpus, **({"GPU": self.gpus(device)} if self.gpus(device) else {})}
+        bundle = {"CPU": self.worker_cpus, **({"GPU": self.gpus(device)} if self.gpus(device) else {}),
+                  **(custom or {})}
         return {"placement_group_bundles": [dict(bundle) for _ in range(size)],
                 "placement_group_strategy": self.placement_strategy}
 
@@ -109,6 +110,11 @@ class AppArgs(StrictModel):
                                  "(below); off without an endpoint")
     tensor_parallel: TensorParallelArgs = Field(default_factory=TensorParallelArgs, description="where a "
                                                 "replica's tensor-parallel workers run (below)")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each engine replica asks for, beside its CPUs and "
+        "GPU: replicas run only on the nodes that carry them (a node type's own, such as llm_node). A serve "
+        "config's ray_actor_options for LLMServer replace build_app's options whole, its runtime_env included; "
+        "this adds to them")
     control_resource: str | None = Field(
         HEAD_NODE, min_length=1, description="the nodes where the application's cluster-wide pieces run (the "
         "adapter cache actor, the quota ledger, the ingress request router): those carrying this Ray resource; by "
@@ -164,8 +170,10 @@ def build_app(args: dict | None = None) -> Application:
     parsed, engine, gate = checked.args, checked.engine, checked.gate
     policy = parsed.routing.policy()
     router = router_config(policy) if policy is not None else RequestRouterConfig()  # Serve's own by default
-    placement = parsed.tensor_parallel.options(engine.backend.tensor_parallel_size, engine.backend.device)
-    actor = _engine_actor_options(placement["placement_group_bundles"][0] if placement else {"CPU": 1})
+    placement = parsed.tensor_parallel.options(engine.backend.tensor_parallel_size, engine.backend.device,
+                                               parsed.replica_resources)
+    actor = _engine_actor_options(placement["placement_group_bundles"][0] if placement else {"CPU": 1},
+                                  parsed.replica_resources)
     server = LLMServer.options(ray_actor_options=actor, request_router_config=router, **placement).bind(
         parsed.engine, gate=gate, routing=policy, stream_interval_ms=parsed.stream_interval_ms,
         tracing=parsed.tracing.config(), control=parsed.control())
@@ -193,7 +201,7 @@ def with_ingress_router(server: Application, model_name: str,
     return server._with_ingress_request_router(router.bind(server, model_name))
 
 
-def _engine_actor_options(bundle: dict[str, float]) -> dict:
+def _engine_actor_options(bundle: dict[str, float], custom: dict[str, float]) -> dict:
     """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU), its process started on Intel's OpenMP
     runtime (deployments/replica/openmp.py) and, on CPU, with malloc keeping the memory its steps free
     (engine/host_heap.py), and Serve's direct-ingress settings when the controller has them
@@ -201,5 +209,6 @@ def _engine_actor_options(bundle: dict[str, float]) -> dict:
     the runtime_env there."""
     heap = {} if "GPU" in bundle else host_heap.process_env(os.environ.get("GLIBC_TUNABLES"))
     env_vars = {**replica_env_vars(), **heap, **direct_ingress_env()}
-    resources = {"num_cpus": bundle["CPU"], **({"num_gpus": bundle["GPU"]} if "GPU" in bundle else {})}
+    resources = {"num_cpus": bundle["CPU"], **({"num_gpus": bundle["GPU"]} if "GPU" in bundle else {}),
+                 **({"resources": custom} if custom else {})}
     return {**resources, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}

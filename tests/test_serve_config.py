@@ -98,3 +98,12 @@ def test_more_gpu_workers_than_any_node_has_are_refused_at_start(serve_cluster, 
     with pytest.raises(ValueError, match="tensor_parallel_size 2 packs 2 GPUs on one node; the cluster's largest "
                                          "node has 0"):
         build_app({"engine": {"model": str(tiny_llama_path), "device": "cuda", "tensor_parallel_size": 2}})
+
+
+def test_replica_resources_add_to_build_apps_options_and_every_worker_bundle():
+    one = build_app({"engine": {"model": "m"}, "replica_resources": {"llm_node": 1}})._bound_deployment
+    assert one.ray_actor_options["resources"] == {"llm_node": 1}
+    assert one.ray_actor_options["num_cpus"] == 1  # and its runtime_env kept:
+    assert "GLIBC_TUNABLES" in one.ray_actor_options["runtime_env"]["env_vars"]
+    tp = build_app({"engine": {"model": "m", "tensor_parallel_size": 2}, "replica_resources": {"llm_node": 1}})
+    assert tp._bound_deployment._replica_config.placement_group_bundles == [{"CPU": 1, "llm_node": 1}] * 2
