@@ -116,8 +116,8 @@ class AppArgs(StrictModel):
         "config's ray_actor_options for LLMServer replace build_app's options whole, its runtime_env included; "
         "this adds to them")
     control_resource: str | None = Field(
-        HEAD_NODE, min_length=1, description="the nodes where the application's cluster-wide pieces run (the "
-        "adapter cache actor, the quota ledger, the ingress request router): those carrying this Ray resource; by "
+        HEAD_NODE, min_length=1, description="the nodes where the application's cluster-wide actors run (the "
+        "adapter cache actor, the quota ledger): those carrying this Ray resource; by "
         "default the head node's own, so that no node that scale-up added for engine replicas is kept by them; a "
         "custom resource names a node type (KubeRay: a worker group's rayStartParams resources); null: wherever "
         "Ray places them, engine nodes included (deployments/control_node.py)")
@@ -179,7 +179,7 @@ def build_app(args: dict | None = None) -> Application:
         tracing=parsed.tracing.config(), control=parsed.control())
     if not haproxy_enabled():
         return server
-    return with_ingress_router(server, engine.model.name, parsed.control())
+    return with_ingress_router(server, engine.model.name)
 
 
 def _reasons(field: str, exc: Exception) -> list[str]:
@@ -191,12 +191,12 @@ def _reasons(field: str, exc: Exception) -> list[str]:
             for e in exc.errors(include_input=False, include_url=False)]
 
 
-def with_ingress_router(server: Application, model_name: str,
-                        control: ControlPlacement = ControlPlacement()) -> Application:
+def with_ingress_router(server: Application, model_name: str) -> Application:
     """The engine app with the router HAProxy asks for each request's replica (deployments/routing/ingress_router.py),
-    through Ray 2.60's private hook for it, on the control nodes. It takes a port of the direct-ingress range and no
-    CPU."""
-    router = AdapterRouter.options(ray_actor_options={"num_cpus": 0, "resources": control.resources(),
+    through Ray 2.60's private hook for it. It takes a port of the direct-ingress range and no CPU. Serve places its
+    replicas itself, one on each node that runs a proxy (the head, and each node while it holds engine replicas), and
+    stops a node's one when its engine replicas are gone, so it keeps no node up."""
+    router = AdapterRouter.options(ray_actor_options={"num_cpus": 0,
                                                       "runtime_env": {"env_vars": direct_ingress_env()}})
     return server._with_ingress_request_router(router.bind(server, model_name))
 
