@@ -202,11 +202,11 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
 
 
 def _engine_actor_options(bundle: dict[str, float], custom: dict[str, float]) -> dict:
-    """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU), its process started on Intel's OpenMP
-    runtime (deployments/replica/openmp.py) and, on CPU, with malloc keeping the memory its steps free
-    (engine/host_heap.py), and Serve's direct-ingress settings when the controller has them
+    """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU, and the `custom` ones),
+    its process started on Intel's OpenMP runtime (deployments/replica/openmp.py) and, on CPU, with malloc keeping
+    the memory its steps free (engine/host_heap.py), and Serve's direct-ingress settings when the controller has them
     (deployments/routing/direct_ingress.py). A serve config's ray_actor_options for LLMServer replace these: keep
-    the runtime_env there."""
+    the runtime_env there, or give replica_resources instead."""
     heap = {} if "GPU" in bundle else host_heap.process_env(os.environ.get("GLIBC_TUNABLES"))
     env_vars = {**replica_env_vars(), **heap, **direct_ingress_env()}
     resources = {"num_cpus": bundle["CPU"], **({"num_gpus": bundle["GPU"]} if "GPU" in bundle else {}),
