@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.serve.elastic_cycle import QUICK
+from benchmarks.serve.elastic_cycle import PROFILES
 from benchmarks.serve.fake_cluster import isolated_command
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
-MILESTONES = ["first worker node", "serving", "load rises", "2 worker nodes", "2 replicas running", "load stops",
-              "1 replica running", "1 worker node"]
+MILESTONES = ["first worker node", "serving", "load rises", "2 worker nodes", "2 replicas running", "load falls",
+              "load stops", "1 replica running", "1 worker node"]
 
 
 def _can_isolate() -> bool:
@@ -50,7 +50,8 @@ def test_nodes_are_added_under_load_and_removed_when_it_is_gone(cycle):
     # autoscaler's idle timeout, with the metrics' look-back and a few of the autoscaler's 1-s rounds on top
     draining = float(yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]["runtime_env"][
         "env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"])
-    bound = QUICK.downscale_delay_s + draining + QUICK.idle_timeout_s + 15
+    quick = PROFILES["quick"]
+    bound = quick.downscale_delay_s + draining + quick.idle_timeout_s + 15
     assert events["1 worker node"] - events["load stops"] <= bound, events
 
 

@@ -45,18 +45,26 @@ class Phase:
 
 @dataclass(frozen=True)
 class Profile:
-    """The load: `rise` until the deployment runs `max_replicas`, then `peak` held, then none."""
+    """The load: `rise` until the deployment runs `max_replicas`, then `peak` held, then `fall`, then none.
+    Requests name the base model and the adapters, Zipf-skewed in that order: the shipped pirate adapter alone, or
+    `random_adapters` random ones (benchmarks/lora_adapters.py)."""
     rise: Phase
     peak: Phase
-    adapters: tuple[str, ...]  # requests name these, Zipf-skewed, and the base model (None)
+    fall: Phase = Phase(0, 0)
+    random_adapters: int = 0
     zipf: float = 1.1
     max_tokens: int = 24
     max_replicas: int = 2
     idle_timeout_s: float = 10.0
     downscale_delay_s: float = 5.0
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(f"rand-{i:02d}" for i in range(self.random_adapters)) if self.random_adapters else ("pirate",)
 
-QUICK = Profile(Phase(12, 0), Phase(12, 8), ("pirate",))
+
+PROFILES = {"quick": Profile(Phase(12, 0), Phase(12, 8)),
+            "zipf": Profile(Phase(16, 0), Phase(16, 30), Phase(4, 20), random_adapters=32, max_tokens=32)}
 
 
 @dataclass
@@ -102,7 +110,7 @@ def cycle_config(profile: Profile, port: int, adapters_root: Path) -> dict:
     env.update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 2 * profile.max_replicas + 4)})
     app = spec["applications"][0]
-    app["args"]["engine"].update(kv_cache_bytes=64 << 20, max_num_seqs=16, num_threads=1, max_loras=2,
+    app["args"]["engine"].update(kv_cache_bytes=64 << 20, max_num_seqs=16, num_threads=1,
                                  adapters_root=str(adapters_root))
     app["args"]["replica_resources"] = {NODE_RESOURCE: 1}
     app["args"]["routing"]["hot_adapter_requests"] = 2  # a few streams of one adapter spread it to a second node
@@ -237,7 +245,7 @@ def run_cycle(profile: Profile, folder: Path) -> Cycle:
     folder.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     config = folder / "serve_config.yaml"
-    spec = cycle_config(profile, port, ROOT / "examples" / "adapters")
+    spec = cycle_config(profile, port, adapters_root(profile, folder / "adapters"))
     config.write_text(yaml.safe_dump(spec))
     node = NodeType(cpus=1, resources={NODE_RESOURCE: 1}, max_workers=profile.max_replicas)
     with FakeAutoscalingCluster(folder, free_port(), 1, {"engine": node}, profile.idle_timeout_s) as cluster:
@@ -261,6 +269,22 @@ def run_cycle(profile: Profile, folder: Path) -> Cycle:
     return cycle
 
 
+def adapters_root(profile: Profile, folder: Path) -> Path:
+    """The shipped adapters' folder, or one of the profile's random adapters for the embedded model."""
+    if not profile.random_adapters:
+        return ROOT / "examples" / "adapters"
+    from transformers import AutoConfig
+
+    from benchmarks.lora_adapters import write_random_adapter
+    from engine.config import default_cache_dir
+    from engine.model_files import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model("smollm2-135m-instruct", default_cache_dir() / "models"))
+    for seed, name in enumerate(profile.adapters):
+        write_random_adapter(folder / name, config, seed=seed)
+    return folder
+
+
 def _drive(cycle: Cycle, profile: Profile, url: str, load: Load, started: float) -> None:
     workers = lambda: len(FakeAutoscalingCluster.workers(NODE_RESOURCE))  # noqa: E731
     wait_for("first worker node", lambda: workers() >= 1, 120, cycle, started)
@@ -274,10 +298,14 @@ def _drive(cycle: Cycle, profile: Profile, url: str, load: Load, started: float)
     load.streams = profile.peak.streams
     time.sleep(profile.peak.seconds)
     cycle.adapter_replicas, cycle.source_loads = adapter_holders()
+    load.streams = profile.fall.streams
+    cycle.events["load falls"] = round(time.monotonic() - started, 1)
+    time.sleep(profile.fall.seconds)
     load.streams = 0
     wait_for("load stops", lambda: load.in_flight == 0, 120, cycle, started)
     wait_for("1 replica running", lambda: running_replicas() == 1, 120, cycle, started)
     wait_for("1 worker node", lambda: workers() == 1, profile.idle_timeout_s + 120, cycle, started)
+    time.sleep(3)  # a few samples of the cluster as it stays
 
 
 def adapter_holders() -> tuple[dict[str, list[str]], dict[str, int]]:
@@ -314,9 +342,10 @@ def head_placement() -> dict[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the cycle's JSON (samples, outcomes, events)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="the load (PROFILES)")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cycle = run_cycle(QUICK, args.out.parent / "cluster")
+    cycle = run_cycle(PROFILES[args.profile], args.out.parent / "cluster")
     args.out.write_text(json.dumps(asdict(cycle)))
     return 0
 
