@@ -63,7 +63,7 @@ class Profile:
         return tuple(f"rand-{i:02d}" for i in range(self.random_adapters)) if self.random_adapters else ("pirate",)
 
 
-PROFILES = {"quick": Profile(Phase(12, 0), Phase(12, 8)),
+PROFILES = {"quick": Profile(Phase(12, 0), Phase(12, 4), idle_timeout_s=6, downscale_delay_s=3),
             "zipf": Profile(Phase(16, 0), Phase(16, 30), Phase(4, 20), random_adapters=32, max_tokens=32)}
 
 
@@ -264,8 +264,7 @@ def run_cycle(profile: Profile, folder: Path) -> Cycle:
             load.close()
             sampler.close()
             cycle.outcomes = load.outcomes
-            server.terminate()
-            server.wait(timeout=60)
+            server.kill()  # the namespace's end takes Serve and the cluster with it
     return cycle
 
 

@@ -3,9 +3,10 @@
 Ray's fake multi-node provider (`ray.autoscaler._private.fake_multi_node`) starts each worker node as a raylet on
 this machine when the autoscaler launches one, and stops it when the autoscaler terminates it, as KubeRay's in-tree
 autoscaler does with pods. The head is started by `ray start --head --autoscaling-config`, with a config written
-here (the provider's example config is not in Ray's wheel), and stopped by `ray stop --force`, which kills every
-Ray process it can see: so this runs only as the first process of a PID namespace of its own
-(`unshare --pid --fork --mount-proc`, `isolated_command`), where it sees nothing else.
+here (the provider's example config is not in Ray's wheel). The cluster ends with the process that started it: that
+process is the first of a PID namespace of its own (`unshare --pid --fork --mount-proc`, `isolated_command`), and the
+kernel kills every process left in the namespace when it exits. No Ray process outside it is touched, where
+`ray stop` would kill every one on the machine.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class FakeAutoscalingCluster:
     def __init__(self, folder: Path, port: int, head_cpus: int, node_types: dict[str, NodeType],
                  idle_timeout_s: float):
         if not in_own_pid_namespace() or any(os.environ.get(k) != v for k, v in ENV.items()):
-            raise RuntimeError("a fake autoscaling cluster stops with `ray stop --force`, which kills every Ray "
-                               "process it sees: run it through isolated_command, in a PID namespace of its own")
+            raise RuntimeError("a fake autoscaling cluster ends with its PID namespace: run it through "
+                               "isolated_command, as the first process of a namespace of its own")
         self.folder, self.port, self.head_cpus = folder, port, head_cpus
         self.node_types, self.idle_timeout_s = node_types, idle_timeout_s
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
@@ -85,10 +86,11 @@ class FakeAutoscalingCluster:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Nothing of the cluster is stopped here: this process is its namespace's first, and when it exits the
+        kernel kills every process left in the namespace (`ray stop` would wait out its grace period on the
+        processes that this process, which reaps none, left as zombies)."""
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False)
         logs = Path(self.ray_dir) / "session_latest" / "logs"
         if logs.is_dir():  # the replicas' own tracebacks, kept beside the run
             shutil.copytree(logs, self.folder / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)

@@ -109,7 +109,7 @@ def plot(raw: dict):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = benchmark_args(__doc__, "the quick profile: 12 streams over the base model and pirate, an 8-s peak",
+    args = benchmark_args(__doc__, "the quick profile: 12 streams over the base model and pirate, a 4-s peak",
                           argv)
     profile = "quick" if args.quick else "zipf"
     out = args.folders.raw / "elastic_cycle.json"
