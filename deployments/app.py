@@ -201,7 +201,7 @@ def with_ingress_router(server: Application, model_name: str) -> Application:
     return server._with_ingress_request_router(router.bind(server, model_name))
 
 
-def _engine_actor_options(bundle: dict[str, float], custom: dict[str, float]) -> dict:
+def _engine_actor_options(bundle: dict[str, float], custom: dict[str, float] | None = None) -> dict:
     """An engine replica's resources (1 CPU, or one tensor-parallel bundle's CPUs and GPU, and the `custom` ones),
     its process started on Intel's OpenMP runtime (deployments/replica/openmp.py) and, on CPU, with malloc keeping
     the memory its steps free (engine/host_heap.py), and Serve's direct-ingress settings when the controller has them

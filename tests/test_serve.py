@@ -1057,7 +1057,8 @@ def test_prometheus_metrics_are_exported(server):
              "lora_serve_request_latency_seconds", "lora_serve_generation_tokens", "lora_serve_prompt_tokens",
              "lora_serve_adapter_cache_hits", "lora_serve_kv_cache_utilisation", "lora_serve_running_requests",
              'lora_serve_weight_bytes{', "lora_serve_kv_cache_capacity_tokens", "lora_serve_adapter_slot_bytes",
-             "lora_serve_prefix_cache_queried_tokens", "lora_serve_prefix_cache_blocks")
+             "lora_serve_prefix_cache_queried_tokens", "lora_serve_prefix_cache_blocks", "lora_serve_adapter_held",
+             "lora_serve_adapter_requests")
 
     def exported():
         text = requests.get(METRICS["url"], timeout=10).text
@@ -1065,6 +1066,8 @@ def test_prometheus_metrics_are_exported(server):
 
     text = _poll(exported, timeout=60, interval=2)
     assert 'adapter="alpha"' in text and 'adapter="base"' in text
+    held = [line for line in text.splitlines() if "lora_serve_adapter_held{" in line and 'adapter="alpha"' in line]
+    assert held and max(float(line.rsplit(" ", 1)[1]) for line in held) == 1, held  # its one replica holds it
 
 
 def test_lora_lifecycle_over_http_while_another_request_streams(server, tiny_llama_path, tmp_path):

@@ -10,6 +10,7 @@ keep their own label, every other adapter is reported as "other", and base-model
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally  # Ray's metrics.Counter is the other one
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,12 @@ class ServingMetrics:
             ("prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed."),
             ("prefix_cache_evictions", "Cached prefix blocks reused for other tokens."))}
         self._prefix_totals = dict.fromkeys(self.prefix_counters, 0)
+        # Summed over replicas by adapter: how many replicas hold each adapter, and its queue in the deployment
+        self.adapter_held = metrics.Gauge("lora_serve_adapter_held", "Adapters of this label that this replica holds "
+                                          "(in a device slot or its CPU copy).", tags)
+        self.adapter_requests = metrics.Gauge("lora_serve_adapter_requests", "Requests of adapters of this label "
+                                              "in this replica, running or waiting.", tags)
+        self._adapter_labels: set[str] = set()  # the labels set last time: any not set now goes back to 0
 
     def start(self, adapter: str | None) -> RequestTimer:
         return RequestTimer(self.labels.label(adapter), self)
@@ -130,6 +137,18 @@ class ServingMetrics:
                 ("kv_cache_bytes_per_token", "KV bytes per token.", report.kv_bytes_per_token),
                 ("adapter_slot_bytes", "Bytes of the device slots for LoRA adapters.", report.adapter_slot_bytes)):
             metrics.Gauge(f"lora_serve_{name}", description).set(value)
+
+    def adapters(self, held: set[str], requests: dict[str, int]) -> None:
+        """The adapters this replica holds, by name, and each one's requests here now."""
+        held_by: Tally[str] = Tally(self.labels.label(name, count=False) for name in held)
+        requests_by: Tally[str] = Tally()
+        for name, n in requests.items():
+            requests_by[self.labels.label(name, count=False)] += n
+        labels = set(held_by) | set(requests_by)
+        for label in labels | self._adapter_labels:
+            self.adapter_held.set(held_by[label], tags={"adapter": label})
+            self.adapter_requests.set(requests_by[label], tags={"adapter": label})
+        self._adapter_labels = labels
 
     def engine_state(self, stats: EngineStats) -> None:
         values = {"running_requests": stats.running, "waiting_requests": stats.waiting,
