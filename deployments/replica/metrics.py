@@ -59,6 +59,32 @@ class RequestTimer:
         self.metrics.finish(self, output.finish_reason, len(output.prompt_token_ids), len(output.token_ids))
 
 
+class AdapterGauges:
+    """Per adapter label, the adapters this replica holds (a device slot or its CPU copy) and their requests here,
+    running or waiting: summed over replicas by adapter, how many replicas hold each adapter and its queue in the
+    deployment."""
+
+    def __init__(self, labels: TopLabels):
+        self.labels = labels
+        self.held = metrics.Gauge("lora_serve_adapter_held", "Adapters of this label that this replica holds (in a "
+                                  "device slot or its CPU copy).", ("adapter",))
+        self.requests = metrics.Gauge("lora_serve_adapter_requests", "Requests of adapters of this label in this "
+                                      "replica, running or waiting.", ("adapter",))
+        self._set: set[str] = set()  # the labels set last time: any not set now goes back to 0
+
+    def update(self, held: set[str], requests: dict[str, int]) -> None:
+        """The adapters this replica holds, by name, and each one's requests here now."""
+        held_by: Tally[str] = Tally(self.labels.label(name, count=False) for name in held)
+        requests_by: Tally[str] = Tally()
+        for name, n in requests.items():
+            requests_by[self.labels.label(name, count=False)] += n
+        labels = set(held_by) | set(requests_by)
+        for label in labels | self._set:
+            self.held.set(held_by[label], tags={"adapter": label})
+            self.requests.set(requests_by[label], tags={"adapter": label})
+        self._set = labels
+
+
 class ServingMetrics:
     def __init__(self, top_adapters: int = 20):
         self.labels = TopLabels(top_adapters, BASE)
@@ -96,12 +122,7 @@ class ServingMetrics:
             ("prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed."),
             ("prefix_cache_evictions", "Cached prefix blocks reused for other tokens."))}
         self._prefix_totals = dict.fromkeys(self.prefix_counters, 0)
-        # Summed over replicas by adapter: how many replicas hold each adapter, and its queue in the deployment
-        self.adapter_held = metrics.Gauge("lora_serve_adapter_held", "Adapters of this label that this replica holds "
-                                          "(in a device slot or its CPU copy).", tags)
-        self.adapter_requests = metrics.Gauge("lora_serve_adapter_requests", "Requests of adapters of this label "
-                                              "in this replica, running or waiting.", tags)
-        self._adapter_labels: set[str] = set()  # the labels set last time: any not set now goes back to 0
+        self.adapters = AdapterGauges(self.labels)
 
     def start(self, adapter: str | None) -> RequestTimer:
         return RequestTimer(self.labels.label(adapter), self)
@@ -137,18 +158,6 @@ class ServingMetrics:
                 ("kv_cache_bytes_per_token", "KV bytes per token.", report.kv_bytes_per_token),
                 ("adapter_slot_bytes", "Bytes of the device slots for LoRA adapters.", report.adapter_slot_bytes)):
             metrics.Gauge(f"lora_serve_{name}", description).set(value)
-
-    def adapters(self, held: set[str], requests: dict[str, int]) -> None:
-        """The adapters this replica holds, by name, and each one's requests here now."""
-        held_by: Tally[str] = Tally(self.labels.label(name, count=False) for name in held)
-        requests_by: Tally[str] = Tally()
-        for name, n in requests.items():
-            requests_by[self.labels.label(name, count=False)] += n
-        labels = set(held_by) | set(requests_by)
-        for label in labels | self._adapter_labels:
-            self.adapter_held.set(held_by[label], tags={"adapter": label})
-            self.adapter_requests.set(requests_by[label], tags={"adapter": label})
-        self._adapter_labels = labels
 
     def engine_state(self, stats: EngineStats) -> None:
         values = {"running_requests": stats.running, "waiting_requests": stats.waiting,
