@@ -80,13 +80,13 @@ def _path(loc: tuple) -> str:
 
 
 def _app_problems(where: str, app: dict) -> list[Problem]:
-    from deployments.app import check_args
+    from deployments.app import InvalidArgs, check_args
 
     problems = []
     try:
         check_args(app.get("args"))
-    except ValueError as exc:
-        problems += [Problem(f"{where}.args", reason) for reason in getattr(exc, "reasons", [str(exc)])]
+    except InvalidArgs as exc:
+        problems += [Problem(f"{where}.args", reason) for reason in exc.reasons]
     for j, deployment in enumerate(app.get("deployments") or []):
         at = f"{where}.deployments[{j}]"
         if deployment.get("name") not in DEPLOYMENTS:
@@ -99,13 +99,11 @@ def _app_problems(where: str, app: dict) -> list[Problem]:
 
 
 def _policy_problems(where: str, policy: dict) -> list[Problem]:
-    """The policy imports, and a policy class takes its kwargs (Serve builds it with them in its controller)."""
-    target = policy.get("policy_function") or ""
-    module, _, name = target.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return [Problem(f"{where}.policy_function", "cannot be imported; write it as module.path:name")]
+    """A policy class takes its kwargs (Serve builds it with them in its controller). Ray's schema has imported the
+    policy already (_schema_problems), from `module:name` or `module.name` alike."""
+    target = policy["policy_function"]
+    module, _, name = target.partition(":") if ":" in target else target.rpartition(".")
+    function = getattr(importlib.import_module(module), name)
     if not inspect.isclass(function):
         return []
     try:

@@ -75,6 +75,15 @@ class InFlight:
     readback: Readback[SampledTokens]
 
 
+def _default_factory() -> AdapterProviderFactory:
+    """The factory of the provider an installed package registers as the default (lora_cache's)."""
+    plugin = default_plugin()
+    if plugin is None:
+        raise ValueError("max_loras > 0 needs an adapter provider, and no installed package registers a default one: "
+                         "install lora-serve's lora_cache, or pass adapters=")
+    return plugin.factory
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, adapters: AdapterProviderFactory | None = None,
                  workers: WorkerLauncher | None = None):
@@ -147,12 +156,8 @@ class LLMEngine:
             raise ValueError("an adapter provider was given but max_loras is 0: LoRA is disabled")
         if not config.lora.max_loras:
             return None
-        plugin = default_plugin()
-        if adapters is None and plugin is None:
-            raise ValueError("max_loras > 0 needs an adapter provider, and no installed package registers a default "
-                             "one: install lora-serve's lora_cache, or pass adapters=")
-        shapes = lora_shapes(hf_config, config.lora.expert_lora, config.lora.max_lora_rank)
-        return (adapters or plugin.factory)(config.sources, shapes)
+        factory = adapters or _default_factory()
+        return factory(config.sources, lora_shapes(hf_config, config.lora.expert_lora, config.lora.max_lora_rank))
 
     def _eos_token_ids(self, path, hf_config) -> frozenset[int]:
         values = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]

@@ -96,6 +96,9 @@ def test_deployment_names_and_the_autoscaling_policy_are_checked(check):
     moved = _changed(lambda app: app["deployments"][0]["autoscaling_config"]["policy"].update(
         policy_function="deployments.replica.autoscaling:NoSuchPolicy"))
     assert "has no attribute 'NoSuchPolicy'" in check(moved).stderr.splitlines()[0]
+    dotted = _changed(lambda app: app["deployments"][0]["autoscaling_config"]["policy"].update(
+        policy_function="deployments.replica.autoscaling.EngineLoadPolicy"))  # Ray takes this form too
+    assert check(dotted).returncode == 0
 
 
 def test_a_file_that_is_not_a_serve_config_is_said_so(tmp_path):

@@ -252,8 +252,7 @@ class LLMServer:
             stats = self.engine.stats()
             self.metrics.engine_state(stats)
             self._report = self._build_report(stats)
-            self.metrics.adapters.update({v.name for v in self._report.device + self._report.cpu},
-                                         self._report.adapter_requests)
+            self.metrics.adapters.update(self._report.held(), self._report.adapter_requests)
             if self.adapter_cache is not None:
                 view = self.adapter_cache.report(self._report)
                 self._node_store = view.node_store(self.node_id) if view is not None else frozenset()

@@ -72,7 +72,7 @@ class AdapterGauges:
                                       "replica, running or waiting.", ("adapter",))
         self._set: set[str] = set()  # the labels set last time: any not set now goes back to 0
 
-    def update(self, held: set[str], requests: dict[str, int]) -> None:
+    def update(self, held: list[str], requests: dict[str, int]) -> None:
         """The adapters this replica holds, by name, and each one's requests here now."""
         held_by: Tally[str] = Tally(self.labels.label(name, count=False) for name in held)
         requests_by: Tally[str] = Tally()
