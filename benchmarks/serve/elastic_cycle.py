@@ -325,10 +325,11 @@ def head_placement() -> dict[str, bool]:
     """Whether each cluster-wide actor that exists runs on the head node (deployments/control_node.py)."""
     import ray
 
+    from deployments.control_node import HEAD_NODE
     from deployments.gate.ray_ledger import LEDGER_NAME
     from lora_cache.actor import ACTOR_NAME
 
-    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and HEAD_NODE in n["Resources"])
     on_head = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith((ACTOR_NAME, LEDGER_NAME)):

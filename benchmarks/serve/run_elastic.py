@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from benchmarks.common import benchmark_args, environment, markdown_table, report_header, save_results
 from benchmarks.serve.fake_cluster import isolated_command
+from benchmarks.serve.run_serve_load import quantile
 
 WINDOW_S = 5.0
 
@@ -40,9 +41,8 @@ def windows(cycle: dict) -> list[Window]:
         start = last["t"] if last else 0.0
         ended = sorted(o["ttft_s"] for o in cycle["outcomes"] if start < o["t_end"] <= sample["t"] and o["ttft_s"])
         tokens = sample["tokens"] - (last["tokens"] if last else 0)
-        p99 = ended[min(len(ended) - 1, int(0.99 * len(ended)))] if ended else None
         out.append(Window(sample["t"], sample["nodes"], sample["replicas"], tokens / max(sample["t"] - start, 1e-9),
-                          p99))
+                          quantile(ended, 0.99)))
         last = sample
     return out
 
