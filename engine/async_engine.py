@@ -9,9 +9,10 @@ to their requests' asyncio queues with one call_soon_threadsafe per event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,7 @@ class AsyncEngine:
         self._pending_adds: list[TrackedRequest] = []
         self._preparing = 0  # requests past the queue check whose prompt is still being tokenized
         self._pending_aborts: list[tuple[str, asyncio.Future | None]] = []
+        self._pending_slot_changes: list[Callable[[], bool]] = []  # adapters into or out of device slots
         self._wakeup = threading.Event()
         self._error: BaseException | None = None
         self._stopped = False
@@ -163,6 +165,22 @@ class AsyncEngine:
             self._pending_aborts.append((request_id, done))
         self._wakeup.set()
 
+    def load_adapter(self, adapter_id: str) -> None:
+        """Copy the adapter into a device slot between two steps, unpinned, so that its first request here finds
+        it there (the provider must hold it already: the step loop would wait for a fetch). Skipped when every slot
+        is pinned then."""
+        self._change_slots(functools.partial(self.engine.load_adapter, adapter_id))
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Free the adapter's device slot between two steps, unless running requests pin it then (its slot is
+        then freed as any idle slot is, when another adapter needs one)."""
+        self._change_slots(functools.partial(self.engine.unload_adapter, adapter_id))
+
+    def _change_slots(self, change: Callable[[], bool]) -> None:
+        with self._lock:
+            self._pending_slot_changes.append(change)
+        self._wakeup.set()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -191,6 +209,12 @@ class AsyncEngine:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
+            slot_changes, self._pending_slot_changes = self._pending_slot_changes, []
+        for change in slot_changes:
+            try:
+                change()
+            except Exception:  # noqa: BLE001 - an adapter that cannot go into a slot now waits for its requests
+                log.warning("could not change an adapter's device slot", exc_info=True)
         for prepared in adds:
             self.engine.add_prepared(prepared)
         for request_id, done in aborts:

@@ -225,11 +225,28 @@ class LLMEngine:
         for name in names:
             adapter_id = self.adapters.key(name)
             self._check_adapter(adapter_id)
-            grant = self.adapter_slots.acquire(adapter_id)
-            if grant.needs_load:
-                self.executor.copy_adapter(grant.slot, self.adapters.get(adapter_id))
+            self._into_slot(adapter_id)
             if not pin:
                 self.adapter_slots.release(adapter_id)
+
+    def _into_slot(self, adapter_id: str) -> bool:
+        """The adapter in a device slot, with one pin; False when every slot is pinned by other adapters."""
+        grant = self.adapter_slots.acquire(adapter_id)
+        if grant is not None and grant.needs_load:
+            self.executor.copy_adapter(grant.slot, self.adapters.get(adapter_id))
+        return grant is not None
+
+    def load_adapter(self, adapter_id: str) -> bool:
+        """Into a device slot now, unpinned, so its first request finds it there; False when every slot is pinned
+        by running requests of other adapters."""
+        if self.adapter_slots is None or not self._into_slot(adapter_id):
+            return False
+        self.adapter_slots.release(adapter_id)
+        return True
+
+    def unload_adapter(self, adapter_id: str) -> bool:
+        """Free the adapter's device slot unless a running request pins it; whether it was freed."""
+        return self.adapter_slots is not None and self.adapter_slots.evict(adapter_id)
 
     def _check_adapter(self, adapter_id: str) -> None:
         if self.adapters is None:

@@ -149,3 +149,22 @@ def test_preloaded_adapters_are_warm_and_pinned_ones_keep_their_slots(tiny_llama
     with pytest.raises(ValueError, match="not found"):
         LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=2, adapters_root=str(root), log_stats=False,
             preload_adapters=["nope"])
+
+
+def test_an_adapter_loaded_ahead_serves_from_its_slot_and_unloads_only_when_idle(tiny_llama_path, tmp_path):
+    """load_adapter and unload_adapter, as a replica preloads a hot adapter and drops it (deployments/routing/
+    replication.py): the slot is filled before any request, and a slot that a running request pins stays."""
+    root = write_tiny_adapters(tiny_llama_path, tmp_path, ("hot", "busy"))
+    llm = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=1, adapters_root=str(root), log_stats=False)
+    engine = llm.engine
+    assert engine.load_adapter("hot") and engine.adapter_slots.resident() == ["hot"]
+    expected = LLM(str(tiny_llama_path), adapters=local_adapters, max_loras=1, adapters_root=str(root),
+                   log_stats=False).generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=["hot"])
+    out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, adapters=["hot"])
+    assert out[0].token_ids == expected[0].token_ids
+    assert engine.adapter_stats()["hot"].slot_loads == 1  # the request found it there
+    assert engine.unload_adapter("hot") and engine.adapter_slots.resident() == []
+    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), adapter_id="busy")
+    engine.step()  # admitted: its slot is pinned now
+    assert not engine.unload_adapter("busy") and not engine.load_adapter("hot")  # the one slot is pinned
+    assert engine.adapter_slots.resident() == ["busy"]

@@ -54,6 +54,15 @@ class AdapterSlots:
             raise RuntimeError(f"adapter {adapter_id!r} released more often than acquired")
         self.pins[slot] -= 1
 
+    def evict(self, adapter_id: str) -> bool:
+        """Free the slot of `adapter_id` unless a running request pins it; whether it was freed."""
+        slot = self.slot_of.get(adapter_id)
+        if slot is None or self.pins[slot]:
+            return False
+        del self.slot_of[adapter_id]
+        self.evictions += 1
+        return True
+
     def _free_or_evictable_slot(self) -> int | None:
         used = set(self.slot_of.values())
         for slot in range(self.max_loras):
