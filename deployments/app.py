@@ -35,8 +35,9 @@ class RoutingArgs(StrictModel):
         "serve_multiplexed_model_id header), each request served where it lands")
     imbalance: int = Field(8, ge=0, description="requests above the least loaded replica's that adapter "
                            "residence and a cached prefix may outweigh")
-    hot_adapter_requests: int = Field(16, ge=1, description="an adapter's requests on every replica holding it "
-                                      "past which it spreads to another replica")
+    hot_adapter_requests: int | None = Field(
+        16, ge=1, description="an adapter's requests on every replica holding it past which it spreads and is "
+        "preloaded onto another replica (deployments/routing/replication.py); null: never, residence alone routes")
     kv_high: float = Field(0.9, gt=0, le=1, description="a replica whose KV cache is this full ranks last")
 
     def policy(self) -> RoutingPolicy | None:

@@ -451,6 +451,10 @@ class RayAdapterCache(HeldAdapters):
         """The adapter keys in this replica's CPU copy."""
         return tuple(self._adapters.keys())
 
+    def drop(self, key: str) -> None:
+        """Drop this replica's CPU copy of the adapter of `key` (a later request fetches it again)."""
+        self._adapters.discard([key])
+
     def report(self, report: ReplicaReport) -> ClusterView | None:
         """Send this replica's report to the cache actor; its view of the cluster, or None while the actor
         restarts. Blocks for one actor call: the replica's report thread calls it."""

@@ -3,6 +3,8 @@ reports against the ones a router computes for a prompt."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deployments.routing.peer_view import PeerView
@@ -70,7 +72,12 @@ def test_hot_adapter_loses_its_residence_preference():
     hot = [ReplicaReport("holder", device=_held("a"), running=4, adapter_requests={"a": 4}), ReplicaReport("other")]
     assert _names(rank(RouteRequest("a"), hot, POLICY)) == [{"holder", "other"}]
     two_holders = hot + [ReplicaReport("second", cpu=_held("a"), running=1, adapter_requests={"a": 1})]
-    assert _names(rank(RouteRequest("a"), two_holders, POLICY))[0] == {"holder"}  # one holder is not busy
+    # one holder is not busy: the adapter stays with its holders, which rank alike (a slot and a CPU copy, a cached
+    # prefix or none), so load spreads it over them
+    digests = (11, 12)
+    two_holders[0] = dataclasses.replace(two_holders[0], prefix_digests=frozenset(digests))
+    assert _names(rank(RouteRequest("a", prompt_digests=digests), two_holders, POLICY)) == [{"holder", "second"},
+                                                                                             {"other"}]
 
 
 def test_a_rank_of_equals_is_cut_to_two_at_random():
@@ -101,6 +108,30 @@ def test_serve_probes_a_target_several_times_before_the_other_ranks():
     reports[1] = ReplicaReport("holder", cpu=_held("a"), running=40)  # outside the band: not first, not repeated
     ranks = rank(RouteRequest("a", target="holder"), reports, POLICY)
     assert _names(probe_order(RouteRequest("a", target="holder"), ranks)) == [{"sender"}, {"holder"}]
+
+
+def test_no_hot_level_leaves_an_adapter_with_its_holders():
+    """hot_adapter_requests None: residence alone ranks, however many of the adapter's requests its holder runs."""
+    policy = RoutingPolicy(imbalance=100, hot_adapter_requests=None)
+    reports = [ReplicaReport("holder", device=_held("a"), running=90, adapter_requests={"a": 90}),
+               ReplicaReport("other")]
+    assert _names(rank(RouteRequest("a"), reports, policy)) == [{"holder"}, {"other"}]
+    hot_at_4 = RoutingPolicy(imbalance=100, hot_adapter_requests=4)
+    assert _names(rank(RouteRequest("a"), reports, hot_at_4)) == [{"holder", "other"}]  # load decides
+
+
+def test_a_choice_without_a_reservation_takes_each_rank_one_replica_at_a_time_at_random():
+    """HAProxy's ingress router: Serve's queue-length cache goes stale, so each rank's replicas come one by one."""
+    from deployments.routing.request_router import probe_order
+
+    reports = [ReplicaReport("a", device=_held("x")), ReplicaReport("b", device=_held("x")), ReplicaReport("c")]
+    request = RouteRequest("x", unreserved=True)
+    firsts = set()
+    for _ in range(40):
+        order = probe_order(request, rank(request, reports, POLICY))
+        assert [len(group) for group in order] == [1, 1, 1] and order[2][0].replica == "c"
+        firsts.add(order[0][0].replica)
+    assert firsts == {"a", "b"}
 
 
 def test_policy_refuses_bad_values():

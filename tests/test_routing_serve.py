@@ -1,6 +1,7 @@
 """Routing on a local cluster with two replicas of a tiny model behind Serve's HTTP proxy: an adapter's requests
 go to the replica holding it in a device slot, a shared prompt prefix goes to the replica that cached it, a flood
-for one adapter spreads over both, and a replica that dies is routed around."""
+for one adapter spreads over both, a hot adapter is preloaded onto the other replica and dropped when it cools, and a
+replica that dies is routed around."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import requests
 from tests.helpers import PROMPTS, adapter_requests, replica_stats, serving, write_tiny_adapters
 
 pytestmark = pytest.mark.slow
-ADAPTERS = ("alpha", "beta", "gamma")
+ADAPTERS = ("alpha", "beta", "gamma", "delta")
 HOT_ADAPTER_REQUESTS = 3
 SETTLE_S = 2.5  # a replica's report reaches its peers within two report intervals
 
@@ -135,6 +136,77 @@ def _flood(url: str, adapter: str, seconds: float, clients: int = 8) -> int:
         time.sleep(seconds)
         stop.set()
         return sum(f.result(timeout=120) for f in futures)
+
+
+def test_a_hot_adapter_is_preloaded_onto_the_other_replica_and_dropped_when_it_cools(server):
+    """Requests for delta, each forwarded to its holder (a target within the wide band), make it hot there: the other
+    replica puts it in a device slot before serving any of them, and drops it once they are over."""
+    _generate(server, PROMPTS[3], "delta")
+    time.sleep(SETTLE_S)
+    [holder] = [r for r, s in replica_stats().items() if "delta" in s.resident_adapters]
+    stop = threading.Event()
+    with ThreadPoolExecutor(8) as pool:
+        clients = [pool.submit(_forward_until, "delta", holder, stop) for _ in range(8)]
+        try:
+            preloaded = _wait_for(lambda: _other_holding("delta", holder), timeout_s=15)
+        finally:
+            stop.set()
+        assert all(f.result(timeout=120) > 0 for f in clients)
+    assert preloaded is not None, "the other replica never preloaded the hot adapter"
+    assert preloaded.preloaded == ["delta"] and preloaded.adapter_requests("delta") == 0
+    released = _wait_for(lambda: _released("delta", holder), timeout_s=15)
+    assert released is not None, f"the other replica still holds delta: {_other_holding('delta', holder)}"
+
+
+def _forward_until(adapter: str, target: str, stop: threading.Event) -> int:
+    """Requests for `adapter` sent to replica `target` through Serve's router until `stop`; how many."""
+    from ray import serve
+
+    from deployments.routing.policy import RouteRequest
+    from engine import SamplingParams
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve").options(stream=True)
+    sent = 0
+    while not stop.is_set():
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        events = list(handle.forwarded.remote(RouteRequest(adapter, target=target), PROMPTS[sent % 4], params, False))
+        assert events[-1].final is not None
+        sent += 1
+    return sent
+
+
+def _other_stats(holder: str):
+    """The stats of the replica other than `holder` (under the flood the handle's router picks the idle one)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="lora-serve")
+    for _ in range(40):
+        stats = handle.stats.remote().result(timeout_s=30)
+        if stats.replica != holder:
+            return stats
+    raise AssertionError(f"the handle reached only {holder}")
+
+
+def _other_holding(adapter: str, holder: str):
+    """The other replica's stats when it holds `adapter` in a device slot, else None."""
+    other = _other_stats(holder)
+    return other if adapter in other.resident_adapters else None
+
+
+def _released(adapter: str, holder: str):
+    other = _other_stats(holder)
+    return other if adapter not in other.resident_adapters and not other.preloaded else None
+
+
+def _wait_for(found, timeout_s: float):
+    """found()'s first answer other than None within timeout_s, polled every half second; None if none came."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = found()
+        if answer is not None:
+            return answer
+        time.sleep(0.5)
+    return None
 
 
 def test_a_replica_that_dies_is_routed_around(server):

@@ -5,6 +5,10 @@ record_autoscaling_stats(); Serve aggregates them per replica over look_back_per
 policy in its controller. Serve then applies the config's upscale/downscale delays and the
 min/max replica bounds to what the policy asks for.
 
+Replicas also report replication (deployments/routing/replication.py): `unspreadable`, the adapters hot on every
+replica, which only another replica can spread, so the policy adds one; and `preloaded`, the adapters a replica
+holds because they were hot elsewhere, so the policy removes none while a replicated adapter is still warm.
+
     autoscaling_config:
       policy:
         policy_function: deployments.replica.autoscaling:EngineLoadPolicy
@@ -23,17 +27,20 @@ class EngineLoad:
     running: float
     waiting: float
     kv_utilisation: float
+    unspreadable: float = 0.0  # adapters hot on every replica (the most any replica reports)
+    preloaded: float = 0.0  # adapters preloaded because they were hot (over the replicas)
 
 
 def desired_replicas(current: int, load: EngineLoad, target_running_per_replica: float, kv_high: float,
                      kv_low: float) -> int:
     """Enough replicas to run every running and waiting request at the target batch size; one more than now
-    when some replica's KV cache is nearly full; fewer only while KV memory is low everywhere."""
+    when some replica's KV cache is nearly full, or a hot adapter is on every replica; fewer only while KV memory
+    is low everywhere and no adapter is replicated for its load."""
     by_requests = math.ceil((load.running + load.waiting) / target_running_per_replica)
-    if load.kv_utilisation >= kv_high:
+    if load.kv_utilisation >= kv_high or load.unspreadable > 0:
         return max(by_requests, current + 1)
-    if by_requests < current and load.kv_utilisation > kv_low:
-        return current  # requests alone would allow fewer, but the KV cache is still busy: hold
+    if by_requests < current and (load.kv_utilisation > kv_low or load.preloaded > 0):
+        return current  # requests alone would allow fewer, but the KV cache or a hot adapter still needs them
     return by_requests
 
 
@@ -63,4 +70,5 @@ class EngineLoadPolicy:
         kv = max(metrics.get("kv_utilisation", {}).values(), default=0.0)
         if not metrics.get("running"):
             running = ongoing_requests or 0.0
-        return EngineLoad(running, waiting, kv)
+        unspreadable = max(metrics.get("unspreadable", {}).values(), default=0.0)
+        return EngineLoad(running, waiting, kv, unspreadable, sum(metrics.get("preloaded", {}).values()))

@@ -9,7 +9,8 @@ and forwards it otherwise, through a handle to its own deployment whose router s
 request is served where it lands. A replica added by scale-up reaches every adapter through the cluster's cache actor at
 once. Every second the replica builds its report (lora_cache/replica_report.py: adapters in device slots and in its CPU
 copy, prefix-cache digests, load), sends it to the cache actor, which answers with its peers' reports, and hands it to
-Serve's routers through record_routing_stats; it also publishes its engine gauges."""
+Serve's routers through record_routing_stats; it also publishes its engine gauges. From the same reports it preloads a
+hot adapter that its holders cannot keep up with, and drops it once it cools (deployments/routing/replication.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from deployments.routes.engine_client import Served
 from deployments.routes.routes import http_app
 from deployments.routing.peer_view import PeerView
 from deployments.routing.policy import RouteRequest, RoutingPolicy
+from deployments.routing.replication import ReplicationSignals, Replicator
 from deployments.routing.request_router import ROUTING_STATS_KEY, live_replicas, router_config
 from engine.config import EngineConfig
 from engine.errors import (
@@ -56,7 +58,7 @@ from engine.sampling import SamplingParams
 from lora_cache.actor import RayAdapterCache, get_or_create_cache_actor
 from lora_cache.cache_stats import CacheStats
 from lora_cache.registry import Registration
-from lora_cache.replica_report import ReplicaReport
+from lora_cache.replica_report import ClusterView, ReplicaReport
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -106,14 +108,33 @@ class LLMServer:
                                    EventPacer(max_interval_s=stream_interval_ms / 1000))
         self.metrics.memory(self.engine.memory())
         self._peer_handle = None  # a handle to this deployment, for requests a peer should serve
-        live = lambda: live_replicas(context.app_name, context.deployment)
-        self._peers = PeerView(routing, live) if routing is not None else None
+        self._peers = _peer_view(routing, context)
+        self._replicator = self._replicator_of(routing)
+        self._replication = ReplicationSignals(0, 0)  # as the last report interval found it
         self._forwarded = 0  # requests this replica sent to a peer
         self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
         self._report = ReplicaReport(self.replica)
         self._node_store: frozenset[str] = frozenset()  # adapters in this node's object store, per the cache actor
         self._stop = threading.Event()
         threading.Thread(target=self._report_loop, name="lora-serve-report", daemon=True).start()
+
+    def _replicator_of(self, routing: RoutingPolicy | None) -> Replicator | None:
+        """Preloads hot adapters here and drops them when cool (deployments/routing/replication.py); None without
+        LoRA, peers or a hot threshold."""
+        if self.adapter_cache is None or routing is None or routing.hot_adapter_requests is None:
+            return None
+        return Replicator(routing.hot_adapter_requests, self._preload_adapter, self._drop_adapter)
+
+    def _preload_adapter(self, name: str) -> None:
+        """Into the CPU copy here (a fetch, on the report thread), then into a device slot between two steps."""
+        key = self._key(name)
+        self.adapter_cache.get(key)
+        self.engine.load_adapter(key)
+
+    def _drop_adapter(self, name: str) -> None:
+        key = self._key(name)
+        self.adapter_cache.drop(key)
+        self.engine.unload_adapter(key)
 
     def _adapter_provider(self, config: EngineConfig, control: ControlPlacement) -> RayAdapterCache:
         actor = get_or_create_cache_actor(config.sources, resources=control.resources())
@@ -232,8 +253,10 @@ class LLMServer:
         watch.adapter_fetched(AdapterFetch(hit, start, time.perf_counter()))
 
     def stats(self) -> ReplicaStats:
+        peers = self._peers.held_by_peers() if self._peers is not None else {}
+        preloaded = sorted(self._replicator.preloaded) if self._replicator is not None else []
         return ReplicaStats.of(self.replica, self.node_id, self.engine.stats(), self.engine.adapter_stats(),
-                               self._forwarded, self._peers.held_by_peers() if self._peers is not None else {})
+                               self._forwarded, peers, preloaded)
 
     def replica_info(self) -> dict:
         return engine_info(self.replica, self.engine)
@@ -241,7 +264,9 @@ class LLMServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Per-replica signals for deployments.replica.autoscaling.EngineLoadPolicy."""
         s = self.engine.stats()
-        return {"waiting": float(s.waiting), "running": float(s.running), "kv_utilisation": s.kv_utilisation}
+        replication = self._replication
+        return {"waiting": float(s.waiting), "running": float(s.running), "kv_utilisation": s.kv_utilisation,
+                "unspreadable": float(replication.unspreadable), "preloaded": float(replication.preloaded)}
 
     def record_routing_stats(self) -> dict:
         """This replica's last report, for Serve's routers (deployments/routing/request_router.py)."""
@@ -254,10 +279,16 @@ class LLMServer:
             self._report = self._build_report(stats)
             self.metrics.adapters.update(self._report.held(), self._report.adapter_requests)
             if self.adapter_cache is not None:
-                view = self.adapter_cache.report(self._report)
-                self._node_store = view.node_store(self.node_id) if view is not None else frozenset()
-                if self._peers is not None:
-                    self._peers.update(view.peers if view is not None else None)
+                self._follow(self.adapter_cache.report(self._report))
+
+    def _follow(self, view: ClusterView | None) -> None:
+        """The cluster as the cache actor answered this report (None while it restarts)."""
+        self._node_store = view.node_store(self.node_id) if view is not None else frozenset()
+        if self._peers is not None:
+            self._peers.update(view.peers if view is not None else None)
+        if self._replicator is not None and view is not None:
+            self._replicator.follow(self._report, view.peers)
+            self._replication = self._replicator.signals(self._report, view.peers)
 
     def _build_report(self, s: EngineStats) -> ReplicaReport:
         """This replica's report: its adapters by name and content id, current versions only
@@ -297,6 +328,12 @@ class LLMServer:
             self.adapter_cache.close()
         if getattr(self, "tracing", None) is not None:
             self.tracing.shutdown()
+
+
+def _peer_view(routing: RoutingPolicy | None, context) -> PeerView | None:
+    """This replica's view of its peers, for the requests it parses; None when Serve's router alone places them."""
+    live = lambda: live_replicas(context.app_name, context.deployment)
+    return PeerView(routing, live) if routing is not None else None
 
 
 def _start_engine(config: EngineConfig, adapters: RayAdapterCache | None) -> AsyncEngine:

@@ -61,6 +61,7 @@ class ReplicaStats:
     prefix_cache: PrefixCacheStats
     forwarded: int  # requests this replica sent to a peer that holds their adapter
     peer_adapters: dict[str, list[str]]  # per peer replica: the adapters it holds, as this one last heard
+    preloaded: list[str]  # adapters it holds because they were hot elsewhere (deployments/routing/replication.py)
 
     def adapter_requests(self, adapter: str) -> int:
         """The requests this replica has run for the adapter of this name, in any of its versions (its keys)."""
@@ -72,17 +73,27 @@ class ReplicaStats:
 
     @classmethod
     def of(cls, replica: str, node_id: str, s: EngineStats, adapters: dict[str, AdapterStats], forwarded: int,
-           peer_adapters: dict[str, list[str]]) -> ReplicaStats:
+           peer_adapters: dict[str, list[str]], preloaded: list[str]) -> ReplicaStats:
         return cls(replica, node_id, s.waiting, s.running, s.kv_blocks_used, s.kv_blocks_total, s.kv_utilisation,
                    s.waiting_for_adapter, list(s.resident_adapters), adapters, PrefixCacheStats.of(s), forwarded,
-                   peer_adapters)
+                   peer_adapters, preloaded)
 
 
 def engine_info(name: str, engine: AsyncEngine) -> dict:
     """For /info: memory accounting (weight bytes by dtype, KV bytes per token, blocks and token capacity, adapter
-    slot bytes), prefix-cache and device-slot counts, and requests and KV blocks in use, of the engine `name`."""
+    slot bytes), prefix-cache and device-slot counts, requests and KV blocks in use, and each adapter's requests so
+    far, of the engine `name`."""
     s = engine.stats()
     return {"replica": name, "memory": engine.memory().to_dict(),
             "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
             "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
-            "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used}
+            "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used,
+            "adapter_requests": _requests_by_name(engine.adapter_stats())}
+
+
+def _requests_by_name(adapters: dict[str, AdapterStats]) -> dict[str, int]:
+    """Each adapter's requests in this engine by the name clients use, summed over its versions (keys)."""
+    counts: dict[str, int] = {}
+    for key, usage in adapters.items():
+        counts[key_name(key)] = counts.get(key_name(key), 0) + usage.requests
+    return counts

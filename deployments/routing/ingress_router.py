@@ -11,7 +11,9 @@ application with the private `Application._with_ingress_request_router`, the hoo
 
 The choice is the engine deployment's own router (deployments/routing/request_router.py), run here through a handle's
 `choose_replica` without reserving a slot: it ranks the replicas by adapter residence, cached prefix and load
-(deployments/routing/policy.py). Unlike Serve's proxy, which does not read bodies, this router reads the body, so it
+(deployments/routing/policy.py). Within a rank it takes a replica at random rather than Serve's shorter queue:
+a choice without a reservation, and requests that then go to a replica's own port, leave Serve's cache of queue
+lengths as it was until it expires (10 s), so every request would go to the same replica. Unlike Serve's proxy, which does not read bodies, this router reads the body, so it
 knows the adapter of every request, not only of those whose client set the header. Prompt digests are left to
 the replica (deployments/routing/peer_view.py), which tokenizes the prompt anyway: the router stays one cheap JSON parse
 a request.
@@ -67,8 +69,9 @@ class AdapterRouter:
         """{"replica_id": ..., "request_headers": {...}}: the replica HAProxy sends the request to."""
         adapter = requested_adapter(await request.body(), self._model_name)
         handle = self._server.options(multiplexed_model_id=adapter) if adapter else self._server
+        route = RouteRequest(adapter=adapter, unreserved=True)
         try:
-            async with handle.choose_replica(RouteRequest(adapter=adapter), _reserve=False) as selection:
+            async with handle.choose_replica(route, _reserve=False) as selection:
                 replica_id = selection.replica_id
         except DeploymentUnavailableError as exc:
             raise HTTPException(503, str(exc)) from None

@@ -11,7 +11,11 @@ is left when a request says nothing of adapter or prompt. The other replicas com
 residence and a cached prefix save a copy and a prefill, never a long queue or a preemption for KV space.
 
 A hot adapter spreads: once every replica that holds it runs `hot_adapter_requests` of its requests, residence
-stops counting for it, so prefix and load choose, and the replica chosen fetches the adapter too.
+stops counting for it, so prefix and load choose, and the replica chosen fetches the adapter too. Replicas also
+preload a hot adapter ahead of its requests and drop it when it cools (deployments/routing/replication.py); while
+some holder runs `hot_adapter_requests` of them, its holders rank alike, whatever their tier and cached prefix, so
+load spreads it over them. `hot_adapter_requests: None` turns all of this off: residence alone routes an adapter's
+requests.
 
 The same ranking serves Ray's router (deployments/routing/request_router.py: the HTTP proxy, and a replica's handle
 to its peers) and a replica deciding whether to serve a request it parsed or to forward it
@@ -34,6 +38,8 @@ class RouteRequest:
     prompt_digests: tuple[int, ...] = ()  # engine/block_manager.py prompt_digests, empty when not tokenized
     target: str | None = None  # the replica a forwarding replica chose; the router sends it there if it can
     sender: str | None = None  # the replica that forwarded it; the router sends it elsewhere while it can
+    unreserved: bool = False  # chosen without reserving a slot (HAProxy's ingress router): Serve's queue-length cache
+    # then goes stale, so the router orders a rank at random itself (request_router.py: probe_order)
 
 
 def serve_replica_id(replica: str) -> str:
@@ -44,13 +50,14 @@ def serve_replica_id(replica: str) -> str:
 @dataclass(frozen=True)
 class RoutingPolicy:
     imbalance: int = 8  # requests more than the least loaded replica's that residence and prefix may outweigh
-    hot_adapter_requests: int = 16  # an adapter's requests on each holder past which it spreads
+    hot_adapter_requests: int | None = 16  # an adapter's requests on each holder past which it spreads; None: never
     kv_high: float = 0.9  # a replica whose KV cache is this full ranks last, with the overloaded ones
 
     def __post_init__(self):
-        if self.imbalance < 0 or self.hot_adapter_requests < 1 or not 0 < self.kv_high <= 1:
-            raise ValueError(f"routing policy: imbalance must be >= 0, hot_adapter_requests >= 1 and kv_high in "
-                             f"(0, 1], got {self.imbalance}, {self.hot_adapter_requests} and {self.kv_high}")
+        hot = self.hot_adapter_requests
+        if self.imbalance < 0 or (hot is not None and hot < 1) or not 0 < self.kv_high <= 1:
+            raise ValueError(f"routing policy: imbalance must be >= 0, hot_adapter_requests >= 1 or None and "
+                             f"kv_high in (0, 1], got {self.imbalance}, {self.hot_adapter_requests} and {self.kv_high}")
 
 
 def rank(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> list[list[ReplicaReport]]:
@@ -68,10 +75,11 @@ def rank(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPol
     return _ranks(request, near, policy) + [[r] for r in far]
 
 
-def is_hot(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> bool:
-    adapter = request.adapter
-    holders = [r for r in reports if adapter is not None and _tier(r, request) >= AdapterTier.CPU]
-    return bool(holders) and min(r.adapter_requests.get(adapter, 0) for r in holders) >= policy.hot_adapter_requests
+def _holder_loads(request: RouteRequest, reports: list[ReplicaReport]) -> list[int]:
+    """The adapter's requests on each replica that holds it (device slot or CPU copy)."""
+    if request.adapter is None:
+        return []
+    return [r.adapter_requests.get(request.adapter, 0) for r in reports if _tier(r, request) >= AdapterTier.CPU]
 
 
 def _tier(report: ReplicaReport, request: RouteRequest) -> AdapterTier:
@@ -79,11 +87,17 @@ def _tier(report: ReplicaReport, request: RouteRequest) -> AdapterTier:
 
 
 def _ranks(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> list[list[ReplicaReport]]:
-    hot = is_hot(request, reports, policy)
+    """Hot on every holder: residence stops counting. Hot on some holder: its holders rank alike, whatever their
+    tier and cached prefix, so load spreads it over them (a replica that preloaded it among them)."""
+    loads, level = _holder_loads(request, reports), policy.hot_adapter_requests
+    hot = bool(loads) and level is not None and min(loads) >= level
+    warm = bool(loads) and level is not None and max(loads) >= level
     groups: dict[tuple[int, int], list[ReplicaReport]] = {}
     for r in reports:
         tier = AdapterTier.COLD if hot else _tier(r, request)
-        groups.setdefault((-tier, -r.cached_blocks(request.prompt_digests)), []).append(r)
+        held_alike = warm and tier >= AdapterTier.CPU
+        key = (-AdapterTier.SLOT, 0) if held_alike else (-tier, -r.cached_blocks(request.prompt_digests))
+        groups.setdefault(key, []).append(r)
     return [_two_at_random(groups[score]) for score in sorted(groups)]
 
 

@@ -16,6 +16,7 @@ would come back to its sender through Ray (deployments/routing/peer_view.py).
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
@@ -37,7 +38,7 @@ _LIVE: dict[tuple[str, str], frozenset[str]] = {}
 
 
 class LoraAwareRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, imbalance: int = 8, hot_adapter_requests: int = 16, kv_high: float = 0.9):
+    def initialize_state(self, imbalance: int = 8, hot_adapter_requests: int | None = 16, kv_high: float = 0.9):
         """request_router_kwargs of the deployment's request_router_config (Serve calls this once, after
         construction, with no arguments when there are none)."""
         self.policy = RoutingPolicy(imbalance, hot_adapter_requests, kv_high)
@@ -75,7 +76,10 @@ def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
 
 
 def probe_order(request: RouteRequest, ranks: list[list[ReplicaReport]]) -> list[list[ReplicaReport]]:
-    """The ranks in the order Serve probes them: a target at the front is tried TARGET_PROBES times."""
+    """The ranks in the order Serve probes them: a target at the front is tried TARGET_PROBES times; a choice made
+    without a reservation takes each rank's replicas one at a time, in random order."""
+    if request.unreserved:
+        return [[r] for rank in ranks for r in random.sample(rank, len(rank))]
     if request.target is None or not ranks or ranks[0][0].replica != request.target:
         return ranks
     return [ranks[0]] * TARGET_PROBES + ranks[1:]
