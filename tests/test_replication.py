@@ -68,9 +68,9 @@ def test_the_replicator_preloads_then_releases_through_its_callables():
     fetched, dropped = [], []
     replicator = Replicator(HOT, fetched.append, dropped.append)
     own = report("r2")
-    replicator.follow(own, [report("r1", ("hot",), {"hot": HOT})])
+    signals = replicator.follow(own, [report("r1", ("hot",), {"hot": HOT})])
     assert fetched == ["hot"] and replicator.preloaded == {"hot"}
-    assert replicator.signals(report("r2", ("hot",)), [report("r1", ("hot",), {"hot": HOT})]).preloaded == 1
+    assert signals.preloaded == 1
     replicator.follow(report("r2", ("hot",)), [report("r1", ("hot",))])
     assert dropped == ["hot"] and replicator.preloaded == set()
 

@@ -287,8 +287,7 @@ class LLMServer:
         if self._peers is not None:
             self._peers.update(view.peers if view is not None else None)
         if self._replicator is not None and view is not None:
-            self._replicator.follow(self._report, view.peers)
-            self._replication = self._replicator.signals(self._report, view.peers)
+            self._replication = self._replicator.follow(self._report, view.peers)
 
     def _build_report(self, s: EngineStats) -> ReplicaReport:
         """This replica's report: its adapters by name and content id, current versions only

@@ -27,6 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from deployments.routing.replication import AdapterSpread
 from lora_cache.replica_report import AdapterTier, ReplicaReport
 
 
@@ -75,13 +76,6 @@ def rank(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPol
     return _ranks(request, near, policy) + [[r] for r in far]
 
 
-def _holder_loads(request: RouteRequest, reports: list[ReplicaReport]) -> list[int]:
-    """The adapter's requests on each replica that holds it (device slot or CPU copy)."""
-    if request.adapter is None:
-        return []
-    return [r.adapter_requests.get(request.adapter, 0) for r in reports if _tier(r, request) >= AdapterTier.CPU]
-
-
 def _tier(report: ReplicaReport, request: RouteRequest) -> AdapterTier:
     return report.tier(request.adapter, request.content_id)
 
@@ -89,9 +83,9 @@ def _tier(report: ReplicaReport, request: RouteRequest) -> AdapterTier:
 def _ranks(request: RouteRequest, reports: list[ReplicaReport], policy: RoutingPolicy) -> list[list[ReplicaReport]]:
     """Hot on every holder: residence stops counting. Hot on some holder: its holders rank alike, whatever their
     tier and cached prefix, so load spreads it over them (a replica that preloaded it among them)."""
-    loads, level = _holder_loads(request, reports), policy.hot_adapter_requests
-    hot = bool(loads) and level is not None and min(loads) >= level
-    warm = bool(loads) and level is not None and max(loads) >= level
+    level = policy.hot_adapter_requests if request.adapter is not None else None  # the base model never spreads
+    spread = AdapterSpread.of(request.adapter, reports, request.content_id) if level is not None else None
+    hot, warm = (spread.hot(level), spread.warm(level)) if spread is not None else (False, False)
     groups: dict[tuple[int, int], list[ReplicaReport]] = {}
     for r in reports:
         tier = AdapterTier.COLD if hot else _tier(r, request)

@@ -31,21 +31,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AdapterSpread:
-    """One adapter across the replicas: which hold it, and its requests on each."""
+    """One adapter across the replicas: which hold it, and its requests on each. Routing's ranking
+    (deployments/routing/policy.py) and replication read hot and warm from it alike."""
     adapter: str
     holders: tuple[ReplicaReport, ...]
 
     @classmethod
-    def of(cls, adapter: str, reports: list[ReplicaReport]) -> AdapterSpread:
-        return cls(adapter, tuple(r for r in reports if r.tier(adapter) >= AdapterTier.CPU))
+    def of(cls, adapter: str, reports: list[ReplicaReport], content_id: str | None = None) -> AdapterSpread:
+        """Its holders among `reports`, of version `content_id` when the asker knows which it wants."""
+        return cls(adapter, tuple(r for r in reports if r.tier(adapter, content_id) >= AdapterTier.CPU))
+
+    def counts(self) -> list[int]:
+        """Its requests on each holder."""
+        return [r.adapter_requests.get(self.adapter, 0) for r in self.holders]
 
     def requests(self) -> int:
-        return sum(r.adapter_requests.get(self.adapter, 0) for r in self.holders)
+        return sum(self.counts())
 
     def hot(self, hot_requests: int) -> bool:
-        """Every holder runs at least `hot_requests` of its requests."""
-        counts = [r.adapter_requests.get(self.adapter, 0) for r in self.holders]
+        """Every holder runs at least `hot_requests` of its requests: only another replica can take more."""
+        counts = self.counts()
         return bool(counts) and min(counts) >= hot_requests
+
+    def warm(self, hot_requests: int) -> bool:
+        """Some holder runs at least `hot_requests` of its requests: its holders should share them."""
+        return max(self.counts(), default=0) >= hot_requests
 
     def cool(self, hot_requests: int) -> bool:
         """Its requests would fit one holder fewer at half the hot level."""
@@ -98,17 +108,16 @@ class Replicator:
         self._fetch, self._drop = fetch, drop
         self.preloaded: set[str] = set()  # adapters this replica fetched because they were hot elsewhere
 
-    def follow(self, own: ReplicaReport, peers: list[ReplicaReport]) -> None:
-        """Preload what is hot elsewhere and release what has cooled. An adapter that fails to fetch (a bad one, or
-        one unregistered meanwhile) is left to the requests that ask for it, which report why."""
+    def follow(self, own: ReplicaReport, peers: list[ReplicaReport]) -> ReplicationSignals:
+        """Preload what is hot elsewhere and release what has cooled; what the autoscaling policy should hear now.
+        An adapter that fails to fetch (a bad one, or one unregistered meanwhile) is left to the requests that ask
+        for it, which report why."""
         for name in to_preload(own, peers, self.hot_requests):
             if _tried(self._fetch, name, "preload"):
                 self.preloaded.add(name)
         for name in to_release(own, peers, self.preloaded, self.hot_requests):
             _tried(self._drop, name, "release")
             self.preloaded.discard(name)
-
-    def signals(self, own: ReplicaReport, peers: list[ReplicaReport]) -> ReplicationSignals:
         return ReplicationSignals(unspreadable(own, peers, self.hot_requests), len(self.preloaded))
 
 
