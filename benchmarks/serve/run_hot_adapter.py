@@ -16,7 +16,7 @@ prompt and a question. Before the timed load, 4 requests of the hot adapter one 
 as an adapter is before its load rises; then CONCURRENCY clients in a closed loop stream /v1/completions of TOKENS
 tokens. Figures per
 server: the hot adapter's TTFT p50 and p99 and the other adapters' p99 at the client, tokens/s, and how many of the
-hot adapter's requests each replica ran (its /info counters do not tell adapters apart: each replica's stats do).
+hot adapter's requests each replica ran (each replica's /info: `adapter_requests`).
 Writes hot_adapter.md and hot_adapter.png to benchmarks/results/KIND/ and hot_adapter.json to benchmarks/runs/KIND/.
 """
 
@@ -35,13 +35,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import requests  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.common import (benchmark_args, environment, markdown_table, report_header,  # noqa: E402
                                save_results, value_range)
 from benchmarks.serve.http_servers import Server, start_lora_serve  # noqa: E402
-from benchmarks.serve.run_routing import wait_ready, write_adapters, write_config  # noqa: E402
+from benchmarks.serve.run_routing import replica_infos, wait_ready, write_adapters, write_config  # noqa: E402
 from benchmarks.serve.run_serve_load import Timing, quantile, stream_one  # noqa: E402
 from benchmarks.workloads import PROMPTS  # noqa: E402
 
@@ -89,14 +88,8 @@ async def closed_loop(server: Server, load: list[tuple[str, str]],
 
 
 def adapter_requests(server: Server, adapter: str) -> dict[str, int]:
-    """Each replica's requests of `adapter` so far, by replica, from its /info (the proxy spreads /info over both)."""
-    seen: dict[str, int] = {}
-    for _ in range(100):
-        info = requests.get(f"{server.url}/info", timeout=30).json()
-        seen[info["replica"]] = info["adapter_requests"].get(adapter, 0)
-        if len(seen) == 2:
-            return seen
-    raise RuntimeError(f"/info reached {len(seen)} replica(s) only")
+    """Each replica's requests of `adapter` so far, by replica, from its /info."""
+    return {replica: info["adapter_requests"].get(adapter, 0) for replica, info in replica_infos(server).items()}
 
 
 def run_variant(variant: str, imbalance: int, config: Path, tmp: Path, rnd: int, load: list[tuple[str, str]],

@@ -138,15 +138,20 @@ def workload(names: list[str], num: int, seed: int) -> list[tuple[str, str]]:
     return [(names[k], f"{system[k]}\nQuestion {i}: {PROMPTS[i % len(PROMPTS)]}") for i, k in enumerate(drawn)]
 
 
-def replica_counters(server: Server) -> dict[str, Counters]:
-    """Each replica's /info counters, by replica (the proxy spreads /info over both)."""
-    seen: dict[str, Counters] = {}
+def replica_infos(server: Server) -> dict[str, dict]:
+    """Each replica's /info, by replica (the proxy spreads /info over both)."""
+    seen: dict[str, dict] = {}
     for _ in range(100):
         info = requests.get(f"{server.url}/info", timeout=30).json()
-        seen[info["replica"]] = Counters.of(info)
+        seen[info["replica"]] = info
         if len(seen) == 2:
             return seen
     raise RuntimeError(f"/info reached {len(seen)} replica(s) only")
+
+
+def replica_counters(server: Server) -> dict[str, Counters]:
+    """Each replica's /info counters, by replica."""
+    return {replica: Counters.of(info) for replica, info in replica_infos(server).items()}
 
 
 def wait_ready(server: Server, timeout_s: float = 300) -> None:

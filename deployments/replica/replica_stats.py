@@ -65,7 +65,7 @@ class ReplicaStats:
 
     def adapter_requests(self, adapter: str) -> int:
         """The requests this replica has run for the adapter of this name, in any of its versions (its keys)."""
-        return sum(usage.requests for key, usage in self.adapters.items() if key_name(key) == adapter)
+        return requests_by_name(self.adapters).get(adapter, 0)
 
     def holds_on_device(self, adapter: str) -> bool:
         """Whether a version of the adapter of this name is in one of its device slots."""
@@ -88,10 +88,10 @@ def engine_info(name: str, engine: AsyncEngine) -> dict:
             "prefix_cache": dataclasses.asdict(PrefixCacheStats.of(s)),
             "adapter_slots": dataclasses.asdict(AdapterSlotStats.of(s)), "running": s.running,
             "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used,
-            "adapter_requests": _requests_by_name(engine.adapter_stats())}
+            "adapter_requests": requests_by_name(engine.adapter_stats())}
 
 
-def _requests_by_name(adapters: dict[str, AdapterStats]) -> dict[str, int]:
+def requests_by_name(adapters: dict[str, AdapterStats]) -> dict[str, int]:
     """Each adapter's requests in this engine by the name clients use, summed over its versions (keys)."""
     counts: dict[str, int] = {}
     for key, usage in adapters.items():

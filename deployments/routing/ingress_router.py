@@ -11,12 +11,12 @@ application with the private `Application._with_ingress_request_router`, the hoo
 
 The choice is the engine deployment's own router (deployments/routing/request_router.py), run here through a handle's
 `choose_replica` without reserving a slot: it ranks the replicas by adapter residence, cached prefix and load
-(deployments/routing/policy.py). Within a rank it takes a replica at random rather than Serve's shorter queue:
-a choice without a reservation, and requests that then go to a replica's own port, leave Serve's cache of queue
-lengths as it was until it expires (10 s), so every request would go to the same replica. Unlike Serve's proxy, which does not read bodies, this router reads the body, so it
-knows the adapter of every request, not only of those whose client set the header. Prompt digests are left to
-the replica (deployments/routing/peer_view.py), which tokenizes the prompt anyway: the router stays one cheap JSON parse
-a request.
+(deployments/routing/policy.py). Within a rank it takes a replica at random rather than Serve's shorter queue: a choice
+without a reservation, and requests that then go to a replica's own port, leave Serve's cache of queue lengths as it was
+until it expires (10 s), so every request would go to the same replica. Unlike Serve's proxy, which does not read
+bodies, this router reads the body, so it knows the adapter of every request, not only of those whose client set the
+header. Prompt digests are left to the replica (deployments/routing/peer_view.py), which tokenizes the prompt anyway:
+the router stays one cheap JSON parse a request.
 
 In `benchmarks serve_load` (against vLLM's OpenAI server) HAProxy served about vLLM's tokens/s or more, with a
 lower TTFT, where Serve's Python proxy served fewer tokens/s with a higher TTFT; the router and HAProxy took a
