@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import openai
 import pytest
@@ -176,3 +177,29 @@ def test_a_forwarded_request_back_before_its_first_event_is_served_here_from_the
     stream = ForwardedEvents(forwarded, lambda: LocalEvents(here(), abort), lambda: ended.append(True))
     assert asyncio.run(_lines(stream)) == events
     assert forwarded.cancelled and ended == [True]
+
+
+def test_a_forwarded_request_marked_back_is_served_here_though_its_ray_stream_never_ends(tokenizer):
+    """Returned to its sender, whose Ray stream onto itself never ends: the sender serves it once the receiving call
+    marks it come back (from another thread, as a call on another event loop would), and gives up the stream;
+    forwards that have not come back still wait for their peer."""
+    from deployments.replica.event_streams import Comebacks, ForwardedEvents, LocalEvents
+
+    events = [_event(tokenizer, " the"), _event(tokenizer, " cat")]
+
+    async def here():
+        for event in events:
+            yield event
+
+    async def abort():
+        pass
+
+    comebacks = Comebacks()
+    (forward_id, came_back), (_, waiting) = comebacks.open(), comebacks.open()
+    never_ends = _PeerDiesAfter([], every_s=3600)
+    stream = ForwardedEvents(never_ends, lambda: LocalEvents(here(), abort), lambda: comebacks.close(forward_id),
+                             came_back)
+    threading.Timer(0.2, comebacks.came_back, (forward_id,)).start()
+    assert asyncio.run(asyncio.wait_for(_lines(stream), 30)) == events
+    assert never_ends.cancelled and not waiting.done()
+    comebacks.came_back(forward_id)  # closed: a late mark is a no-op

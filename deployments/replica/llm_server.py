@@ -34,7 +34,7 @@ from deployments.control_node import ControlPlacement
 from deployments.gate.gate import Gate, GateConfig
 from deployments.gate.ray_ledger import RayLedger
 from deployments.replica.engine_events import AdapterFetch, EngineEvents, EventRequest, RequestWatch
-from deployments.replica.event_streams import ForwardedEvents, LocalEvents, ReturnedToSender
+from deployments.replica.event_streams import Comebacks, ForwardedEvents, LocalEvents, ReturnedToSender
 from deployments.replica.metrics import ServingMetrics
 from deployments.replica.openmp import intel_openmp_loaded
 from deployments.replica.pacing import STREAM_INTERVAL_MS, EventPacer
@@ -112,6 +112,7 @@ class LLMServer:
         self._replicator = self._replicator_of(routing)
         self._replication = ReplicationSignals(0, 0)  # as the last report interval found it
         self._forwarded = 0  # requests this replica sent to a peer
+        self._comebacks = Comebacks()  # those of them in flight, to learn at once of one sent back here
         self._in_flight: Counter[str | None] = Counter()  # adapter key (None: base model) -> requests here
         self._report = ReplicaReport(self.replica)
         self._node_store: frozenset[str] = frozenset()  # adapters in this node's object store, per the cache actor
@@ -159,15 +160,20 @@ class LLMServer:
         and content id, and its target resolves the key itself."""
         key = self._key(adapter)
         route = self._forward_route(prompt, params, key)
-        if route is not None:
-            if self._peer_handle is None:
-                self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
-            self._forwarded += 1
-            return ForwardedEvents(self._peer_handle.forwarded.remote(route, prompt, params, stream,
-                                                                      self.tracing.carrier(adapter)),
-                                   lambda: self._serve_here(prompt, params, key, stream),
-                                   lambda: self._peers.finished(route))
-        return self._serve_here(prompt, params, key, stream)
+        if route is None:
+            return self._serve_here(prompt, params, key, stream)
+        if self._peer_handle is None:
+            self._peer_handle = serve.get_deployment_handle(*self._deployment).options(stream=True)
+        self._forwarded += 1
+        forward_id, came_back = self._comebacks.open()
+        events = self._peer_handle.forwarded.remote(route, prompt, params, stream, self.tracing.carrier(adapter),
+                                                    forward_id)
+        return ForwardedEvents(events, lambda: self._serve_here(prompt, params, key, stream),
+                               lambda: self._forward_ended(route, forward_id), came_back)
+
+    def _forward_ended(self, route: RouteRequest, forward_id: str) -> None:
+        self._peers.finished(route)
+        self._comebacks.close(forward_id)
 
     def _key(self, adapter: str | None) -> str | None:
         """The key the engine knows adapter `adapter` by now; None for the base model."""
@@ -199,11 +205,13 @@ class LLMServer:
         return RouteRequest(key_name(key), self.adapter_cache.content_id(key), tuple(digests))
 
     async def forwarded(self, route: RouteRequest, prompt: str | list[int], params: SamplingParams,
-                        stream: bool = True, trace: TraceCarrier | None = None) -> AsyncIterator[TokenEvent | Refusal]:
+                        stream: bool = True, trace: TraceCarrier | None = None,
+                        forward_id: str | None = None) -> AsyncIterator[TokenEvent | Refusal]:
         """A request another replica forwarded here (Serve's router reads `route`:
         deployments/routing/request_router.py), in the trace it carries; refused at once when it came back to the
-        replica that forwarded it (deployments/replica/event_streams.py)."""
+        replica that forwarded it, which also learns it in process (deployments/replica/event_streams.py)."""
         if route.sender == self.replica:
+            self._comebacks.came_back(forward_id)
             raise ReturnedToSender(self.replica)
         async for event in self._generate(uuid.uuid4().hex, prompt, params, self._key(route.adapter), stream, trace):
             yield event
