@@ -41,6 +41,7 @@ from engine.sampler import SampledTokens, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.speculative.speculator import Speculator
 from engine.step_cost import StepCost, StepShape
 from engine.tokens_in_flight import Readback
 from engine.transfer import to_device
@@ -126,8 +127,9 @@ class LLMEngine:
         """The scheduler over the blocks and adapter slots, with a step-cost model where steps are sized by time."""
         limits = config.scheduler
         self.step_cost = StepCost(limits.step_time_target_s) if limits.step_time_target_s is not None else None
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative.enabled else None
         return Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, self.adapter_slots,
-                         config.lora.max_adapter_wait_s, self.long_rope_switch, self.step_cost)
+                         config.lora.max_adapter_wait_s, self.long_rope_switch, self.step_cost, self.speculator)
 
     def _log_plan(self, config: EngineConfig) -> None:
         quantized = f", {config.model.quantization}" if config.model.quantization != "none" else ""
@@ -320,7 +322,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=prefix.evictions,
             adapter_slot_acquisitions=self.adapter_slots.acquisitions if self.adapter_slots else 0,
-            adapter_slot_loads=self.adapter_slots.loads if self.adapter_slots else 0)
+            adapter_slot_loads=self.adapter_slots.loads if self.adapter_slots else 0,
+            speculative_proposed_tokens=self.speculator.stats.proposed if self.speculator else 0,
+            speculative_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0)
 
     def cached_prefix_digests(self) -> frozenset[int]:
         """Digests of the prompt blocks in the prefix cache (engine/block_manager.py), for a router."""
@@ -366,7 +370,7 @@ class LLMEngine:
             self._sample(launched)
         else:
             self._sample(launched)
-            outputs = self._read_back()
+            outputs = self._read_back() + self._verify_drafts(launched)
         self._observe(plan.shape, time.perf_counter() - start)
         return outputs
 
@@ -388,7 +392,7 @@ class LLMEngine:
         for scores in result.prompt_scores:
             _record_prompt_logprobs(scores)
         for s in scheduled:
-            s.seq.computed(s.num_new_tokens)
+            s.seq.computed(s.num_known_tokens)  # a draft's K/V counts once its tokens are accepted
         return LaunchedStep(scheduled, result)
 
     def _sample(self, launched: LaunchedStep | None) -> None:
@@ -400,16 +404,47 @@ class LLMEngine:
         for s in launched.scheduled:
             if not s.seq.is_finished:
                 self._settle(s.seq)
-        rows = [i for i, s in enumerate(launched.result.sampling) if not s.seq.is_finished]
+        sampling, logits = launched.result.sampling, launched.result.logits
+        rows = [row for s, row in zip(sampling, _first_rows(sampling)) if not s.seq.is_finished and not s.draft]
         if not rows:
             return
-        logits, seqs = launched.result.logits, [launched.result.sampling[i].seq for i in rows]
-        if len(rows) < len(launched.result.sampling):
+        seqs = [s.seq for s in sampling if not s.seq.is_finished and not s.draft]
+        if len(rows) < logits.shape[0]:
             logits = logits[to_device(rows, logits.device)]
         sampled = self.sampler.sample(logits, seqs, self._masks(seqs))
         for index, seq in enumerate(seqs):
             seq.reserve_token(index)
         self._in_flight = InFlight(seqs, sampled, self.runner.backend.readback(sampled))
+
+    def _verify_drafts(self, launched: LaunchedStep | None) -> list[RequestOutput]:
+        """The step's drafts against the model's argmax at each of their rows (engine/speculative/): each sequence
+        takes the agreeing prefix and the model's next token, as decoding them one step at a time would."""
+        if launched is None or self.speculator is None:
+            return []
+        sampling, logits = launched.result.sampling, launched.result.logits
+        drafted = [(s, row) for s, row in zip(sampling, _first_rows(sampling)) if s.draft and not s.seq.is_finished]
+        if not drafted:
+            return []
+        rows = [row + i for s, row in drafted for i in range(len(s.draft) + 1)]
+        targets = self.sampler.ops.argmax(logits[to_device(rows, logits.device)]).tolist()
+        outputs, at = [], 0
+        for s, _ in drafted:
+            outputs += self._accept(s, targets[at:at + len(s.draft) + 1])
+            at += len(s.draft) + 1
+        return outputs
+
+    def _accept(self, s: ScheduledSeq, targets: list[int]) -> list[RequestOutput]:
+        """The accepted tokens into the sequence, one output each, up to the one that finishes it."""
+        seq, tokens = s.seq, self.speculator.accept(s.draft, targets)
+        detok = self.requests[seq.request_id].detokenizer
+        outputs = []
+        for token in tokens:
+            outputs.append(self._process_token(seq, detok, token, None, []))
+            if seq.is_finished:
+                return outputs
+        seq.computed(len(tokens) - 1)  # the accepted draft tokens' K/V, which this step wrote
+        self._settle(seq)
+        return outputs
 
     def _settle(self, seq: Sequence) -> None:
         self.block_manager.cache_computed_blocks(seq)
@@ -480,6 +515,16 @@ class LLMEngine:
             prompt_top_logprobs=prompt.top_logprobs, prompt_ranks=prompt.ranks, ttft=ttft, latency=latency,
             num_preemptions=seq.num_preemptions, new_logprobs=new_logprobs, new_top_logprobs=new_top,
             num_cached_tokens=seq.num_cached_tokens, times=_times(seq) if finished else None)
+
+
+def _first_rows(sampling: list[ScheduledSeq]) -> list[int]:
+    """Each sampling sequence's first row of the step's logits: a sequence with a draft has one row per draft
+    token more."""
+    rows, row = [], 0
+    for s in sampling:
+        rows.append(row)
+        row += 1 + len(s.draft)
+    return rows
 
 
 def _times(seq: Sequence) -> RequestTimes:

@@ -45,8 +45,8 @@ class PromptScores:
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [len(sampling), vocab] in the model's dtype (the sampler widens them where it must)
-    sampling: list[ScheduledSeq]  # the sequences that sample this step
+    logits: torch.Tensor  # [rows, vocab] in the model's dtype (the sampler widens them where it must)
+    sampling: list[ScheduledSeq]  # the sequences that sample this step, 1 + len(draft) rows each
     prompt_scores: list[PromptScores]
 
 

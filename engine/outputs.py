@@ -64,6 +64,8 @@ class EngineStats:
     prefix_cache_evictions: int = 0  # cached blocks reused for other tokens (cumulative)
     adapter_slot_acquisitions: int = 0  # adapter requests given a device slot (cumulative)
     adapter_slot_loads: int = 0  # of those, the ones whose adapter had to be copied into the slot
+    speculative_proposed_tokens: int = 0  # draft tokens verified (cumulative; engine/speculative/)
+    speculative_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
     @property
     def prefix_cache_hit_rate(self) -> float:

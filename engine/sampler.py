@@ -102,7 +102,7 @@ class Sampler:
         """`logits` [len(seqs), vocab] in the model's dtype. A step whose every row is plain greedy (no mask, no
         processor) takes the argmax of the logits as they are; any other widens them to float32 first. Logprobs
         are read from the logits as they are, either way. Nothing here waits for the device."""
-        if masks is None and all(_plain_greedy(seq) for seq in seqs):
+        if masks is None and all(plain_greedy(seq) for seq in seqs):
             tokens = self.ops.argmax(logits)
             return self._logprobs(logits, tokens, seqs)
         model_logits = logits
@@ -243,7 +243,7 @@ def _row_edits(seq: Sequence) -> list:
     return [edit for uses, edit in ROW_PROCESSORS if uses(seq)]
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
     """A row whose token is the argmax of the raw logits."""
     return seq.params.greedy and not _row_edits(seq)
 

@@ -32,6 +32,9 @@ A longrope model (engine/layers/rotary.py) turns a sequence with its long factor
 is recomputed on them from its start (restarted as a preemption is, though not counted as one), as transformers'
 Phi-3 drops its cache there. Its blocks are keyed apart in the prefix cache (block_manager.py).
 
+With speculative decoding (engine/speculative/) a decoding sequence may feed a draft behind its last token: the
+draft fits the step's tokens left and the free blocks, or it is dropped, so it never preempts another sequence.
+
 With async scheduling (engine/llm_engine.py) a step is scheduled before the tokens of the step before are read
 back: a sequence counts its token in flight (Sequence.reserve_token), and one whose token in flight is its last by
 length is not scheduled again. One that the token in flight ends otherwise (EOS, a stop string) runs one step whose
@@ -44,6 +47,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.layers.rotary import runs_long
@@ -51,16 +55,26 @@ from engine.lora.slots import AdapterSlots
 from engine.sequence import Sequence
 from engine.step_cost import StepCost, StepShape
 
+if TYPE_CHECKING:
+    from engine.speculative import Speculator
+
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # feeds seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    # rows the step feeds: seq.token_ids[num_computed_tokens : num_computed_tokens + num_known_tokens], then draft
+    num_new_tokens: int
+    draft: tuple[int, ...] = ()  # tokens proposed after the sequence's last one, verified by this step
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_new_tokens - len(self.draft)
 
     @property
     def completes_prompt(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so the step samples a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True when this chunk reaches the sequence's last token, so the step samples a new one (from each row
+        from there on, with a draft)."""
+        return self.seq.num_computed_tokens + self.num_known_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -91,9 +105,11 @@ class SchedulerOutput:
     adapter_copies: list[AdapterCopy] = field(default_factory=list)  # copied in before the step
     shape: StepShape = field(default_factory=lambda: StepShape(0, 0))  # its work, as the step-cost model counts it
 
-    def add(self, seq: Sequence, n: int, prefilling: bool) -> None:
-        self.scheduled.append(ScheduledSeq(seq, n))
-        self.shape = StepShape(self.shape.prefill_tokens + n * prefilling, self.shape.decodes + (not prefilling))
+    def add(self, seq: Sequence, n: int, prefilling: bool, draft: tuple[int, ...] = ()) -> None:
+        """n: rows, draft included; a draft's rows cost what prompt tokens with a context do."""
+        self.scheduled.append(ScheduledSeq(seq, n, draft))
+        prompt_rows = n if prefilling else len(draft)
+        self.shape = StepShape(self.shape.prefill_tokens + prompt_rows, self.shape.decodes + (not prefilling))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,11 +119,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  adapter_slots: AdapterSlots | None = None, max_adapter_wait_s: float = 1.0,
-                 long_rope_switch: int | None = None, step_cost: StepCost | None = None):
+                 long_rope_switch: int | None = None, step_cost: StepCost | None = None,
+                 speculator: Speculator | None = None):
         """step_cost: steps sized by time too, and the waiting queue ordered shortest prompt first with aging; None:
-        by tokens alone, first come first served within a priority."""
+        by tokens alone, first come first served within a priority. speculator: decoding sequences verify drafts
+        (engine/speculative/)."""
         self.block_manager = block_manager
         self.step_cost = step_cost
+        self.speculator = speculator
         self.long_rope_switch = long_rope_switch
         self.adapter_slots = adapter_slots
         self.max_adapter_wait_s = max_adapter_wait_s
@@ -165,15 +184,26 @@ class Scheduler:
             if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes still go
                 i += 1
                 continue
+            draft = () if prefilling else self._draft(seq, budget.tokens - n)
+            n += len(draft)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
                 plan.num_preempted += 1
                 if i >= len(self.running):  # seq itself was the newest and got preempted
                     return
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            plan.add(seq, n, prefilling)
+            plan.add(seq, n, prefilling, draft)
             budget.take(n, prefilling)
             i += 1
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The decoding sequence's draft, within the step's tokens left and the free blocks: a draft never costs
+        another sequence its blocks."""
+        if self.speculator is None:
+            return ()
+        draft = self.speculator.draft(seq, budget)
+        fits = self.block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft))
+        return draft if fits else ()
 
     def _admit_waiting(self, budget: StepBudget, plan: SchedulerOutput) -> None:
         """Admit waiting sequences into plan while the budget, max_num_seqs and the free blocks allow."""

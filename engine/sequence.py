@@ -59,6 +59,7 @@ class Sequence:
     penalty_tokens: PenaltyTokens | None = None  # made by the sampler when a penalty first applies
     grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (LLMEngine tokenizes)
+    ngrams: Any = None  # its n-gram index, made when it first speculates (engine/speculative/ngram.py)
     # set while its last output token is a placeholder: the token a step sampled that is still on the device, row
     # `pending_index` of that step's tokens (reserve_token); the next step reads its input from there
     pending_index: int | None = None
@@ -184,6 +185,11 @@ class Sequence:
         """What its sampling must keep to: a structured-output matcher, and bad words as token sequences."""
         self.grammar = grammar
         self.bad_words_ids = bad_words_ids
+
+    def index_ngrams(self, index: Any) -> Any:
+        """The n-gram index its drafts are proposed from, kept for its life (it grows with the sequence)."""
+        self.ngrams = index
+        return index
 
     def add_prompt_scores(self, first_index: int, logprobs: list, top_logprobs: list, ranks: list) -> None:
         """The scores of a chunk of its prompt tokens from position `first_index` (prompt_logprobs); the first

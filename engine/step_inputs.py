@@ -1,8 +1,8 @@
 """A scheduled step as the model's inputs: one flat batch, decodes first, then prompt chunks, with no padding.
 
 Per token an id, a position and a cache slot; per sequence its adapter run; the rows whose logits are sampled
-(the last token of each sequence that completes its prompt or decodes) and the prompt rows whose logprobs were
-asked for. The attention metadata and the prompt segments come from the step backend (engine/backends/), which
+(the last token of each sequence that completes its prompt or decodes, and each row of a speculative draft: those
+of one sequence are consecutive) and the prompt rows whose logprobs were asked for. The attention metadata and the prompt segments come from the step backend (engine/backends/), which
 knows how its kernels read the cache; this builder knows only the sequences.
 """
 
@@ -36,7 +36,7 @@ class StepInputs:
     """A step's flattened batch (decodes first): the model's inputs (`forward`, whose sample_rows are the last row
     of each chunk that completes its prompt) and the sequences they belong to."""
     forward: ForwardBatch  # a token still on the device (`pending`) is filled into its input_ids there
-    sampling: list[ScheduledSeq]  # the sequences of forward.sample_rows, in the same order
+    sampling: list[ScheduledSeq]  # the sequences of forward.sample_rows, in the same order (1 + len(draft) rows each)
     scoring: list[PromptChunkScoring]  # those of forward.scored, in the same order
     pending: PendingInputs
 
@@ -82,8 +82,8 @@ class StepBuilder:
                 in_place.append(InPlaceChunk(s.seq.block_table, end, row, s.num_new_tokens))
             elif not decoding:
                 prefills.append(self.backend.prefill_segment(s.seq.block_table, row, start, end))
-            if s.completes_prompt:
-                sample_rows.append(len(rows.input_ids) - 1)
+            if s.completes_prompt:  # a draft's rows each sample too: the model's token after each draft token
+                sample_rows += range(len(rows.input_ids) - 1 - len(s.draft), len(rows.input_ids))
                 sampling.append(s)
         return self._inputs(rows, ordered, decode, prefills, in_place, sample_rows, sampling, scoring)
 
@@ -93,7 +93,7 @@ class StepBuilder:
         start = seq.num_computed_tokens
         end = start + s.num_new_tokens
         row = len(rows.input_ids)
-        rows.input_ids += seq.token_slice(start, end)
+        rows.input_ids += seq.token_slice(start, start + s.num_known_tokens) + list(s.draft)
         rows.last_rows.append(len(rows.input_ids) - 1)
         offset = self.row_offset(seq)
         rows.positions += range(start + offset, end + offset)

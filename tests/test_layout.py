@@ -141,13 +141,13 @@ def test_the_device_test_pattern_finds_each_kind_of_test():
 
 
 # The engine's parts, lowest first: a module imports only parts at or below its own. The foundation (errors, the
-# config and the torch-free adapter types it names, the platform, host-to-device transfer) sits below them all; the
+# config and the torch-free adapter and speculation options it names, the platform, host-to-device transfer) sits below them all; the
 # engine's own modules (the runner, scheduler, executors, the engine itself) above them all.
 ENGINE_PARTS = {"config": -1, "kernels": 0, "distributed": 1, "layers": 2, "lora": 2, "models": 3}
 ENGINE_TOP = 4
 ENGINE_FOUNDATION = {"engine", "engine.errors", "engine.config", "engine.platform", "engine.transfer",
                      "engine.free_ports", "engine.lora.ids", "engine.lora.provider", "engine.lora.merge_spec",
-                     "engine.lora.config"}
+                     "engine.lora.config", "engine.speculative.config"}
 
 
 def engine_part(module: str) -> int:

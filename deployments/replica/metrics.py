@@ -117,11 +117,13 @@ class ServingMetrics:
             # a running total, as a gauge so that it is exported from the start (a Ray counter appears only once
             # incremented): increase() over it counts preemptions
             ("preemptions", "Running requests preempted for KV blocks since the replica started."))}
-        self.prefix_counters = {name: metrics.Counter(f"lora_serve_{name}", description) for name, description in (
+        self.total_counters = {name: metrics.Counter(f"lora_serve_{name}", description) for name, description in (
             ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache instead of computed."),
-            ("prefix_cache_evictions", "Cached prefix blocks reused for other tokens."))}
-        self._prefix_totals = dict.fromkeys(self.prefix_counters, 0)
+            ("prefix_cache_evictions", "Cached prefix blocks reused for other tokens."),
+            ("speculative_proposed_tokens", "Speculative draft tokens verified."),
+            ("speculative_accepted_tokens", "Speculative draft tokens the model agreed with."))}
+        self._totals = dict.fromkeys(self.total_counters, 0)
         self.adapters = AdapterGauges(self.labels)
 
     def start(self, adapter: str | None) -> RequestTimer:
@@ -166,8 +168,8 @@ class ServingMetrics:
                   "preemptions": stats.preemptions}
         for name, value in values.items():
             self.gauges[name].set(value)
-        for name, counter in self.prefix_counters.items():  # the engine keeps totals; counters take increments
+        for name, counter in self.total_counters.items():  # the engine keeps totals; counters take increments
             total = getattr(stats, name)
-            if total > self._prefix_totals[name]:
-                counter.inc(total - self._prefix_totals[name])
-                self._prefix_totals[name] = total
+            if total > self._totals[name]:
+                counter.inc(total - self._totals[name])
+                self._totals[name] = total

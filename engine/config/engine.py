@@ -22,12 +22,13 @@ from engine.config.options import DTYPES
 from engine.config.scheduler import SchedulerConfig
 from engine.lora.config import LoRAConfig
 from engine.lora.provider import ProviderOptions, default_options
+from engine.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
 
 CONCERNS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig,
-            "backend": BackendConfig, "sources": default_options()}
+            "backend": BackendConfig, "speculative": SpeculativeConfig, "sources": default_options()}
 
 
 class Option(NamedTuple):
@@ -58,6 +59,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     sources: ProviderOptions = dataclasses.field(default_factory=CONCERNS["sources"])
     log_stats: bool = True  # print the model's memory plan when the engine starts
 
@@ -102,8 +104,10 @@ class EngineConfig:
         self.scheduler.validate()
         self.lora.validate()
         self.backend.validate()
+        self.speculative.validate()
         self.sources.validate()
         self._validate_tensor_parallel()
+        self._validate_speculation()
 
     def _validate_tensor_parallel(self) -> None:
         """What tensor parallelism does not run yet, refused by name (what needs the model or the device is refused
@@ -113,6 +117,16 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction under tensor parallelism is not supported yet (each of the "
                              f"{size} workers would take that share of the free memory): set kv_cache_bytes, each "
                              f"worker's budget")
+
+    def _validate_speculation(self) -> None:
+        """What speculative decoding does not run with yet, refused by name."""
+        if not self.speculative.enabled:
+            return
+        if self.scheduler.async_scheduling:
+            raise ValueError("speculative decoding with async_scheduling is not supported yet: a draft is verified "
+                             "before the next step is scheduled")
+        if self.backend.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding under tensor parallelism is not supported yet")
 
     @property
     def compute_dtype(self) -> torch.dtype:
