@@ -127,7 +127,8 @@ class LLMEngine:
         """The scheduler over the blocks and adapter slots, with a step-cost model where steps are sized by time."""
         limits = config.scheduler
         self.step_cost = StepCost(limits.step_time_target_s) if limits.step_time_target_s is not None else None
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative.enabled else None
+        self.speculator = (Speculator(config.speculative, self.max_model_len, self.step_cost)
+                           if config.speculative.enabled else None)
         return Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, self.adapter_slots,
                          config.lora.max_adapter_wait_s, self.long_rope_switch, self.step_cost, self.speculator)
 
@@ -435,7 +436,7 @@ class LLMEngine:
 
     def _accept(self, s: ScheduledSeq, targets: list[int]) -> list[RequestOutput]:
         """The accepted tokens into the sequence, one output each, up to the one that finishes it."""
-        seq, tokens = s.seq, self.speculator.accept(s.draft, targets)
+        seq, tokens = s.seq, self.speculator.accept(s.seq, s.draft, targets)
         detok = self.requests[seq.request_id].detokenizer
         outputs = []
         for token in tokens:

@@ -143,19 +143,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = StepBudget(self.max_num_batched_tokens, self._prefill_budget())
+        decodes = sum(1 for seq in self.running if not _prefilling(seq))
+        budget = StepBudget(self.max_num_batched_tokens, self._prefill_budget(decodes))
         plan = SchedulerOutput([], 0)
-        self._schedule_running(budget, plan)
+        self._schedule_running(budget, plan, decodes)
         if plan.num_preempted == 0:
             self._order_waiting()
             self._admit_waiting(budget, plan)
         return plan
 
-    def _prefill_budget(self) -> int:
+    def _prefill_budget(self, decodes: int) -> int:
         """The step's prompt tokens: what fits the step-time target beside its decodes, or the token budget."""
         if self.step_cost is None:
             return self.max_num_batched_tokens
-        decodes = sum(1 for seq in self.running if not _prefilling(seq))
         return self.step_cost.prefill_budget(decodes)
 
     def _order_waiting(self) -> None:
@@ -168,8 +168,9 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=lambda seq: (
             seq.params.priority, seq.num_uncomputed_tokens - rate * (now - seq.arrival_time))))
 
-    def _schedule_running(self, budget: StepBudget, plan: SchedulerOutput) -> None:
-        """Schedule the running sequences into plan (preempting the newest when blocks run out), out of budget."""
+    def _schedule_running(self, budget: StepBudget, plan: SchedulerOutput, decodes: int) -> None:
+        """Schedule the running sequences into plan (preempting the newest when blocks run out), out of budget;
+        `decodes` of them decode."""
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
@@ -184,7 +185,7 @@ class Scheduler:
             if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes still go
                 i += 1
                 continue
-            draft = () if prefilling else self._draft(seq, budget.tokens - n)
+            draft = () if prefilling else self._draft(seq, budget.tokens - n, decodes)
             n += len(draft)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
@@ -196,12 +197,12 @@ class Scheduler:
             budget.take(n, prefilling)
             i += 1
 
-    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+    def _draft(self, seq: Sequence, budget: int, decodes: int) -> tuple[int, ...]:
         """The decoding sequence's draft, within the step's tokens left and the free blocks: a draft never costs
         another sequence its blocks."""
         if self.speculator is None:
             return ()
-        draft = self.speculator.draft(seq, budget)
+        draft = self.speculator.draft(seq, budget, decodes)
         fits = self.block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft))
         return draft if fits else ()
 

@@ -59,7 +59,7 @@ class Sequence:
     penalty_tokens: PenaltyTokens | None = None  # made by the sampler when a penalty first applies
     grammar: Any = None  # llguidance matcher of a structured-output request (engine/grammar.py)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (LLMEngine tokenizes)
-    ngrams: Any = None  # its n-gram index, made when it first speculates (engine/speculative/ngram.py)
+    speculation: Any = None  # its n-gram index and drafts' record, made when it first speculates (engine/speculative/)
     # set while its last output token is a placeholder: the token a step sampled that is still on the device, row
     # `pending_index` of that step's tokens (reserve_token); the next step reads its input from there
     pending_index: int | None = None
@@ -186,10 +186,10 @@ class Sequence:
         self.grammar = grammar
         self.bad_words_ids = bad_words_ids
 
-    def index_ngrams(self, index: Any) -> Any:
-        """The n-gram index its drafts are proposed from, kept for its life (it grows with the sequence)."""
-        self.ngrams = index
-        return index
+    def speculate(self, state: Any) -> Any:
+        """Its speculative decoding state, kept for its life (the n-gram index grows with the sequence)."""
+        self.speculation = state
+        return state
 
     def add_prompt_scores(self, first_index: int, logprobs: list, top_logprobs: list, ranks: list) -> None:
         """The scores of a chunk of its prompt tokens from position `first_index` (prompt_logprobs); the first

@@ -13,11 +13,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex
+from engine.speculative.speculator import SequenceDrafts, Speculator
+from engine.step_cost import StepCost, StepShape
 from lora_cache.local_cache import local_adapters
 from tests.helpers import write_tiny_adapters
 
-KV_CACHE = {"kv_cache_bytes": 32 << 20}
+# Steps sized by tokens alone: without the step-cost model every sequence drafts, whatever its record, so that
+# these tests verify drafts throughout
+OPTIONS = {"kv_cache_bytes": 32 << 20, "step_time_target_s": None}
 NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 4}
 # Prompts that SmolLM2 continues by quoting them, as extraction and editing do: most drafts are right
 QUOTING = ["Copy the list exactly.\nList: apples, pears, plums, cherries, figs, dates, limes, grapes.\nCopy: apples,",
@@ -49,7 +55,7 @@ def test_options_refused_by_name():
 
 
 def _generate(path, prompts, params, adapter_ids=None, **options):
-    llm = LLM(str(path), log_stats=False, **{**KV_CACHE, **options})
+    llm = LLM(str(path), log_stats=False, **{**OPTIONS, **options})
     outs = llm.generate(prompts, params, use_tqdm=False, adapters=adapter_ids)
     return llm, [(o.token_ids, o.text, o.finish_reason) for o in outs]
 
@@ -118,3 +124,26 @@ def test_real_model_quoting_with_mixed_adapters(smollm2_path, tmp_path):
     params = [SamplingParams(max_tokens=24, temperature=0.0, stop=[", red"] if i == 3 else []) for i in range(4)]
     _same_with_and_without(smollm2_path, QUOTING, params, [None, "a0", None, "a1"], dtype="float32",
                            adapters=local_adapters, max_loras=2, adapters_root=str(tmp_path))
+
+
+def test_a_sequence_drafts_only_while_its_record_pays_at_the_steps_batch():
+    """At one decode a draft token costs little beside the step, and even a poor record drafts; at 32 decodes a
+    sequence whose drafts are mostly rejected stops, and one whose drafts are mostly right goes on."""
+    cost = StepCost(0.5)
+    for prefill, decodes in [(0, 1), (256, 0), (0, 32), (512, 8), (128, 16), (0, 8), (1024, 0), (64, 1)] * 3:
+        cost.observe(StepShape(prefill, decodes), 0.010 + 0.00025 * prefill + 0.0004 * decodes)
+    assert cost.learned
+    speculator = Speculator(SpeculativeConfig("ngram", 4), max_model_len=512, step_cost=cost)
+    repeating = [5, 6, 7, 8] * 6
+
+    def drafts_with(proposed: int, accepted: int, decodes: int) -> tuple[int, ...]:
+        seq = Sequence("r", repeating[:-1], SamplingParams(max_tokens=64, temperature=0.0))
+        seq.append_token(repeating[-1])
+        seq.speculate(SequenceDrafts(NgramIndex(2, 4), proposed, accepted))
+        return speculator.draft(seq, budget=64, decodes=decodes)
+
+    assert drafts_with(40, 4, decodes=1) == (5, 6, 7, 8)
+    assert drafts_with(40, 4, decodes=32) == ()
+    assert drafts_with(40, 36, decodes=32) == (5, 6, 7, 8)
+    unmeasured = Speculator(SpeculativeConfig("ngram", 4), 512)  # no step-cost model: every draft goes
+    assert unmeasured.draft(Sequence("s", repeating, SamplingParams(max_tokens=64, temperature=0.0)), 64, 32)
