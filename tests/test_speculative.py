@@ -5,6 +5,7 @@ hits, stop strings and length limits; requests that do not decode greedily share
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,67 @@ def test_a_sequence_drafts_only_while_its_record_pays_at_the_steps_batch():
     assert drafts_with(40, 36, decodes=32) == (5, 6, 7, 8)
     unmeasured = Speculator(SpeculativeConfig("ngram", 4), 512)  # no step-cost model: every draft goes
     assert unmeasured.draft(Sequence("s", repeating, SamplingParams(max_tokens=64, temperature=0.0)), 64, 32)
+
+
+def test_streams_carry_each_accepted_token_and_an_abort_frees_its_blocks(tiny_16_path):
+    """Through AsyncEngine: a stream's outputs add up to the offline text, several tokens a step arriving as
+    outputs of their own; a stream closed mid-way frees every KV block."""
+    import asyncio
+
+    from engine import AsyncEngine
+
+    prompts = _token_prompts(4, seed=2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    _, offline = _generate(tiny_16_path, prompts, [params] * len(prompts), **NGRAM)
+    engine = AsyncEngine(model=str(tiny_16_path), log_stats=False, **OPTIONS, **NGRAM)
+
+    async def stream(i: int, stop_after: int | None = None) -> list[int]:
+        tokens = []
+        async for out in engine.generate(f"{'cut' if stop_after else 'whole'}-{i}", prompts[i], params):
+            tokens += out.new_token_ids
+            if stop_after is not None and len(tokens) >= stop_after:
+                break
+        return tokens
+
+    async def run():
+        return await asyncio.gather(*(stream(i) for i in range(len(prompts))), stream(0, stop_after=5))
+
+    try:
+        *whole, cut = asyncio.run(run())
+        assert whole == [tokens for tokens, _, _ in offline] and len(cut) >= 5
+        stats = engine.stats()
+        assert stats.speculative_accepted_tokens > 0 and stats.kv_blocks_used == 0 and stats.running == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_streamed_openai_chat_with_the_pirate_adapter_speculates_over_http(smollm2_path):
+    """The HTTP routes over a speculating engine (in one process, as a replica builds them), through the openai
+    client: the pirate adapter's streamed answer is the offline engine's without speculation, and drafts ran."""
+    import openai
+
+    from deployments.gate.gate import Gate, GateConfig
+    from deployments.replica.in_process import InProcessEngine
+    from deployments.routes.routes import http_app
+    from engine import EngineConfig
+    from tests.helpers import uvicorn_serving
+
+    adapters = str(Path(__file__).parents[1] / "examples" / "adapters")
+    options = {**OPTIONS, "dtype": "float32", "max_loras": 1, "adapters_root": adapters}
+    messages = [{"role": "user", "content": "Copy this list: apples, pears, plums, figs, dates."}]
+    llm = LLM(str(smollm2_path), log_stats=False, **options)
+    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    [expected] = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False,
+                              adapters=["pirate"])
+    engine = InProcessEngine(EngineConfig.from_overrides(str(smollm2_path), log_stats=False, **options, **NGRAM),
+                             local_adapters)
+    try:
+        with uvicorn_serving(http_app(engine.served, Gate(GateConfig()))) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            chunks = client.chat.completions.create(model="pirate", messages=messages, max_tokens=32,
+                                                    temperature=0.0, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected.text
+        assert engine.engine.stats().speculative_accepted_tokens > 0
+    finally:
+        engine.shutdown()
