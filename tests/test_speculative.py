@@ -5,7 +5,6 @@ hits, stop strings and length limits; requests that do not decode greedily share
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -181,35 +180,3 @@ def test_streams_carry_each_accepted_token_and_an_abort_frees_its_blocks(tiny_16
     finally:
         engine.shutdown()
 
-
-def test_a_streamed_openai_chat_with_the_pirate_adapter_speculates_over_http(smollm2_path):
-    """The HTTP routes over a speculating engine (in one process, as a replica builds them), through the openai
-    client: the pirate adapter's streamed answer is the offline engine's without speculation, and drafts ran."""
-    import openai
-
-    from deployments.gate.gate import Gate, GateConfig
-    from deployments.replica.in_process import InProcessEngine
-    from deployments.routes.routes import http_app
-    from engine import EngineConfig
-    from tests.helpers import uvicorn_serving
-
-    adapters = str(Path(__file__).parents[1] / "examples" / "adapters")
-    options = {**OPTIONS, "dtype": "float32", "max_loras": 1, "adapters_root": adapters}
-    messages = [{"role": "user", "content": "Copy this list: apples, pears, plums, figs, dates."}]
-    llm = LLM(str(smollm2_path), log_stats=False, **options)
-    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    [expected] = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False,
-                              adapters=["pirate"])
-    del llm  # one float32 SmolLM2 at a time: the suite's memory ceiling
-    engine = InProcessEngine(EngineConfig.from_overrides(str(smollm2_path), log_stats=False, **options, **NGRAM),
-                             local_adapters)
-    try:
-        with uvicorn_serving(http_app(engine.served, Gate(GateConfig()))) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-            chunks = client.chat.completions.create(model="pirate", messages=messages, max_tokens=32,
-                                                    temperature=0.0, stream=True)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == expected.text
-        assert engine.engine.stats().speculative_accepted_tokens > 0
-    finally:
-        engine.shutdown()
