@@ -406,10 +406,11 @@ class LLMEngine:
             if not s.seq.is_finished:
                 self._settle(s.seq)
         sampling, logits = launched.result.sampling, launched.result.logits
-        rows = [row for s, row in zip(sampling, _first_rows(sampling)) if not s.seq.is_finished and not s.draft]
-        if not rows:
+        plain = [(s.seq, row) for s, row in zip(sampling, _first_rows(sampling))
+                 if not s.seq.is_finished and not s.draft]
+        if not plain:
             return
-        seqs = [s.seq for s in sampling if not s.seq.is_finished and not s.draft]
+        seqs, rows = [seq for seq, _ in plain], [row for _, row in plain]
         if len(rows) < logits.shape[0]:
             logits = logits[to_device(rows, logits.device)]
         sampled = self.sampler.sample(logits, seqs, self._masks(seqs))

@@ -56,7 +56,7 @@ from engine.sequence import Sequence
 from engine.step_cost import StepCost, StepShape
 
 if TYPE_CHECKING:
-    from engine.speculative import Speculator
+    from engine.speculative.speculator import Speculator
 
 
 @dataclass

@@ -156,14 +156,9 @@ def test_a_stopped_engine_is_a_503_with_retry_after_in_each_api_shape(routes):
         assert "engine stopped" in message(json.loads(answer.body)) and "boom" in message(json.loads(answer.body))
 
 
-@pytest.mark.parametrize("error", ["returned", "peer died"])
-def test_a_forwarded_request_back_before_its_first_event_is_served_here_from_the_start(tokenizer, error):
-    """Returned to its sender, or its peer dead, before any event: the events are this replica's, from the start."""
-    from ray.exceptions import RayActorError
-
-    from deployments.replica.event_streams import ForwardedEvents, LocalEvents, ReturnedToSender
-
-    events = [_event(tokenizer, " the"), _event(tokenizer, " cat")]
+def _served_here(events: list[TokenEvent]):
+    """A forward's serve_here: these events, from a request this replica serves itself."""
+    from deployments.replica.event_streams import LocalEvents
 
     async def here():
         for event in events:
@@ -172,9 +167,20 @@ def test_a_forwarded_request_back_before_its_first_event_is_served_here_from_the
     async def abort():
         pass
 
+    return lambda: LocalEvents(here(), abort)
+
+
+@pytest.mark.parametrize("error", ["returned", "peer died"])
+def test_a_forwarded_request_back_before_its_first_event_is_served_here_from_the_start(tokenizer, error):
+    """Returned to its sender, or its peer dead, before any event: the events are this replica's, from the start."""
+    from ray.exceptions import RayActorError
+
+    from deployments.replica.event_streams import ForwardedEvents, ReturnedToSender
+
+    events = [_event(tokenizer, " the"), _event(tokenizer, " cat")]
     forwarded = _PeerDiesAfter([], error=ReturnedToSender("me") if error == "returned" else RayActorError())
     ended = []
-    stream = ForwardedEvents(forwarded, lambda: LocalEvents(here(), abort), lambda: ended.append(True))
+    stream = ForwardedEvents(forwarded, _served_here(events), lambda: ended.append(True))
     assert asyncio.run(_lines(stream)) == events
     assert forwarded.cancelled and ended == [True]
 
@@ -183,21 +189,13 @@ def test_a_forwarded_request_marked_back_is_served_here_though_its_ray_stream_ne
     """Returned to its sender, whose Ray stream onto itself never ends: the sender serves it once the receiving call
     marks it come back (from another thread, as a call on another event loop would), and gives up the stream;
     forwards that have not come back still wait for their peer."""
-    from deployments.replica.event_streams import Comebacks, ForwardedEvents, LocalEvents
+    from deployments.replica.event_streams import Comebacks, ForwardedEvents
 
     events = [_event(tokenizer, " the"), _event(tokenizer, " cat")]
-
-    async def here():
-        for event in events:
-            yield event
-
-    async def abort():
-        pass
-
     comebacks = Comebacks()
     (forward_id, came_back), (_, waiting) = comebacks.open(), comebacks.open()
     never_ends = _PeerDiesAfter([], every_s=3600)
-    stream = ForwardedEvents(never_ends, lambda: LocalEvents(here(), abort), lambda: comebacks.close(forward_id),
+    stream = ForwardedEvents(never_ends, _served_here(events), lambda: comebacks.close(forward_id),
                              came_back)
     threading.Timer(0.2, comebacks.came_back, (forward_id,)).start()
     assert asyncio.run(asyncio.wait_for(_lines(stream), 30)) == events
